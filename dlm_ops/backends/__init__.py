@@ -1,0 +1,41 @@
+"""Backend registry and dispatch.
+
+Each backend declares what it supports as data (``base.Capabilities``); ``select`` picks the
+highest-priority eligible one, or the one ``backend=`` forces, and otherwise raises
+``UnsupportedConfig`` with every backend's reason. New backends (triton, cutlass) register here and
+the op modules do not change.
+"""
+
+from __future__ import annotations
+
+from ..errors import UnsupportedConfig
+from .base import Backend, Problem
+from .torch_tiled import TorchTiledBackend
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (TorchTiledBackend(),)}
+
+
+def select(problem: Problem, forced: str | None = None) -> Backend:
+    if forced is not None:
+        if forced not in BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(BACKENDS)} or None, got {forced!r}")
+        reasons = BACKENDS[forced].not_supported_reasons(problem)
+        if reasons:
+            raise UnsupportedConfig(f"backend {forced!r} cannot run {problem}: " + "; ".join(reasons))
+        return BACKENDS[forced]
+    eligible = [b for b in BACKENDS.values() if not b.not_supported_reasons(problem)]
+    if not eligible:
+        raise UnsupportedConfig(f"no backend can run {problem}:\n" + report(problem))
+    return max(eligible, key=lambda b: b.priority)
+
+
+def report(problem: Problem) -> str:
+    """One line per backend: usable for ``problem``, or why not."""
+    lines = []
+    for b in sorted(BACKENDS.values(), key=lambda b: -b.priority):
+        reasons = b.not_supported_reasons(problem)
+        lines.append(f"  {b.name}: " + ("usable" if not reasons else "; ".join(reasons)))
+    return "\n".join(lines)
+
+
+__all__ = ["BACKENDS", "Backend", "Problem", "select", "report"]

@@ -1,0 +1,223 @@
+"""The block-diffusion mask: the one place that knows which keys a query sees.
+
+Notation
+--------
+A *sequence* is laid out ``[noisy | clean]``: ``n_noisy`` noisy tokens followed by ``n_clean``
+clean tokens. BD3-LM training uses ``n_noisy == n_clean == n`` (2n tokens); block-causal attention
+(the clean half alone, SDAR / Fast-dLLM v2 prefill) is the same geometry with ``n_noisy == 0``.
+Positions are counted from the start of the sequence; ``p`` is the position inside its half and
+``b = p // block_size`` its block (blocks restart in every half, the last one may be short).
+
+Visibility (DESIGN.md section 1): query q sees key k iff
+    (same half and same block)
+ or (q noisy, k clean, block(k) <  block(q))
+ or (q clean, k clean, block(k) <= block(q)).
+
+Row intervals. The keys a row sees form at most two contiguous ranges, ``[lo1, hi1)`` and
+``[lo2, hi2)`` (both may be empty):
+    noisy row, block b:  [b*bs, min((b+1)*bs, n_noisy))   and  [n_noisy, n_noisy + min(b*bs, n_clean))
+    clean row, block b:  [n_noisy, n_noisy + min((b+1)*bs, n_clean))   and  (empty)
+Column intervals (the rows that see a key, for backward kernels) are their transpose:
+    noisy key, block b:  [b*bs, min((b+1)*bs, n_noisy))   and  (empty)
+    clean key, block b:  [min((b+1)*bs, n_noisy), n_noisy) and  [n_noisy + min(b*bs, n_clean), S)
+Both are monotone in the row (column) index inside a half, which is what makes tiles cheap: the
+union over a tile's rows of each range is ``[lo of its first row, hi of its last row)``.
+
+Tiles never cross the noisy/clean boundary: each half is cut into tiles of BM rows (queries) or BN
+columns (keys) from its own start, so a half whose length is not a multiple of the tile size ends in
+a short tile. A visited tile is FULL when every pair in it is visible (kernels run it unmasked) and
+PARTIAL when it crosses a block boundary (kernels mask it element-wise). Tiles with no visible pair
+are never listed.
+
+Every kernel, the CPU path and the flex rewrite read the mask from here; ``dlm_ops.reference``
+alone rebuilds it from the definition above so that a bug here cannot hide behind it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["SequenceMask", "VarlenMask", "Visit", "TilePlan"]
+
+
+class Visit(NamedTuple):
+    """A tile visited by a tile: positions ``[start, end)`` and whether all its pairs are visible."""
+
+    start: int
+    end: int
+    full: bool
+
+
+class TilePlan(NamedTuple):
+    """One tile ``[start, end)`` and the tiles of the other side it meets, in position order.
+
+    Forward plans are query tiles listing key tiles; backward plans are key tiles listing the query
+    tiles that see them.
+    """
+
+    start: int
+    end: int
+    visits: tuple[Visit, ...]
+
+    @property
+    def area(self) -> int:
+        """Pairs covered by the visited tiles (an upper bound of the work, used to order tiles)."""
+        return (self.end - self.start) * sum(v.end - v.start for v in self.visits)
+
+
+@dataclass(frozen=True)
+class SequenceMask:
+    """The mask of one ``[noisy | clean]`` sequence (positions relative to its start)."""
+
+    n_noisy: int
+    n_clean: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.n_noisy < 0 or self.n_clean < 0:
+            raise ValueError(f"half lengths must be >= 0, got {self.n_noisy} and {self.n_clean}")
+
+    @classmethod
+    def block_diffusion(cls, seqlen: int, block_size: int) -> SequenceMask:
+        """The BD3-LM mask over ``seqlen = 2n`` tokens laid out ``[noisy | clean]``."""
+        if seqlen % 2:
+            raise ValueError(f"a block-diffusion sequence has an even length 2n, got {seqlen}")
+        return cls(seqlen // 2, seqlen // 2, block_size)
+
+    @classmethod
+    def block_causal(cls, seqlen: int, block_size: int) -> SequenceMask:
+        """Key block <= query block over ``seqlen`` tokens (block_size 1 is causal attention)."""
+        return cls(0, seqlen, block_size)
+
+    @property
+    def seqlen(self) -> int:
+        return self.n_noisy + self.n_clean
+
+    # -- element level -------------------------------------------------------------------------
+
+    def _half_and_block(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        noisy = pos < self.n_noisy
+        local = torch.where(noisy, pos, pos - self.n_noisy)
+        return noisy, local // self.block_size
+
+    def row_intervals(self, rows: torch.Tensor) -> torch.Tensor:
+        """``(len(rows), 4)`` int64 ``[lo1, hi1, lo2, hi2]``: the keys each query row sees."""
+        rows = rows.to(torch.int64)
+        nn, nc, bs = self.n_noisy, self.n_clean, self.block_size
+        noisy, blk = self._half_and_block(rows)
+        lo1 = torch.where(noisy, blk * bs, nn)
+        hi1 = torch.where(noisy, ((blk + 1) * bs).clamp(max=nn), nn + ((blk + 1) * bs).clamp(max=nc))
+        lo2 = torch.full_like(rows, nn)
+        hi2 = torch.where(noisy, nn + (blk * bs).clamp(max=nc), nn)
+        return torch.stack([lo1, hi1, lo2, hi2], dim=-1)
+
+    def col_intervals(self, cols: torch.Tensor) -> torch.Tensor:
+        """``(len(cols), 4)`` int64 ``[lo1, hi1, lo2, hi2]``: the query rows that see each key."""
+        cols = cols.to(torch.int64)
+        nn, nc, bs = self.n_noisy, self.n_clean, self.block_size
+        noisy, blk = self._half_and_block(cols)
+        lo1 = torch.where(noisy, blk * bs, ((blk + 1) * bs).clamp(max=nn))
+        hi1 = torch.where(noisy, ((blk + 1) * bs).clamp(max=nn), nn)
+        lo2 = torch.where(noisy, nn + nc, nn + (blk * bs).clamp(max=nc))
+        hi2 = torch.full_like(cols, nn + nc)
+        return torch.stack([lo1, hi1, lo2, hi2], dim=-1)
+
+    def visible(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Boolean ``(len(rows), len(cols))``: which (query, key) pairs are visible."""
+        iv = self.row_intervals(rows).unsqueeze(1)
+        c = cols.to(torch.int64).unsqueeze(0)
+        return ((iv[..., 0] <= c) & (c < iv[..., 1])) | ((iv[..., 2] <= c) & (c < iv[..., 3]))
+
+    @cached_property
+    def num_pairs(self) -> int:
+        """Visible (query, key) pairs: ``n^2 + n*bs`` for the BD3 mask when bs divides n."""
+        iv = self.row_intervals(torch.arange(self.seqlen))
+        return int(((iv[:, 1] - iv[:, 0]) + (iv[:, 3] - iv[:, 2])).sum())
+
+    # -- tile level ----------------------------------------------------------------------------
+
+    def _tiles(self, size: int) -> list[tuple[int, int]]:
+        """Cut each half into tiles of ``size`` positions from its own start."""
+        tiles = []
+        for h0, h1 in ((0, self.n_noisy), (self.n_noisy, self.seqlen)):
+            tiles += [(s, min(s + size, h1)) for s in range(h0, h1, size)]
+        return tiles
+
+    def _tile_full(self, r0: int, r1: int, c0: int, c1: int) -> bool | None:
+        """Rows ``[r0, r1)`` x keys ``[c0, c1)``, each inside one half: None when no pair is
+        visible, True when every pair is (FULL), False otherwise (PARTIAL)."""
+        nn, bs = self.n_noisy, self.block_size
+        q_noisy, k_noisy = r0 < nn, c0 < nn
+        qb0, qb1 = ((r - (0 if q_noisy else nn)) // bs for r in (r0, r1 - 1))
+        kb0, kb1 = ((c - (0 if k_noisy else nn)) // bs for c in (c0, c1 - 1))
+        if q_noisy and k_noisy:  # same block only
+            any_, full = qb0 <= kb1 and kb0 <= qb1, qb0 == qb1 == kb0 == kb1
+        elif q_noisy:  # noisy query, clean key: strictly earlier blocks
+            any_, full = kb0 < qb1, kb1 < qb0
+        elif not k_noisy:  # clean query, clean key: earlier or same block
+            any_, full = kb0 <= qb1, kb1 <= qb0
+        else:  # clean queries never see noisy keys
+            any_, full = False, False
+        return full if any_ else None
+
+    def _plan(self, own: int, other: int, transpose: bool) -> tuple[TilePlan, ...]:
+        intervals = self.col_intervals if transpose else self.row_intervals
+        other_tiles = self._tiles(other)
+        other_ends = [c1 for _, c1 in other_tiles]
+        plans = []
+        for t0, t1 in self._tiles(own):
+            first, last = intervals(torch.tensor([t0, t1 - 1])).tolist()
+            visits = []
+            # The union over the tile of each monotone range is [lo of first, hi of last).
+            for lo, hi in ((first[0], last[1]), (first[2], last[3])):
+                i = bisect.bisect_right(other_ends, lo)  # first other tile ending after lo
+                while lo < hi and i < len(other_tiles) and other_tiles[i][0] < hi:
+                    c0, c1 = other_tiles[i]
+                    full = self._tile_full(c0, c1, t0, t1) if transpose else self._tile_full(t0, t1, c0, c1)
+                    assert full is not None, "a tile meeting a visible range has a visible pair"
+                    visits.append(Visit(c0, c1, full))
+                    i += 1
+            plans.append(TilePlan(t0, t1, tuple(visits)))
+        return tuple(plans)
+
+    def fwd_tiles(self, block_m: int, block_n: int) -> tuple[TilePlan, ...]:
+        """Per query tile of ``block_m`` rows, the key tiles of ``block_n`` columns it must visit."""
+        return _cached_plan(self, block_m, block_n, False)
+
+    def bwd_tiles(self, block_m: int, block_n: int) -> tuple[TilePlan, ...]:
+        """Per key tile of ``block_n`` columns, the query tiles of ``block_m`` rows that see it."""
+        return _cached_plan(self, block_n, block_m, True)
+
+
+@lru_cache(maxsize=256)
+def _cached_plan(mask: SequenceMask, own: int, other: int, transpose: bool) -> tuple[TilePlan, ...]:
+    if own < 1 or other < 1:
+        raise ValueError(f"tile sizes must be >= 1, got {own} and {other}")
+    return mask._plan(own, other, transpose)
+
+
+@dataclass(frozen=True)
+class VarlenMask:
+    """Packed samples: sample i occupies ``[cu_seqlens[i], cu_seqlens[i+1])``, an even length
+    ``2*m_i`` laid out ``[noisy_i | clean_i]`` with blocks restarting in every half."""
+
+    cu_seqlens: tuple[int, ...]
+    block_size: int
+
+    @property
+    def samples(self) -> list[tuple[int, SequenceMask]]:
+        """``(offset, mask)`` per sample, zero-length samples included."""
+        cu = self.cu_seqlens
+        return [(cu[i], SequenceMask.block_diffusion(cu[i + 1] - cu[i], self.block_size))
+                for i in range(len(cu) - 1)]
+
+    @property
+    def num_pairs(self) -> int:
+        return sum(mask.num_pairs for _, mask in self.samples)
