@@ -28,6 +28,12 @@ def new_output(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     return out.fill_(float("nan")) if POISON_OUTPUTS else out
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """LSE is float32 (natural log) for every training dtype; float64 inputs keep float64 so that
+    their backward (which rebuilds probabilities from the LSE) stays float64-accurate."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass(frozen=True)
 class Problem:
     """What dispatch needs to know about one call."""
@@ -77,14 +83,14 @@ class Backend:
         why = self.unavailable_reason()
         return ([why] if why else []) + self.capabilities.reasons(problem)
 
-    # Batched: q (B, S, H, D), k/v (B, S, Hkv, D) -> out (B, S, H, D), lse (B, H, S) float32.
+    # Batched: q (B, S, H, D), k/v (B, S, Hkv, D) -> out (B, S, H, D), lse (B, H, S) lse_dtype.
     def fwd(self, q, k, v, mask, scale, softcap, deterministic):
         raise NotImplementedError
 
     def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
         raise NotImplementedError
 
-    # Varlen: q (total, H, D), k/v (total, Hkv, D) -> out (total, H, D), lse (H, total) float32.
+    # Varlen: q (total, H, D), k/v (total, Hkv, D) -> out (total, H, D), lse (H, total) lse_dtype.
     def varlen_fwd(self, q, k, v, mask, scale, softcap, deterministic):
         raise NotImplementedError
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..geometry import SequenceMask, VarlenMask, Visit
-from .base import DETERMINISTIC, GQA, SOFTCAP, VARLEN, Backend, Capabilities, new_output
+from .base import DETERMINISTIC, GQA, SOFTCAP, VARLEN, Backend, Capabilities, lse_dtype, new_output
 
 
 def _merge_runs(visits: tuple[Visit, ...], max_cols: int) -> list[Visit]:
@@ -68,19 +68,21 @@ class TorchTiledBackend(Backend):
     def __init__(self, block_m: int = 128, block_n: int = 128, max_run: int = 1024):
         self.block_m, self.block_n, self.max_run = block_m, block_n, max_run
 
-    def _scores(self, qt, kt, mask: SequenceMask, r0, r1, run: Visit, scale, softcap):
-        """Logits of one run, (B, Hkv, G*M, N): capped, and the masked copy (-inf where hidden)."""
-        s = (qt @ kt.transpose(-1, -2)) * scale
+    def _scores(self, qt, kt, mask: SequenceMask, r0, r1, run: Visit, scale, softcap, keep_capped):
+        """Logits of one run, (B, Hkv, G*M, N), -inf where hidden, for the caller to overwrite in
+        place; with ``keep_capped`` and a softcap, also a copy of the unmasked capped logits (the
+        softcap backward needs them finite), else None."""
+        s = torch.matmul(qt, kt.transpose(-1, -2)).mul_(scale)
         if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        if run.full:
-            return s, s
-        rows = torch.arange(r0, r1, device=s.device)
-        cols = torch.arange(run.start, run.end, device=s.device)
-        hidden = ~mask.visible(rows, cols)  # (M, N), broadcast over the G heads of each group
-        b, hkv, gm, n = s.shape
-        masked = s.view(b, hkv, gm // (r1 - r0), r1 - r0, n).masked_fill(hidden, float("-inf"))
-        return s, masked.view(b, hkv, gm, n)
+            s = s.div_(softcap).tanh_().mul_(softcap)
+        capped = s.clone() if keep_capped and softcap > 0 else None
+        if not run.full:
+            rows = torch.arange(r0, r1, device=s.device)
+            cols = torch.arange(run.start, run.end, device=s.device)
+            hidden = ~mask.visible(rows, cols)  # (M, N), broadcast over the G heads of each group
+            b, hkv, gm, n = s.shape
+            s.view(b, hkv, gm // (r1 - r0), r1 - r0, n).masked_fill_(hidden, float("-inf"))
+        return s, capped
 
     def _runs(self, plan):
         return _merge_runs(plan.visits, self.max_run)
@@ -90,7 +92,7 @@ class TorchTiledBackend(Backend):
         hkv = k.shape[2]
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = new_output(q, (b, s, h, d))
-        lse = new_output(q, (b, h, s), torch.float32)
+        lse = new_output(q, (b, h, s), lse_dtype(q.dtype))
         for plan in mask.fwd_tiles(self.block_m, self.block_n):
             r0, r1 = plan.start, plan.end
             qt = _group_rows(q, r0, r1, hkv, acc_dtype)
@@ -98,17 +100,17 @@ class TorchTiledBackend(Backend):
             row_sum = qt.new_zeros((*qt.shape[:-1], 1))
             acc = torch.zeros_like(qt)
             for run in self._runs(plan):
-                _, logits = self._scores(qt, _kv_tile(k, run.start, run.end, acc_dtype), mask,
-                                         r0, r1, run, scale, softcap)
-                new_max = torch.maximum(row_max, logits.amax(dim=-1, keepdim=True))
+                p, _ = self._scores(qt, _kv_tile(k, run.start, run.end, acc_dtype), mask,
+                                    r0, r1, run, scale, softcap, keep_capped=False)
+                new_max = torch.maximum(row_max, p.amax(dim=-1, keepdim=True))
                 safe_max = new_max.masked_fill(new_max == float("-inf"), 0.0)  # rows with no key yet
-                p = torch.exp(logits - safe_max)
+                p = p.sub_(safe_max).exp_()
                 rescale = torch.exp(row_max - safe_max)
                 row_sum = row_sum * rescale + p.sum(dim=-1, keepdim=True)
                 acc = acc * rescale + p @ _kv_tile(v, run.start, run.end, acc_dtype)
                 row_max = new_max
             out[:, r0:r1] = _ungroup_rows(acc / row_sum, r1 - r0).to(q.dtype)
-            lse[:, :, r0:r1] = (row_max + torch.log(row_sum)).reshape(b, h, r1 - r0).float()
+            lse[:, :, r0:r1] = (row_max + torch.log(row_sum)).reshape(b, h, r1 - r0)
         return out, lse
 
     def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
@@ -131,12 +133,13 @@ class TorchTiledBackend(Backend):
             for run in self._runs(plan):
                 c0, c1 = run.start, run.end
                 kt, vt = _kv_tile(k, c0, c1, acc_dtype), _kv_tile(v, c0, c1, acc_dtype)
-                capped, logits = self._scores(qt, kt, mask, r0, r1, run, scale, softcap)
-                p = torch.exp(logits - lse_t)
+                p, capped = self._scores(qt, kt, mask, r0, r1, run, scale, softcap,
+                                         keep_capped=True)
+                p = p.sub_(lse_t).exp_()
                 dv[:, c0:c1] += (p.transpose(-1, -2) @ dot).transpose(1, 2)
-                ds = p * (dot @ vt.transpose(-1, -2) - delta_t)
+                ds = torch.matmul(dot, vt.transpose(-1, -2)).sub_(delta_t).mul_(p)
                 if softcap > 0:  # d(c*tanh(x/c))/dx = 1 - tanh^2
-                    ds = ds * (1 - (capped / softcap) ** 2)
+                    ds = ds.mul_(1 - (capped / softcap) ** 2)
                 dqt += (ds @ kt) * scale
                 dk[:, c0:c1] += ((ds.transpose(-1, -2) @ qt) * scale).transpose(1, 2)
             dq[:, r0:r1] = _ungroup_rows(dqt, r1 - r0)
@@ -144,7 +147,7 @@ class TorchTiledBackend(Backend):
 
     def varlen_fwd(self, q, k, v, mask: VarlenMask, scale, softcap, deterministic):
         out = new_output(q, q.shape)
-        lse = new_output(q, (q.shape[1], q.shape[0]), torch.float32)
+        lse = new_output(q, (q.shape[1], q.shape[0]), lse_dtype(q.dtype))
         for start, sample in mask.samples:
             end = start + sample.seqlen
             o, l = self.fwd(q[None, start:end], k[None, start:end], v[None, start:end],

@@ -6,7 +6,8 @@ Three forward/backward op pairs share one implementation:
     dlm::block_causal_attn_fwd / _bwd       (B, S, H, D), key block <= query block (clean half alone)
     dlm::diffusion_attn_varlen_fwd / _bwd   packed samples (total, H, D) with int32 cu_seqlens
 
-Forward ops return (out, lse) with lse float32, natural log, (B, H, S) or (H, total). Backward ops
+Forward ops return (out, lse) with lse float32 (float64 for float64 inputs), natural log,
+(B, H, S) or (H, total). Backward ops
 take the upstream gradient of lse too (it folds into delta, see the torch backend), so return_lse
 callers can differentiate through it. The mask itself comes from ``dlm_ops.geometry``; the backend
 is chosen per call from the capability table (``dlm_ops.backends``).
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..backends import select
-from ..backends.base import DETERMINISTIC, GQA, SOFTCAP, VARLEN, Problem
+from ..backends.base import DETERMINISTIC, GQA, SOFTCAP, VARLEN, Problem, lse_dtype
 from ..geometry import SequenceMask, VarlenMask
 from .validation import (
     check_cu_seqlens,
@@ -70,7 +71,7 @@ def _register_batched(prefix: str, make_mask: Callable[[int, int], SequenceMask]
     def _(q, k, v, block_size, softmax_scale, softcap, deterministic, backend):
         _check_batched(q, k, v, block_size, softmax_scale, softcap, even)
         b, s, h, _ = q.shape
-        return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+        return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=lse_dtype(q.dtype))
 
     @torch.library.custom_op(f"dlm::{prefix}_bwd", mutates_args=())
     def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -140,7 +141,7 @@ def diffusion_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tenso
 def _(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap, deterministic, backend):
     _check_varlen(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap)
     total, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((h, total), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((h, total), dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("dlm::diffusion_attn_varlen_bwd", mutates_args=())
@@ -189,7 +190,7 @@ _KEYWORDS_DOC = """
     softmax_scale: multiplies q.k before the softmax; None means 1/sqrt(head_dim).
     softcap: if > 0, logits become softcap * tanh(logits / softcap) (Gemma-2 style); 0 disables.
     deterministic: ask for a bitwise reproducible backward (the torch backend always is).
-    return_lse: also return the float32 natural-log log-sum-exp of every query row.
+    return_lse: also return the float32 (float64 for float64 inputs) natural-log log-sum-exp of every query row.
     backend: force a backend by name ("torch", ...); None picks the best eligible one.
 """
 

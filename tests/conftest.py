@@ -1,0 +1,30 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+from dlm_ops.backends import base
+
+# "ci" keeps the whole suite within ~10 minutes on 2 cores and replays the same examples on every
+# run; "thorough" explores (DLM_HYPOTHESIS_PROFILE=thorough).
+settings.register_profile("ci", max_examples=20, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=300, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("DLM_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Backends allocate their outputs NaN-filled during tests: an unwritten element fails."""
+    monkeypatch.setattr(base, "POISON_OUTPUTS", True)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
