@@ -43,6 +43,10 @@ class Problem:
     head_dim: int
     features: frozenset[str] = frozenset()
 
+    def __str__(self) -> str:
+        extra = f" with {', '.join(sorted(self.features))}" if self.features else ""
+        return f"{str(self.dtype).removeprefix('torch.')} head_dim {self.head_dim} on {self.device_type}{extra}"
+
 
 @dataclass(frozen=True)
 class Capabilities:

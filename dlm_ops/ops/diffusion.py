@@ -195,8 +195,13 @@ _KEYWORDS_DOC = """
 """
 
 
+# The public functions validate before calling the ops too: the dispatcher would otherwise reject
+# a mistyped argument (a float block_size, a list cu_seqlens) with a schema error first.
+
+
 def diffusion_attn_func(q, k, v, block_size, *, softmax_scale=None, softcap=0.0,
                         deterministic=False, return_lse=False, backend=None):
+    _check_batched(q, k, v, block_size, softmax_scale, softcap, even=True)
     out, lse = diffusion_attn_fwd(q, k, v, block_size, softmax_scale, float(softcap),
                                   deterministic, backend)
     return (out, lse) if return_lse else out
@@ -204,6 +209,7 @@ def diffusion_attn_func(q, k, v, block_size, *, softmax_scale=None, softcap=0.0,
 
 def block_causal_attn_func(q, k, v, block_size, *, softmax_scale=None, softcap=0.0,
                            deterministic=False, return_lse=False, backend=None):
+    _check_batched(q, k, v, block_size, softmax_scale, softcap, even=False)
     out, lse = block_causal_attn_fwd(q, k, v, block_size, softmax_scale, float(softcap),
                                      deterministic, backend)
     return (out, lse) if return_lse else out
@@ -211,6 +217,7 @@ def block_causal_attn_func(q, k, v, block_size, *, softmax_scale=None, softcap=0
 
 def diffusion_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, block_size, *, softmax_scale=None,
                                softcap=0.0, deterministic=False, return_lse=False, backend=None):
+    _check_varlen(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap)
     out, lse = diffusion_attn_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, block_size,
                                          softmax_scale, float(softcap), deterministic, backend)
     return (out, lse) if return_lse else out

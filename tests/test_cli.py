@@ -1,0 +1,21 @@
+"""The README's main command: ``python -m dlm_ops`` runs, checks and times one call."""
+
+import subprocess
+import sys
+
+from dlm_ops.__main__ import main
+
+
+def test_main_reports_backends_and_a_checked_table(capsys):
+    assert main(["--n", "48", "--heads", "4", "--kv-heads", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "torch: usable" in out
+    assert "dlm_ops (torch) fwd+bwd" in out and "SDPA dense mask fwd" in out
+    assert "check: ok" in out
+
+
+def test_module_entry_point_exit_code():
+    r = subprocess.run([sys.executable, "-m", "dlm_ops", "--n", "16", "--repeats", "1",
+                        "--dtype", "bfloat16"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "check: ok" in r.stdout
