@@ -8,7 +8,7 @@ from dlm_ops.backends import base
 
 # "ci" keeps the whole suite within ~10 minutes on 2 cores and replays the same examples on every
 # run; "thorough" explores (DLM_HYPOTHESIS_PROFILE=thorough).
-settings.register_profile("ci", max_examples=20, deadline=None, derandomize=True,
+settings.register_profile("ci", max_examples=50, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=300, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
