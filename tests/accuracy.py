@@ -44,8 +44,8 @@ def check_against_reference(ours_fn, ref_fn, inputs, dtype) -> None:
     """
     gen = torch.Generator().manual_seed(1234)
     gold_out, gold_lse = ref_fn(*inputs, compute_dtype=gold_dtype(dtype))
-    dout = torch.randn(gold_out.shape, generator=gen).to(dtype)
-    dlse = torch.randn(gold_lse.shape, generator=gen)
+    dout = torch.randn(gold_out.shape, generator=gen).to(device=gold_out.device, dtype=dtype)
+    dlse = torch.randn(gold_lse.shape, generator=gen).to(gold_lse.device)
     ours = run_with_grads(ours_fn, inputs, dout, dlse)
     gold = run_with_grads(lambda *t: ref_fn(*t, compute_dtype=gold_dtype(dtype)), inputs, dout, dlse)
     plain = run_with_grads(lambda *t: ref_fn(*t, compute_dtype=dtype), inputs, dout, dlse)

@@ -1,10 +1,16 @@
 import os
 
-import pytest
 import torch
-from hypothesis import HealthCheck, settings
 
-from dlm_ops.backends import base
+# Without a GPU, the Triton kernels run on CPU tensors through Triton's interpreter. Triton reads
+# this when a kernel is decorated, so it must be set before dlm_ops (and its kernels) is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from dlm_ops.backends import base  # noqa: E402
 
 # "ci" keeps the whole suite within ~10 minutes on 2 cores and replays the same examples on every
 # run; "thorough" explores (DLM_HYPOTHESIS_PROFILE=thorough).

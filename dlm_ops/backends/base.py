@@ -78,6 +78,7 @@ class Backend:
     name: str
     priority: int  # higher wins among eligible backends
     capabilities: Capabilities
+    auto_device_types: frozenset[str] | None = None  # where dispatch may pick it unforced (None: anywhere)
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run in this process at all (missing package, no GPU), or None."""

@@ -1,0 +1,175 @@
+"""The Triton backend: block-diffusion kernels for every CUDA GPU (templates/diffusion_attn.py).
+
+Tile tables are built here from ``dlm_ops.geometry`` once per (mask, tile shape, device) and
+cached. With ``TRITON_INTERPRET=1`` in the environment (before triton is imported) the same kernels
+run on CPU tensors through Triton's interpreter: that is how CI, which has no GPU, tests them. The
+interpreter is far too slow to be chosen automatically, so on CPU the backend runs only when forced
+with ``backend="triton"``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from ..geometry import SequenceMask, VarlenMask
+from .base import DETERMINISTIC, GQA, SOFTCAP, VARLEN, Backend, Capabilities, new_output
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+try:
+    import triton
+
+    from ..templates import diffusion_attn as kernels
+
+    _IMPORT_ERROR = None
+except Exception as e:  # triton missing or broken: the backend reports why and stays out of the way
+    triton = kernels = None
+    _IMPORT_ERROR = f"triton unavailable ({type(e).__name__}: {e})"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # the tile the program owns (queries; keys for dK/dV)
+    block_n: int  # the tiles it visits
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _configs(head_dim: int) -> tuple[TileConfig, TileConfig, TileConfig]:
+    """(forward, dK/dV, dQ) tiles. Registers bound them: a (BLOCK_M, D) fp32 accumulator per
+    program, so D=256 halves the tiles of D<=128."""
+    if INTERPRET:  # numpy per program: fewer, mid-sized programs run fastest
+        return TileConfig(32, 32), TileConfig(32, 32), TileConfig(32, 32)
+    if head_dim <= 128:
+        return TileConfig(128, 64, 8, 3), TileConfig(128, 32, 8, 2), TileConfig(128, 32, 8, 2)
+    return TileConfig(64, 32, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(64, 32, 4, 2)
+
+
+@lru_cache(maxsize=128)
+def tile_tables(masks: tuple[tuple[int, SequenceMask], ...], own: int, other: int, transpose: bool,
+                device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 TILES (T, 8) and VISITS (V, 4) for ``masks`` ((offset, mask) per sample), most
+    expensive tile first (see the notation in templates/diffusion_attn.py)."""
+    rows, visits = [], []
+    for off, mask in masks:
+        plans = mask.bwd_tiles(other, own) if transpose else mask.fwd_tiles(own, other)
+        for plan in plans:
+            begin = len(visits)
+            for v in plan.visits:
+                full = int(v.full and v.end - v.start == other)  # full width: no element mask
+                visits.append((off + v.start, off + v.end, full, 0))
+            rows.append((plan.area, (off + plan.start, off + plan.end, off, mask.n_noisy,
+                                     mask.n_clean, begin, len(visits), 0)))
+    rows.sort(key=lambda r: -r[0])  # longest first: the big tiles do not finish last
+    tiles = torch.tensor([r for _, r in rows] or [[0] * 8], dtype=torch.int32)
+    visits_t = torch.tensor(visits or [[0] * 4], dtype=torch.int32)
+    return tiles[: len(rows)].to(device), visits_t.to(device)
+
+
+def _last_dim_contiguous(*ts):
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
+
+
+def _s(t):
+    """(batch, seq, head) strides of a (B, S, H, D) tensor."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    priority = 10
+    capabilities = Capabilities(
+        device_types=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        max_head_dim=256,
+        head_dim_multiple=8,
+        features=frozenset({SOFTCAP, GQA, VARLEN, DETERMINISTIC}),
+    )
+    auto_device_types = frozenset({"cuda"})
+
+    def __init__(self, configs=None):
+        self._configs = configs  # tests force tilings; None picks per head dim
+
+    def unavailable_reason(self) -> str | None:
+        return _IMPORT_ERROR
+
+    def not_supported_reasons(self, problem):
+        reasons = super().not_supported_reasons(problem)
+        if problem.device_type == "cpu" and not INTERPRET:
+            reasons.append("TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests")
+        return reasons
+
+    def _tiles(self, head_dim):
+        return self._configs or _configs(head_dim)
+
+    @staticmethod
+    def _flags(q, softcap):
+        bd = max(16, triton.next_power_of_2(q.shape[-1]))
+        return dict(BLOCK_D=bd, SOFTCAP=softcap > 0, IEEE=q.dtype == torch.float32)
+
+    def _fwd(self, q, k, v, masks, scale, softcap):
+        q, k, v = _last_dim_contiguous(q, k, v)
+        b, s, h, d = q.shape
+        hkv = k.shape[2]
+        out = new_output(q, (b, s, h, d))
+        lse = new_output(q, (b, h, s), torch.float32)
+        cfg = self._tiles(d)[0]
+        tiles, visits = tile_tables(masks, cfg.block_m, cfg.block_n, False, str(q.device))
+        if len(tiles) and b * h:
+            kernels.diffusion_fwd_kernel[(b * h, len(tiles))](
+                q, k, v, out, lse, tiles, visits, *_s(q), *_s(k), *_s(v), *_s(out),
+                lse.stride(0), lse.stride(1), h, h // hkv, d, masks[0][1].block_size if masks else 1,
+                scale, softcap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self._flags(q, softcap))
+        return out, lse
+
+    def _bwd(self, dout, q, k, v, out, lse, dlse, masks, scale, softcap):
+        dout, q, k, v = _last_dim_contiguous(dout, q, k, v)
+        b, s, h, d = q.shape
+        hkv = k.shape[2]
+        # delta_i = sum_d dO * O (FlashAttention); an upstream dlse folds in: dS = P (dP - delta + dlse).
+        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            delta = delta - dlse.float()
+        delta, lse = delta.contiguous(), lse.float().contiguous()
+        dq, dk, dv = new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape)
+        _, kv_cfg, q_cfg = self._tiles(d)
+        bs = masks[0][1].block_size if masks else 1
+        flags = self._flags(q, softcap)
+        tiles, visits = tile_tables(masks, kv_cfg.block_m, kv_cfg.block_n, True, str(q.device))
+        if len(tiles) and b * hkv:
+            kernels.diffusion_bwd_dkdv_kernel[(b * hkv, len(tiles))](
+                q, k, v, dout, lse, delta, dk, dv, tiles, visits, *_s(q), *_s(k), *_s(v),
+                *_s(dout), *_s(dk), *_s(dv), lse.stride(0), lse.stride(1), hkv, h // hkv, d, bs,
+                scale, softcap, BLOCK_M=kv_cfg.block_n, BLOCK_N=kv_cfg.block_m,
+                num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **flags)
+        tiles, visits = tile_tables(masks, q_cfg.block_m, q_cfg.block_n, False, str(q.device))
+        if len(tiles) and b * h:
+            kernels.diffusion_bwd_dq_kernel[(b * h, len(tiles))](
+                q, k, v, dout, lse, delta, dq, tiles, visits, *_s(q), *_s(k), *_s(v), *_s(dout),
+                *_s(dq), lse.stride(0), lse.stride(1), h, h // hkv, d, bs, scale, softcap,
+                BLOCK_M=q_cfg.block_m, BLOCK_N=q_cfg.block_n,
+                num_warps=q_cfg.num_warps, num_stages=q_cfg.num_stages, **flags)
+        return dq, dk, dv
+
+    # -- the four entry points ------------------------------------------------------------------
+
+    def fwd(self, q, k, v, mask: SequenceMask, scale, softcap, deterministic):
+        return self._fwd(q, k, v, ((0, mask),), scale, softcap)
+
+    def bwd(self, dout, q, k, v, out, lse, dlse, mask: SequenceMask, scale, softcap, deterministic):
+        return self._bwd(dout, q, k, v, out, lse, dlse, ((0, mask),), scale, softcap)
+
+    def varlen_fwd(self, q, k, v, mask: VarlenMask, scale, softcap, deterministic):
+        out, lse = self._fwd(q[None], k[None], v[None], tuple(mask.samples), scale, softcap)
+        return out[0], lse[0]
+
+    def varlen_bwd(self, dout, q, k, v, out, lse, dlse, mask: VarlenMask, scale, softcap,
+                   deterministic):
+        grads = self._bwd(dout[None], q[None], k[None], v[None], out[None], lse[None],
+                          None if dlse is None else dlse[None], tuple(mask.samples), scale, softcap)
+        return tuple(g[0] for g in grads)
