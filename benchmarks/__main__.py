@@ -1,0 +1,168 @@
+"""``python -m benchmarks``: contenders interleaved in rounds inside one process (DESIGN.md 5).
+
+Every round times each (contender, mode) once, in turn, so clock and neighbour drift hits all
+alike; the report is the median over rounds, TFLOPS on visible pairs, and ratios against the cuDNN
+causal-on-halves yardstick and compiled FlexAttention measured in the same process. Results land in
+``--out`` as JSON rows, a markdown table and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .contenders import CONTENDERS, YARDSTICK, Case
+
+TOKENS = 16 * 1024  # per batch, DESIGN.md section 5
+
+
+def _preset(name: str) -> list[Case]:
+    def main_case(n, bs, d=128, h=16, hkv=16):
+        return Case(max(1, TOKENS // (2 * n)), n, h, hkv, d, bs)
+
+    if name == "quick":
+        return [main_case(n, 16) for n in (1024, 4096)]
+    if name == "main":
+        return [main_case(n, bs) for bs in (16, 4) for n in (1024, 2048, 4096, 8192)]
+    if name == "sweep":
+        cases = [main_case(n, bs) for bs in (4, 16, 64) for n in (512, 1024, 2048, 4096, 8192, 16384)]
+        cases += [main_case(n, 16, d=d) for d in (64, 256) for n in (1024, 4096)]
+        cases += [main_case(n, 16, h=32, hkv=8) for n in (1024, 4096)]
+        return cases
+    raise SystemExit(f"unknown preset {name!r}")
+
+
+def _time_once(setup, fn, iters: int) -> float:
+    if setup:
+        setup()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def bench_case(case: Case, contenders: list[str], modes: list[str], rounds: int) -> list[dict]:
+    built = {}
+    for name in contenders:
+        if name == "sdpa dense mask" and case.n > 4096:
+            continue  # (2n)^2 scores per head: minutes per round, and not a contender at this size
+        try:
+            built[name] = CONTENDERS[name](case)
+            for mode in modes:  # warm-up: compilation, autotuning, allocator
+                setup, fn = built[name][mode]
+                _time_once(setup, fn, 2)
+        except Exception as e:  # a contender that cannot run this case is reported, not fatal
+            print(f"  {name}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
+            built.pop(name, None)
+    times = {(c, m): [] for c in built for m in modes}
+    for _ in range(rounds):
+        for (c, m), ts in times.items():
+            setup, fn = built[c][m]
+            ts.append(_time_once(setup, fn, 3))
+    rows = []
+    for (c, m), ts in times.items():
+        ms = statistics.median(ts)
+        rows.append(dict(case=case.label, contender=c, mode=m, ms=ms,
+                         tflops=case.flops(m) / ms / 1e9,
+                         **dict(case.__dict__, dtype=str(case.dtype).removeprefix("torch."))))
+    for r in rows:
+        for ref in (YARDSTICK, "flex BD3"):
+            base = next((x for x in rows if x["contender"] == ref and x["mode"] == r["mode"]), None)
+            r[f"ratio_vs_{ref.split()[0]}"] = base["ms"] / r["ms"] if base else None
+    return rows
+
+
+def _markdown(rows: list[dict], modes: list[str]) -> str:
+    contenders = list(dict.fromkeys(r["contender"] for r in rows))
+    head = ["case", "mode", *[f"{c} TFLOPS" for c in contenders], "dlm_ops / cudnn", "dlm_ops / flex"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        for mode in modes:
+            cell = {r["contender"]: r for r in rows if r["case"] == case and r["mode"] == mode}
+            if not cell:
+                continue
+            ours = cell.get("dlm_ops", {})
+            fmt = lambda x: "-" if x is None else f"{x:.2f}"
+            lines.append("| " + " | ".join([case, mode, *[
+                f"{cell[c]['tflops']:.0f}" if c in cell else "-" for c in contenders],
+                fmt(ours.get("ratio_vs_cudnn")), fmt(ours.get("ratio_vs_flex"))]) + " |")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot (pip install -e '.[bench]')")
+        return
+    sel = [r for r in rows if r["mode"] == "step" and r["head_dim"] == 128 and r["heads"] == r["kv_heads"]]
+    block_sizes = sorted({r["block_size"] for r in sel})
+    fig, axes = plt.subplots(1, len(block_sizes), figsize=(6 * len(block_sizes), 4), squeeze=False)
+    for ax, bs in zip(axes[0], block_sizes):
+        for c in dict.fromkeys(r["contender"] for r in sel):
+            pts = sorted((r["n"], r["tflops"]) for r in sel if r["contender"] == c and r["block_size"] == bs)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=c)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("n (tokens per half)")
+        ax.set_ylabel("training step TFLOPS (visible pairs)")
+        ax.set_title(f"bf16 D=128 H=16, 16K tokens/batch, block_size {bs}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="main", choices=["quick", "main", "sweep"])
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--modes", default="fwd,bwd,step")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="h200", help="file name stem of the results")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the benchmarks need a CUDA GPU")
+        return 1
+    import triton
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                      text=True).stdout.strip() or "unknown")
+    cases, modes = _preset(a.preset), a.modes.split(",")
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = lambda x, **kw: x
+    rows = []
+    for case in tqdm(cases, desc="cases", file=sys.stdout):
+        print(f"\n{case.label}", flush=True)
+        rows += [dict(meta, **r) for r in bench_case(case, a.contenders.split(","), modes, a.rounds)]
+        torch.cuda.empty_cache()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{a.tag}.json").write_text(json.dumps(rows, indent=1))
+    table = _markdown(rows, modes)
+    (out / f"{a.tag}.md").write_text(
+        f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}; "
+        f"median of {a.rounds} interleaved rounds; TFLOPS on visible pairs.\n\n{table}\n")
+    _plot(rows, out / f"{a.tag}.png")
+    print("\n" + table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""What we time: our op per backend and the yardsticks of DESIGN.md section 5.
+
+Each contender builds its own inputs in its native layout (so no transpose is timed) and returns
+callables for the three modes: ``fwd`` (no autograd), ``bwd`` (backward of a retained graph) and
+``step`` (forward + backward). All contenders of a case compute attention of the same shape; the
+"causal on halves" yardsticks do the same work as block diffusion (n^2 + n*bs pairs per sample ~
+two causal halves of n), which is why they are the yardstick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import dlm_ops
+from dlm_ops.geometry import SequenceMask
+from dlm_ops.reference import block_diffusion_mask
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    n: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def label(self) -> str:
+        gqa = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
+        return (f"B={self.batch} n={self.n} H={self.heads}{gqa} D={self.head_dim} "
+                f"bs={self.block_size}")
+
+    def flops(self, mode: str) -> float:
+        """Visible pairs only: fwd = 4 * pairs * D * H per sample, bwd = 2.5x, step = 3.5x."""
+        pairs = SequenceMask.block_diffusion(2 * self.n, self.block_size).num_pairs
+        fwd = 4.0 * pairs * self.head_dim * self.heads * self.batch
+        return fwd * {"fwd": 1.0, "bwd": 2.5, "step": 3.5}[mode]
+
+
+def _rand(*shape, dtype, grad=True):
+    return torch.randn(*shape, device="cuda", dtype=dtype).requires_grad_(grad)
+
+
+def _modes(run, inputs):
+    """fwd / bwd / step callables around ``run(*inputs) -> out``."""
+    state = {}
+
+    def fwd():
+        with torch.no_grad():
+            return run(*inputs)
+
+    def bwd_setup():
+        out = run(*inputs)
+        state["out"], state["dout"] = out, torch.randn_like(out)
+
+    def bwd():
+        torch.autograd.grad(state["out"], inputs, state["dout"], retain_graph=True)
+
+    def step():
+        out = run(*inputs)
+        torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+    return {"fwd": (None, fwd), "bwd": (bwd_setup, bwd), "step": (None, step)}
+
+
+def ours(case: Case, backend: str | None = None):
+    s, d = 2 * case.n, case.head_dim
+    q = _rand(case.batch, s, case.heads, d, dtype=case.dtype)
+    k, v = (_rand(case.batch, s, case.kv_heads, d, dtype=case.dtype) for _ in range(2))
+    return _modes(lambda q, k, v: dlm_ops.diffusion_attn_func(q, k, v, case.block_size,
+                                                              backend=backend), (q, k, v))
+
+
+def causal_halves(case: Case, sdp_backend: SDPBackend):
+    """SDPA causal over the 2B halves of n tokens (GQA expanded up front, not timed)."""
+    shape = (2 * case.batch, case.heads, case.n, case.head_dim)
+    q, k, v = (_rand(*shape, dtype=case.dtype) for _ in range(3))
+
+    def run(q, k, v):
+        with sdpa_kernel([sdp_backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return _modes(run, (q, k, v))
+
+
+def sdpa_dense_mask(case: Case):
+    shape_q = (case.batch, case.heads, 2 * case.n, case.head_dim)
+    shape_kv = (case.batch, case.kv_heads, 2 * case.n, case.head_dim)
+    q, k, v = _rand(*shape_q, dtype=case.dtype), _rand(*shape_kv, dtype=case.dtype), \
+        _rand(*shape_kv, dtype=case.dtype)
+    mask = block_diffusion_mask(2 * case.n, case.block_size, "cuda")
+    gqa = case.kv_heads != case.heads
+    return _modes(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                 enable_gqa=gqa), (q, k, v))
+
+
+_FLEX = {}
+
+
+def flex(case: Case):
+    """Compiled FlexAttention with the BD3 mask_mod, as BD3-LM writes it."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    n, bs = case.n, case.block_size
+
+    def bd3(b, h, q_idx, kv_idx):
+        q_clean, k_clean = q_idx >= n, kv_idx >= n
+        q_blk = torch.where(q_clean, q_idx - n, q_idx) // bs
+        k_blk = torch.where(k_clean, kv_idx - n, kv_idx) // bs
+        same = (q_clean == k_clean) & (q_blk == k_blk)
+        noisy_sees_clean = ~q_clean & k_clean & (k_blk < q_blk)
+        clean_sees_clean = q_clean & k_clean & (k_blk <= q_blk)
+        return same | noisy_sees_clean | clean_sees_clean
+
+    block_mask = create_block_mask(bd3, None, None, 2 * n, 2 * n, device="cuda")
+    shape_q = (case.batch, case.heads, 2 * n, case.head_dim)
+    shape_kv = (case.batch, case.kv_heads, 2 * n, case.head_dim)
+    q, k, v = _rand(*shape_q, dtype=case.dtype), _rand(*shape_kv, dtype=case.dtype), \
+        _rand(*shape_kv, dtype=case.dtype)
+    gqa = case.kv_heads != case.heads
+    return _modes(lambda q, k, v: _FLEX["fn"](q, k, v, block_mask=block_mask, enable_gqa=gqa),
+                  (q, k, v))
+
+
+CONTENDERS = {
+    "dlm_ops": ours,
+    "cudnn causal halves": lambda c: causal_halves(c, SDPBackend.CUDNN_ATTENTION),
+    "flash causal halves": lambda c: causal_halves(c, SDPBackend.FLASH_ATTENTION),
+    "flex BD3": flex,
+    "sdpa dense mask": sdpa_dense_mask,
+}
+YARDSTICK = "cudnn causal halves"
