@@ -27,6 +27,7 @@ _alias_repo_packages()
 
 from . import geometry, reference
 from .errors import UnsupportedConfig
+from .ops.exact import attention, is_eligible
 from .ops.diffusion import (
     block_causal_attn_func,
     diffusion_attn_func,
@@ -37,6 +38,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "UnsupportedConfig",
+    "attention",
+    "is_eligible",
     "block_causal_attn_func",
     "diffusion_attn_func",
     "diffusion_attn_varlen_func",

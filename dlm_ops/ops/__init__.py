@@ -1,3 +1,3 @@
 """One module per op family; importing it registers the family's dlm:: ops."""
 
-from . import diffusion  # noqa: F401
+from . import diffusion, exact  # noqa: F401
