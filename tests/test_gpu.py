@@ -90,7 +90,9 @@ def test_bias_bf16():
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_backward_is_bitwise_reproducible(deterministic):
+def test_backward_reproducibility(deterministic):
+    """deterministic=True: 10 runs bitwise equal. The default fuses dQ with fp32 atomics: out, dK
+    and dV stay bitwise equal, dQ may differ by summation order only."""
     q, k, v = _qkv(2, 2048, 8, 2, 128, torch.bfloat16)
     dout = torch.randn_like(q)
     runs = []
@@ -99,8 +101,11 @@ def test_backward_is_bitwise_reproducible(deterministic):
         out = dlm_ops.diffusion_attn_func(*inputs, 16, deterministic=deterministic)
         runs.append((out, *torch.autograd.grad(out, inputs, dout)))
     for run in runs[1:]:
-        for a, b in zip(runs[0], run):
-            assert torch.equal(a, b)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), runs[0], run):
+            if deterministic or name != "dq":
+                assert torch.equal(a, b), name
+            else:
+                torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)
 
 
 def test_clean_half_block_size_one_vs_sdpa_causal():

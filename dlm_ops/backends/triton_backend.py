@@ -113,8 +113,9 @@ class TritonBackend(Backend):
 
     @staticmethod
     def _flags(q, softcap):
-        bd = max(16, triton.next_power_of_2(q.shape[-1]))
-        return dict(BLOCK_D=bd, SOFTCAP=softcap > 0, IEEE=q.dtype == torch.float32)
+        d = q.shape[-1]
+        return dict(D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), SOFTCAP=softcap > 0,
+                    IEEE=q.dtype == torch.float32)
 
     def _fwd(self, q, k, v, masks, scale, softcap, out=None):
         """``out``: a preallocated (B, S, H, D) view to write (any strides, last dim contiguous)."""
@@ -128,13 +129,14 @@ class TritonBackend(Backend):
         if len(tiles) and b * h:
             kernels.diffusion_fwd_kernel[(b * h, len(tiles))](
                 q, k, v, out, lse, tiles, visits, *_s(q), *_s(k), *_s(v), *_s(out),
-                lse.stride(0), lse.stride(1), h, h // hkv, d, masks[0][1].block_size if masks else 1,
+                lse.stride(0), lse.stride(1), h, h // hkv, masks[0][1].block_size if masks else 1,
                 scale, softcap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self._flags(q, softcap))
         return out, lse
 
-    def _bwd(self, dout, q, k, v, out, lse, dlse, masks, scale, softcap, grads=None):
-        """``grads``: preallocated (dq, dk, dv) views to write, like ``_fwd``'s ``out``."""
+    def _bwd(self, dout, q, k, v, out, lse, dlse, masks, scale, softcap, deterministic, grads=None):
+        """``grads``: preallocated (dq, dk, dv) views to write, like ``_fwd``'s ``out``.
+        Deterministic: dQ in its own kernel; otherwise fused into dK/dV with fp32 atomics."""
         dout, q, k, v = _last_dim_contiguous(dout, q, k, v)
         b, s, h, d = q.shape
         hkv = k.shape[2]
@@ -147,18 +149,23 @@ class TritonBackend(Backend):
         _, kv_cfg, q_cfg = self._tiles(d)
         bs = masks[0][1].block_size if masks else 1
         flags = self._flags(q, softcap)
+        fuse = not deterministic
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fuse else dq
         tiles, visits = tile_tables(masks, kv_cfg.block_m, kv_cfg.block_n, True, str(q.device))
         if len(tiles) and b * hkv:
             kernels.diffusion_bwd_dkdv_kernel[(b * hkv, len(tiles))](
                 q, k, v, dout, lse, delta, dk, dv, tiles, visits, *_s(q), *_s(k), *_s(v),
-                *_s(dout), *_s(dk), *_s(dv), lse.stride(0), lse.stride(1), hkv, h // hkv, d, bs,
-                scale, softcap, BLOCK_M=kv_cfg.block_n, BLOCK_N=kv_cfg.block_m,
-                num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **flags)
+                *_s(dout), *_s(dk), *_s(dv), lse.stride(0), lse.stride(1), dq_acc, *_s(dq_acc),
+                hkv, h // hkv, bs, scale, softcap, BLOCK_M=kv_cfg.block_n, BLOCK_N=kv_cfg.block_m,
+                num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, FUSE_DQ=fuse, **flags)
+        if fuse:
+            dq.copy_(dq_acc)
+            return dq, dk, dv
         tiles, visits = tile_tables(masks, q_cfg.block_m, q_cfg.block_n, False, str(q.device))
         if len(tiles) and b * h:
             kernels.diffusion_bwd_dq_kernel[(b * h, len(tiles))](
                 q, k, v, dout, lse, delta, dq, tiles, visits, *_s(q), *_s(k), *_s(v), *_s(dout),
-                *_s(dq), lse.stride(0), lse.stride(1), h, h // hkv, d, bs, scale, softcap,
+                *_s(dq), lse.stride(0), lse.stride(1), h, h // hkv, bs, scale, softcap,
                 BLOCK_M=q_cfg.block_m, BLOCK_N=q_cfg.block_n,
                 num_warps=q_cfg.num_warps, num_stages=q_cfg.num_stages, **flags)
         return dq, dk, dv
@@ -169,7 +176,7 @@ class TritonBackend(Backend):
         return self._fwd(q, k, v, ((0, mask),), scale, softcap)
 
     def bwd(self, dout, q, k, v, out, lse, dlse, mask: SequenceMask, scale, softcap, deterministic):
-        return self._bwd(dout, q, k, v, out, lse, dlse, ((0, mask),), scale, softcap)
+        return self._bwd(dout, q, k, v, out, lse, dlse, ((0, mask),), scale, softcap, deterministic)
 
     def varlen_fwd(self, q, k, v, mask: VarlenMask, scale, softcap, deterministic):
         out, lse = self._fwd(q[None], k[None], v[None], tuple(mask.samples), scale, softcap)
@@ -178,5 +185,6 @@ class TritonBackend(Backend):
     def varlen_bwd(self, dout, q, k, v, out, lse, dlse, mask: VarlenMask, scale, softcap,
                    deterministic):
         grads = self._bwd(dout[None], q[None], k[None], v[None], out[None], lse[None],
-                          None if dlse is None else dlse[None], tuple(mask.samples), scale, softcap)
+                          None if dlse is None else dlse[None], tuple(mask.samples), scale, softcap,
+                          deterministic)
         return tuple(g[0] for g in grads)
