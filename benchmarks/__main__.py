@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .contenders import CONTENDERS, YARDSTICK, Case
+from .contenders import CONTENDERS, EXACT_CONTENDERS, YARDSTICK, Case, ExactCase
 
 TOKENS = 16 * 1024  # per batch, DESIGN.md section 5
 
@@ -29,7 +29,12 @@ def _preset(name: str) -> list[Case]:
     if name == "quick":
         return [main_case(n, 16) for n in (1024, 4096)]
     if name == "main":
-        return [main_case(n, bs) for bs in (16, 4) for n in (1024, 2048, 4096, 8192)]
+        cases = [main_case(n, bs) for bs in (16, 4) for n in (1024, 2048, 4096, 8192)]
+        cases += [main_case(2048, 16, d=d) for d in (64, 256)]
+        return cases + [main_case(n, 16, h=32, hkv=8) for n in (2048, 8192)]
+    if name == "exact":  # dlm_ops.attention against SDPA, DESIGN.md's shape budget
+        return [ExactCase(max(1, TOKENS // s), 16, s, d, causal)
+                for causal in (True, False) for d in (64, 128) for s in (1024, 4096, 8192)]
     if name == "sweep":
         cases = [main_case(n, bs) for bs in (4, 16, 64) for n in (512, 1024, 2048, 4096, 8192, 16384)]
         cases += [main_case(n, 16, d=d) for d in (64, 256) for n in (1024, 4096)]
@@ -50,13 +55,14 @@ def _time_once(setup, fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def bench_case(case: Case, contenders: list[str], modes: list[str], rounds: int) -> list[dict]:
+def bench_case(case, contenders: dict, modes: list[str], rounds: int,
+               refs: tuple[str, ...]) -> list[dict]:
     built = {}
-    for name in contenders:
+    for name, make in contenders.items():
         if name == "sdpa dense mask" and case.n > 4096:
             continue  # (2n)^2 scores per head: minutes per round, and not a contender at this size
         try:
-            built[name] = CONTENDERS[name](case)
+            built[name] = make(case)
             for mode in modes:  # warm-up: compilation, autotuning, allocator
                 setup, fn = built[name][mode]
                 _time_once(setup, fn, 2)
@@ -75,15 +81,16 @@ def bench_case(case: Case, contenders: list[str], modes: list[str], rounds: int)
                          tflops=case.flops(m) / ms / 1e9,
                          **dict(case.__dict__, dtype=str(case.dtype).removeprefix("torch."))))
     for r in rows:
-        for ref in (YARDSTICK, "flex BD3"):
+        for ref in refs:
             base = next((x for x in rows if x["contender"] == ref and x["mode"] == r["mode"]), None)
-            r[f"ratio_vs_{ref.split()[0]}"] = base["ms"] / r["ms"] if base else None
+            r[f"ratio_vs_{ref}"] = base["ms"] / r["ms"] if base else None
     return rows
 
 
-def _markdown(rows: list[dict], modes: list[str]) -> str:
+def _markdown(rows: list[dict], modes: list[str], refs: tuple[str, ...]) -> str:
     contenders = list(dict.fromkeys(r["contender"] for r in rows))
-    head = ["case", "mode", *[f"{c} TFLOPS" for c in contenders], "dlm_ops / cudnn", "dlm_ops / flex"]
+    head = ["case", "mode", *[f"{c} TFLOPS" for c in contenders],
+            *[f"dlm_ops / {ref}" for ref in refs]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case in dict.fromkeys(r["case"] for r in rows):
         for mode in modes:
@@ -94,7 +101,7 @@ def _markdown(rows: list[dict], modes: list[str]) -> str:
             fmt = lambda x: "-" if x is None else f"{x:.2f}"
             lines.append("| " + " | ".join([case, mode, *[
                 f"{cell[c]['tflops']:.0f}" if c in cell else "-" for c in contenders],
-                fmt(ours.get("ratio_vs_cudnn")), fmt(ours.get("ratio_vs_flex"))]) + " |")
+                *[fmt(ours.get(f"ratio_vs_{ref}")) for ref in refs]]) + " |")
     return "\n".join(lines)
 
 
@@ -107,7 +114,10 @@ def _plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         print("matplotlib missing: no plot (pip install -e '.[bench]')")
         return
-    sel = [r for r in rows if r["mode"] == "step" and r["head_dim"] == 128 and r["heads"] == r["kv_heads"]]
+    sel = [r for r in rows if r["mode"] == "step" and r["head_dim"] == 128
+           and r.get("kv_heads") == r["heads"]]
+    if not sel:
+        return
     block_sizes = sorted({r["block_size"] for r in sel})
     fig, axes = plt.subplots(1, len(block_sizes), figsize=(6 * len(block_sizes), 4), squeeze=False)
     for ax, bs in zip(axes[0], block_sizes):
@@ -127,12 +137,13 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="main", choices=["quick", "main", "sweep"])
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--preset", default="main", choices=["quick", "main", "sweep", "exact"],
+                   help="exact: dlm_ops.attention vs SDPA; the others: block diffusion")
+    p.add_argument("--contenders", default=None, help="comma-separated subset (default: all)")
     p.add_argument("--modes", default="fwd,bwd,step")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--tag", default="h200", help="file name stem of the results")
+    p.add_argument("--tag", default=None, help="file name stem of the results (default h200_PRESET)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("the benchmarks need a CUDA GPU")
@@ -143,6 +154,10 @@ def main(argv=None) -> int:
                 commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                       text=True).stdout.strip() or "unknown")
     cases, modes = _preset(a.preset), a.modes.split(",")
+    table_of = EXACT_CONTENDERS if a.preset == "exact" else CONTENDERS
+    refs = ("sdpa cudnn", "sdpa flash") if a.preset == "exact" else (YARDSTICK, "flex BD3")
+    names = a.contenders.split(",") if a.contenders else list(table_of)
+    contenders = {n: table_of[n] for n in names}
     try:
         from tqdm import tqdm
     except ImportError:
@@ -150,16 +165,16 @@ def main(argv=None) -> int:
     rows = []
     for case in tqdm(cases, desc="cases", file=sys.stdout):
         print(f"\n{case.label}", flush=True)
-        rows += [dict(meta, **r) for r in bench_case(case, a.contenders.split(","), modes, a.rounds)]
+        rows += [dict(meta, **r) for r in bench_case(case, contenders, modes, a.rounds, refs)]
         torch.cuda.empty_cache()
-    out = Path(a.out)
+    out, tag = Path(a.out), a.tag or f"h200_{a.preset}"
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.tag}.json").write_text(json.dumps(rows, indent=1))
-    table = _markdown(rows, modes)
-    (out / f"{a.tag}.md").write_text(
+    (out / f"{tag}.json").write_text(json.dumps(rows, indent=1))
+    table = _markdown(rows, modes, refs)
+    (out / f"{tag}.md").write_text(
         f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}; "
         f"median of {a.rounds} interleaved rounds; TFLOPS on visible pairs.\n\n{table}\n")
-    _plot(rows, out / f"{a.tag}.png")
+    _plot(rows, out / f"{tag}.png")
     print("\n" + table)
     return 0
 

@@ -130,6 +130,73 @@ def flex(case: Case):
                   (q, k, v))
 
 
+@dataclass(frozen=True)
+class ExactCase:
+    """Exact attention, SDPA layout (B, H, S, D)."""
+
+    batch: int
+    heads: int
+    seqlen: int
+    head_dim: int
+    causal: bool
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def label(self) -> str:
+        kind = "causal" if self.causal else "full"
+        return f"B={self.batch} H={self.heads} S={self.seqlen} D={self.head_dim} {kind}"
+
+    def flops(self, mode: str) -> float:
+        s = self.seqlen
+        pairs = s * (s + 1) // 2 if self.causal else s * s
+        fwd = 4.0 * pairs * self.head_dim * self.heads * self.batch
+        return fwd * {"fwd": 1.0, "bwd": 2.5, "step": 3.5}[mode]
+
+
+class _Deterministic:
+    def __enter__(self):
+        self.prev = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.prev)
+
+
+def exact_ours(case: ExactCase):
+    shape = (case.batch, case.heads, case.seqlen, case.head_dim)
+    q, k, v = (_rand(*shape, dtype=case.dtype) for _ in range(3))
+    return _modes(lambda q, k, v: dlm_ops.attention(q, k, v, is_causal=case.causal), (q, k, v))
+
+
+def exact_sdpa(case: ExactCase, sdp_backend: SDPBackend, deterministic: bool):
+    shape = (case.batch, case.heads, case.seqlen, case.head_dim)
+    q, k, v = (_rand(*shape, dtype=case.dtype) for _ in range(3))
+
+    def run(q, k, v):
+        with sdpa_kernel([sdp_backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+
+    modes = _modes(run, (q, k, v))
+    if not deterministic:
+        return modes
+
+    def wrap(fn):
+        def det():
+            with _Deterministic():
+                return fn()
+        return det if fn else None
+
+    return {m: (wrap(setup), wrap(fn)) for m, (setup, fn) in modes.items()}
+
+
+EXACT_CONTENDERS = {
+    "dlm_ops": exact_ours,
+    "sdpa cudnn": lambda c: exact_sdpa(c, SDPBackend.CUDNN_ATTENTION, False),
+    "sdpa flash": lambda c: exact_sdpa(c, SDPBackend.FLASH_ATTENTION, False),
+    "sdpa cudnn det": lambda c: exact_sdpa(c, SDPBackend.CUDNN_ATTENTION, True),
+    "sdpa flash det": lambda c: exact_sdpa(c, SDPBackend.FLASH_ATTENTION, True),
+}
+
 CONTENDERS = {
     "dlm_ops": ours,
     "cudnn causal halves": lambda c: causal_halves(c, SDPBackend.CUDNN_ATTENTION),

@@ -47,9 +47,8 @@ def tune(d: int, shapes, block_size=16):
                 cfgs = {"fwd": (c, base[1], base[2]), "dkdv": (base[0], c, base[2]),
                         "dq": (base[0], base[1], c)}[part]
                 be = TritonBackend(configs=cfgs)
-                # dK/dV is timed on the default (fused dQ) backward, dQ on the deterministic one.
                 fn = (lambda: be.fwd(q, k, v, mask, scale, 0.0, False)) if part == "fwd" else \
-                    (lambda: be.bwd(do, q, k, v, out, lse, None, mask, scale, 0.0, part == "dq"))
+                    (lambda: be.bwd(do, q, k, v, out, lse, None, mask, scale, 0.0, True))
                 try:
                     ms = _time(fn)
                 except Exception as e:  # out of shared memory / registers: not a candidate

@@ -23,11 +23,12 @@ Grids put (batch, head) on axis 0 and the tile on axis 1: blocks launch in linea
 fastest, so every head's most expensive tiles start first, and the G query heads that share a kv
 head run side by side (their K/V tiles stay in L2).
 
-The backward runs dK/dV per key tile over the query tiles that see it, looping over the G query
-heads of its kv head (K and V are loaded once for the whole group). dQ comes either from a second
-kernel per query tile over its key tiles (disjoint writes, no atomics: bitwise deterministic, the
-deterministic=True path) or, by default, from the dK/dV kernel itself through fp32 atomics
-(FUSE_DQ: 5 matmuls per tile pair instead of 7).
+The backward is two kernels with disjoint writes (no atomics), so it is always bitwise
+deterministic: dK/dV per key tile over the query tiles that see it, looping over the G query heads
+of its kv head (K and V are loaded once for the whole group), and dQ per query tile over its key
+tiles. Fusing dQ into the dK/dV kernel with fp32 atomics (5 matmuls per tile pair instead of 7) was
+measured on the H200 and ran 2x slower (benchmarks/results/NOTES.md), so there is no faster
+non-deterministic path: deterministic=True and the default take the same kernels.
 """
 
 import triton
@@ -136,19 +137,36 @@ def diffusion_fwd_kernel(
 
 
 @triton.jit
+def bwd_delta_kernel(
+    O, DO, DLSE, DELTA, sob, sos, soh, sdob, sdos, sdoh, S, H,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """delta = rowsum(dO * O) - dlse, fp32 (B, H, S): the backward's per-row constant, one read
+    of O and dO (the PyTorch expression costs three fp32 temporaries)."""
+    bh, blk = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (rows < S)[:, None] & (dims < D)[None, :]
+    o = tl.load(O + b * sob + h * soh + rows[:, None] * sos + dims[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdos + dims[None, :], mask=mask,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh * S + rows, mask=rows < S, other=0.0)
+    tl.store(DELTA + bh * S + rows, delta, mask=rows < S)
+
+
+@triton.jit
 def diffusion_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, TILES, VISITS,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh,
-    sdkb, sdks, sdkh, sdvb, sdvs, sdvh, slb, slh, DQ_ACC, sdqb, sdqs, sdqh,
+    sdkb, sdks, sdkh, sdvb, sdvs, sdvh, slb, slh,
     Hkv, G, bs, scale, softcap,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SOFTCAP: tl.constexpr, IEEE: tl.constexpr, FUSE_DQ: tl.constexpr,
+    SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One key tile of one kv head: dK, dV over every query tile that sees it, for all G heads.
-
-    With FUSE_DQ, also dQ += dS K for each visited query tile, added atomically into the fp32
-    DQ_ACC: 5 matmuls per visited tile pair instead of 7 across two kernels, at the price of a
-    summation order that varies between runs (so never when deterministic=True)."""
+    """One key tile of one kv head: dK, dV over every query tile that sees it, for all G heads."""
     bh, tile = tl.program_id(0), tl.program_id(1)
     b, kvh = bh // Hkv, bh % Hkv
     t = TILES + tile * 8
@@ -191,10 +209,6 @@ def diffusion_bwd_dkdv_kernel(
             if SOFTCAP:  # d(c * tanh(x / c)) / dx = 1 - tanh^2
                 ds = ds * (1.0 - (capped / softcap) * (capped / softcap))
             dk += _dot(ds.to(q.dtype), q, IEEE)
-            if FUSE_DQ:
-                dq = _dot(tl.trans(ds.to(k.dtype)), k, IEEE) * scale
-                tl.atomic_add(DQ_ACC + b * sdqb + h * sdqh + rows[:, None] * sdqs + dims[None, :],
-                              dq, mask=q_mask)
 
     tl.store(DK + b * sdkb + kvh * sdkh + cols[:, None] * sdks + dims[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)

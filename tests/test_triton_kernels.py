@@ -70,8 +70,8 @@ def test_block_causal(seqlen, block_size):
 
 @FEW
 @given(st.integers(1, 60), st.integers(1, 70), st.sampled_from([16, 32]), st.sampled_from([16, 32]),
-       st.sampled_from([0.0, 4.0]), st.booleans())
-def test_any_tiling(n, block_size, block_m, block_n, softcap, deterministic):
+       st.sampled_from([0.0, 4.0]))
+def test_any_tiling(n, block_size, block_m, block_n, softcap):
     """Tile shapes that split blocks and halves every which way must not change the result."""
     cfg = TileConfig(block_m, block_n)
     be = TritonBackend(configs=(cfg, cfg, cfg))
@@ -83,7 +83,7 @@ def test_any_tiling(n, block_size, block_m, block_n, softcap, deterministic):
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
     dout = torch.randn_like(out)
-    grads = be.bwd(dout, q, k, v, out, lse, None, mask, 0.25, softcap, deterministic)
+    grads = be.bwd(dout, q, k, v, out, lse, None, mask, 0.25, softcap, False)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     o, _ = diffusion_attn_ref(qr, kr, vr, block_size, softmax_scale=0.25, softcap=softcap,
                               compute_dtype=torch.float64)

@@ -40,18 +40,19 @@ class TileConfig:
 
 
 def _configs(head_dim: int) -> tuple[TileConfig, TileConfig, TileConfig]:
-    """(forward, dK/dV, dQ) tiles. Picked on the H200 by ``python -m benchmarks.tune_tiles``
-    (bf16, bs=16, n=1K and 4K; the log is benchmarks/results/tune_tiles_h200.log): 64x64 /
-    4 warps won the forward at every head dim (128x64 / 8 warps: same at n=4K, 15% slower at 1K);
-    the backward moved by under 8% across all candidates."""
+    """(forward, dK/dV, dQ) tiles, picked on the H200 by ``python -m benchmarks.tune_tiles`` (bf16,
+    bs=16, n=1K and 4K; log in benchmarks/results/tune_tiles_h200.log). 64x64 / 4 warps won the
+    forward at every head dim (128x128 / 8 warps tied at n=4K and lost 13% at 1K); in the backward
+    the candidates were within 3% of each other at D<=128. D=256 needs 64-row tiles (128-row ones
+    run out of shared memory)."""
     if INTERPRET:  # numpy per program: fewer, mid-sized programs run fastest
         return TileConfig(32, 32), TileConfig(32, 32), TileConfig(32, 32)
-    fwd, dkdv = TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 2)
+    fwd = TileConfig(64, 64, 4, 3)
     if head_dim <= 64:
-        return fwd, dkdv, TileConfig(64, 32, 4, 3)
+        return fwd, TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 3)
     if head_dim <= 128:
-        return fwd, dkdv, TileConfig(128, 64, 8, 3)
-    return fwd, dkdv, TileConfig(128, 32, 8, 2)
+        return fwd, TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3)
+    return fwd, TileConfig(64, 64, 4, 2), TileConfig(128, 32, 8, 2)
 
 
 @lru_cache(maxsize=128)
@@ -134,33 +135,31 @@ class TritonBackend(Backend):
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self._flags(q, softcap))
         return out, lse
 
-    def _bwd(self, dout, q, k, v, out, lse, dlse, masks, scale, softcap, deterministic, grads=None):
-        """``grads``: preallocated (dq, dk, dv) views to write, like ``_fwd``'s ``out``.
-        Deterministic: dQ in its own kernel; otherwise fused into dK/dV with fp32 atomics."""
-        dout, q, k, v = _last_dim_contiguous(dout, q, k, v)
+    def _bwd(self, dout, q, k, v, out, lse, dlse, masks, scale, softcap, grads=None):
+        """``grads``: preallocated (dq, dk, dv) views to write, like ``_fwd``'s ``out``. Always
+        bitwise deterministic (templates/diffusion_attn.py says why there is no atomic variant)."""
+        dout, q, k, v, out = _last_dim_contiguous(dout, q, k, v, out)
         b, s, h, d = q.shape
         hkv = k.shape[2]
+        flags = self._flags(q, softcap)
         # delta_i = sum_d dO * O (FlashAttention); an upstream dlse folds in: dS = P (dP - delta + dlse).
-        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-        if dlse is not None:
-            delta = delta - dlse.float()
-        delta, lse = delta.contiguous(), lse.float().contiguous()
+        lse = lse.float().contiguous()
+        dlse = None if dlse is None else dlse.float().contiguous()
+        delta = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+        if b * h * s:
+            kernels.bwd_delta_kernel[(b * h, triton.cdiv(s, 64))](
+                out, dout, lse if dlse is None else dlse, delta, *_s(out), *_s(dout), s, h,
+                D=d, BLOCK_M=64, BLOCK_D=flags["BLOCK_D"], HAS_DLSE=dlse is not None)
         dq, dk, dv = grads or (new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape))
         _, kv_cfg, q_cfg = self._tiles(d)
         bs = masks[0][1].block_size if masks else 1
-        flags = self._flags(q, softcap)
-        fuse = not deterministic
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fuse else dq
         tiles, visits = tile_tables(masks, kv_cfg.block_m, kv_cfg.block_n, True, str(q.device))
         if len(tiles) and b * hkv:
             kernels.diffusion_bwd_dkdv_kernel[(b * hkv, len(tiles))](
                 q, k, v, dout, lse, delta, dk, dv, tiles, visits, *_s(q), *_s(k), *_s(v),
-                *_s(dout), *_s(dk), *_s(dv), lse.stride(0), lse.stride(1), dq_acc, *_s(dq_acc),
-                hkv, h // hkv, bs, scale, softcap, BLOCK_M=kv_cfg.block_n, BLOCK_N=kv_cfg.block_m,
-                num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, FUSE_DQ=fuse, **flags)
-        if fuse:
-            dq.copy_(dq_acc)
-            return dq, dk, dv
+                *_s(dout), *_s(dk), *_s(dv), lse.stride(0), lse.stride(1), hkv, h // hkv, bs,
+                scale, softcap, BLOCK_M=kv_cfg.block_n, BLOCK_N=kv_cfg.block_m,
+                num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **flags)
         tiles, visits = tile_tables(masks, q_cfg.block_m, q_cfg.block_n, False, str(q.device))
         if len(tiles) and b * h:
             kernels.diffusion_bwd_dq_kernel[(b * h, len(tiles))](
@@ -176,7 +175,7 @@ class TritonBackend(Backend):
         return self._fwd(q, k, v, ((0, mask),), scale, softcap)
 
     def bwd(self, dout, q, k, v, out, lse, dlse, mask: SequenceMask, scale, softcap, deterministic):
-        return self._bwd(dout, q, k, v, out, lse, dlse, ((0, mask),), scale, softcap, deterministic)
+        return self._bwd(dout, q, k, v, out, lse, dlse, ((0, mask),), scale, softcap)
 
     def varlen_fwd(self, q, k, v, mask: VarlenMask, scale, softcap, deterministic):
         out, lse = self._fwd(q[None], k[None], v[None], tuple(mask.samples), scale, softcap)
@@ -185,6 +184,5 @@ class TritonBackend(Backend):
     def varlen_bwd(self, dout, q, k, v, out, lse, dlse, mask: VarlenMask, scale, softcap,
                    deterministic):
         grads = self._bwd(dout[None], q[None], k[None], v[None], out[None], lse[None],
-                          None if dlse is None else dlse[None], tuple(mask.samples), scale, softcap,
-                          deterministic)
+                          None if dlse is None else dlse[None], tuple(mask.samples), scale, softcap)
         return tuple(g[0] for g in grads)

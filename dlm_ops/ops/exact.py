@@ -107,7 +107,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
     grads = tuple(new_output(t, t.shape) for t in (q, k, v))
     _KERNELS._bwd(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse, dlse,
-                  ((0, _mask(q.shape[2], is_causal)),), _scale(scale, q), 0.0, deterministic=True,
+                  ((0, _mask(q.shape[2], is_causal)),), _scale(scale, q), 0.0,
                   grads=tuple(_bshd(g) for g in grads))
     return grads
 
