@@ -100,15 +100,16 @@ def sdpa_dense_mask(case: Case):
                                                                  enable_gqa=gqa), (q, k, v))
 
 
-_FLEX = {}
-
-
 def flex(case: Case):
-    """Compiled FlexAttention with the BD3 mask_mod, as BD3-LM writes it."""
+    """Compiled FlexAttention with the BD3 mask_mod, as BD3-LM writes it.
+
+    Dynamo caches compiled code per code object and guards on the mask_mod closure, so every case
+    recompiles flex_attention; past the recompile limit it would silently run flex eagerly (a few
+    TFLOPS, seen in a first run). A reset per case gives each case a fresh compile cache."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    torch._dynamo.reset()
+    fn = torch.compile(flex_attention, dynamic=False)
     n, bs = case.n, case.block_size
 
     def bd3(b, h, q_idx, kv_idx):
@@ -126,8 +127,7 @@ def flex(case: Case):
     q, k, v = _rand(*shape_q, dtype=case.dtype), _rand(*shape_kv, dtype=case.dtype), \
         _rand(*shape_kv, dtype=case.dtype)
     gqa = case.kv_heads != case.heads
-    return _modes(lambda q, k, v: _FLEX["fn"](q, k, v, block_mask=block_mask, enable_gqa=gqa),
-                  (q, k, v))
+    return _modes(lambda q, k, v: fn(q, k, v, block_mask=block_mask, enable_gqa=gqa), (q, k, v))
 
 
 @dataclass(frozen=True)
