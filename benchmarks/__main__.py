@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -150,9 +151,11 @@ def main(argv=None) -> int:
         return 1
     import triton
 
+    # The device machine gets a copy of the tree without .git: DLM_COMMIT names the commit there.
+    commit = os.environ.get("DLM_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip() or "unknown")
+                commit=commit or "unknown")
     cases, modes = _preset(a.preset), a.modes.split(",")
     table_of = EXACT_CONTENDERS if a.preset == "exact" else CONTENDERS
     refs = ("sdpa cudnn", "sdpa flash") if a.preset == "exact" else (YARDSTICK, "flex BD3")
