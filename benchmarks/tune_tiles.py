@@ -13,7 +13,7 @@ import sys
 import torch
 import triton
 
-from dlm_ops.backends.triton_backend import TileConfig, TritonBackend, _configs
+from dlm_ops.backends.triton_backend import ROLES, TileConfig, TritonBackend, candidates
 from dlm_ops.geometry import SequenceMask
 
 FWD = [TileConfig(*c) for c in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
@@ -35,7 +35,7 @@ def _time(fn):
 
 
 def tune(d: int, shapes, block_size=16):
-    base = _configs(d)
+    base = tuple(candidates(role, d)[0] for role in ROLES)
     results = {"fwd": {}, "dkdv": {}, "dq": {}}
     for batch, n, heads in shapes:
         q, k, v, do = _inputs(batch, n, heads, d)

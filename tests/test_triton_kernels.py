@@ -97,3 +97,29 @@ def test_triton_agrees_with_torch_backend():
     b = dlm_ops.diffusion_attn_func(q, k, v, 8, return_lse=True, backend="torch")
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, atol=2e-5, rtol=0)
+
+
+def test_config_fallback_when_shared_memory_does_not_fit(monkeypatch):
+    """A candidate the GPU cannot hold raises OutOfResources at launch: the next one runs and is
+    remembered, so later calls launch it directly."""
+    from dlm_ops.backends import triton_backend as tb
+
+    too_big, fits = TileConfig(256, 256, 8, 4), TileConfig(32, 32)
+    monkeypatch.setattr(tb, "candidates", lambda role, d: [too_big, fits])
+    monkeypatch.setattr(tb, "_CHOSEN", {})
+    tried = []
+
+    def launch(cfg):
+        tried.append(cfg)
+        if cfg is too_big:
+            raise tb.OutOfResources(300_000, 232_448, "shared memory")
+
+    q = torch.zeros(1, 8, 2, 64)
+    tb.TritonBackend()._run("fwd", q, 8, launch)
+    tb.TritonBackend()._run("fwd", q, 8, launch)
+    assert tried == [too_big, fits, fits]
+
+    monkeypatch.setattr(tb, "candidates", lambda role, d: [too_big])
+    monkeypatch.setattr(tb, "_CHOSEN", {})
+    with pytest.raises(dlm_ops.UnsupportedConfig, match="no Triton tile config for dq"):
+        tb.TritonBackend()._run("dq", q, 8, launch)

@@ -15,6 +15,7 @@ from functools import lru_cache
 
 import torch
 
+from ..errors import UnsupportedConfig
 from ..geometry import SequenceMask, VarlenMask
 from .base import DETERMINISTIC, GQA, SOFTCAP, VARLEN, Backend, Capabilities, new_output
 
@@ -22,12 +23,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 try:
     import triton
+    import triton.testing
+    from triton.runtime.errors import OutOfResources
 
     from ..templates import diffusion_attn as kernels
 
     _IMPORT_ERROR = None
 except Exception as e:  # triton missing or broken: the backend reports why and stays out of the way
     triton = kernels = None
+    OutOfResources = RuntimeError  # never raised: the backend reports itself unavailable
     _IMPORT_ERROR = f"triton unavailable ({type(e).__name__}: {e})"
 
 
@@ -39,20 +43,39 @@ class TileConfig:
     num_stages: int = 2
 
 
-def _configs(head_dim: int) -> tuple[TileConfig, TileConfig, TileConfig]:
-    """(forward, dK/dV, dQ) tiles, picked on the H200 by ``python -m benchmarks.tune_tiles`` (bf16,
-    bs=16, n=1K and 4K; log in benchmarks/results/tune_tiles_h200.log). 64x64 / 4 warps won the
-    forward at every head dim (128x128 / 8 warps tied at n=4K and lost 13% at 1K); in the backward
-    the candidates were within 3% of each other at D<=128. D=256 needs 64-row tiles (128-row ones
-    run out of shared memory)."""
+_T = TileConfig
+# Candidate tiles per kernel role, best first as measured on the H200 by
+# ``python -m benchmarks.tune_tiles`` (bf16, bs=16, n=1K and 4K; log in
+# benchmarks/results/tune_tiles_h200.log): 64x64 / 4 warps won the forward at every head dim
+# (128x128 / 8 warps tied at n=4K and lost 13% at 1K); backward candidates were within 3% of each
+# other at D<=128. Later entries need less shared memory (fewer stages, smaller tiles): a GPU whose
+# shared memory cannot hold a config (sm86/sm89 have 100 KB, sm80 164 KB, sm90 228 KB) raises
+# OutOfResources at launch and the next candidate is taken, so every CUDA GPU gets a config that
+# fits. DLM_OPS_AUTOTUNE=1 times every fitting candidate per shape class instead.
+_SMALL = [_T(32, 32, 4, 2), _T(32, 16, 4, 2), _T(16, 16, 4, 1)]
+_CANDIDATES = {
+    ("fwd", 128): [_T(64, 64, 4, 3), _T(128, 128, 8, 3), _T(128, 64, 8, 3), _T(64, 64, 4, 2)],
+    ("fwd", 256): [_T(64, 64, 4, 3), _T(64, 32, 4, 3), _T(64, 32, 4, 2)],
+    ("dkdv", 128): [_T(64, 64, 4, 2), _T(128, 64, 8, 2), _T(64, 32, 4, 3), _T(64, 32, 4, 2)],
+    ("dkdv", 256): [_T(64, 64, 4, 2), _T(64, 32, 4, 3), _T(64, 32, 4, 2)],
+    ("dq", 64): [_T(64, 32, 4, 3), _T(64, 64, 4, 2), _T(64, 32, 4, 2)],
+    ("dq", 128): [_T(128, 32, 4, 3), _T(128, 64, 8, 3), _T(64, 32, 4, 3), _T(64, 32, 4, 2)],
+    ("dq", 256): [_T(128, 32, 8, 2), _T(64, 32, 4, 3), _T(64, 32, 4, 2)],
+}
+ROLES = ("fwd", "dkdv", "dq")
+AUTOTUNE = os.environ.get("DLM_OPS_AUTOTUNE") == "1"
+
+
+def candidates(role: str, head_dim: int) -> list[TileConfig]:
+    """Tile configs to try for ``role`` at ``head_dim``, best first (see _CANDIDATES)."""
     if INTERPRET:  # numpy per program: fewer, mid-sized programs run fastest
-        return TileConfig(32, 32), TileConfig(32, 32), TileConfig(32, 32)
-    fwd = TileConfig(64, 64, 4, 3)
-    if head_dim <= 64:
-        return fwd, TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 3)
-    if head_dim <= 128:
-        return fwd, TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3)
-    return fwd, TileConfig(64, 64, 4, 2), TileConfig(128, 32, 8, 2)
+        return [_T(32, 32)]
+    dims = sorted(d for r, d in _CANDIDATES if r == role)
+    d = next((x for x in dims if head_dim <= x), dims[-1])
+    return _CANDIDATES[(role, d)] + _SMALL
+
+
+_CHOSEN: dict[tuple, TileConfig] = {}  # (role, head_dim, dtype, device[, shape class]) -> config
 
 
 @lru_cache(maxsize=128)
@@ -98,7 +121,7 @@ class TritonBackend(Backend):
     auto_device_types = frozenset({"cuda"})
 
     def __init__(self, configs=None):
-        self._configs = configs  # tests force tilings; None picks per head dim
+        self._configs = configs  # (fwd, dkdv, dq) forced by tests; None picks per GPU and head dim
 
     def unavailable_reason(self) -> str | None:
         return _IMPORT_ERROR
@@ -109,8 +132,31 @@ class TritonBackend(Backend):
             reasons.append("TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests")
         return reasons
 
-    def _tiles(self, head_dim):
-        return self._configs or _configs(head_dim)
+    def _run(self, role: str, q: torch.Tensor, seqlen: int, launch) -> None:
+        """Call ``launch(config)`` with the config for ``role``: the first candidate that fits this
+        GPU (remembered), or with DLM_OPS_AUTOTUNE=1 the fastest per power-of-two seqlen class."""
+        if self._configs:
+            return launch(self._configs[ROLES.index(role)])
+        d = q.shape[-1]
+        key = (role, d, q.dtype, str(q.device)) + ((triton.next_power_of_2(seqlen),) if AUTOTUNE else ())
+        if key in _CHOSEN:
+            return launch(_CHOSEN[key])
+        fitting = []
+        for cfg in candidates(role, d):
+            try:
+                launch(cfg)  # compiles, then raises before running if the GPU cannot hold it
+            except OutOfResources:
+                continue
+            if not AUTOTUNE or q.device.type != "cuda":
+                _CHOSEN[key] = cfg
+                return
+            fitting.append(cfg)
+        if not fitting:
+            raise UnsupportedConfig(f"no Triton tile config for {role} at head_dim {d} fits this GPU")
+        # Every launch rewrites the same outputs from the same inputs, so timing in place is safe.
+        times = [(triton.testing.do_bench(lambda c=c: launch(c), return_mode="median"), i)
+                 for i, c in enumerate(fitting)]
+        _CHOSEN[key] = fitting[min(times)[1]]
 
     @staticmethod
     def _flags(q, softcap):
@@ -125,14 +171,18 @@ class TritonBackend(Backend):
         hkv = k.shape[2]
         out = new_output(q, (b, s, h, d)) if out is None else out
         lse = new_output(q, (b, h, s), torch.float32)
-        cfg = self._tiles(d)[0]
-        tiles, visits = tile_tables(masks, cfg.block_m, cfg.block_n, False, str(q.device))
-        if len(tiles) and b * h:
-            kernels.diffusion_fwd_kernel[(b * h, len(tiles))](
-                q, k, v, out, lse, tiles, visits, *_s(q), *_s(k), *_s(v), *_s(out),
-                lse.stride(0), lse.stride(1), h, h // hkv, masks[0][1].block_size if masks else 1,
-                scale, softcap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self._flags(q, softcap))
+        bs = masks[0][1].block_size if masks else 1
+
+        def launch(cfg):
+            tiles, visits = tile_tables(masks, cfg.block_m, cfg.block_n, False, str(q.device))
+            if len(tiles) and b * h:
+                kernels.diffusion_fwd_kernel[(b * h, len(tiles))](
+                    q, k, v, out, lse, tiles, visits, *_s(q), *_s(k), *_s(v), *_s(out),
+                    lse.stride(0), lse.stride(1), h, h // hkv, bs, scale, softcap,
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages, **self._flags(q, softcap))
+
+        self._run("fwd", q, s, launch)
         return out, lse
 
     def _bwd(self, dout, q, k, v, out, lse, dlse, masks, scale, softcap, grads=None):
@@ -151,22 +201,29 @@ class TritonBackend(Backend):
                 out, dout, lse if dlse is None else dlse, delta, *_s(out), *_s(dout), s, h,
                 D=d, BLOCK_M=64, BLOCK_D=flags["BLOCK_D"], HAS_DLSE=dlse is not None)
         dq, dk, dv = grads or (new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape))
-        _, kv_cfg, q_cfg = self._tiles(d)
         bs = masks[0][1].block_size if masks else 1
-        tiles, visits = tile_tables(masks, kv_cfg.block_m, kv_cfg.block_n, True, str(q.device))
-        if len(tiles) and b * hkv:
-            kernels.diffusion_bwd_dkdv_kernel[(b * hkv, len(tiles))](
-                q, k, v, dout, lse, delta, dk, dv, tiles, visits, *_s(q), *_s(k), *_s(v),
-                *_s(dout), *_s(dk), *_s(dv), lse.stride(0), lse.stride(1), hkv, h // hkv, bs,
-                scale, softcap, BLOCK_M=kv_cfg.block_n, BLOCK_N=kv_cfg.block_m,
-                num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **flags)
-        tiles, visits = tile_tables(masks, q_cfg.block_m, q_cfg.block_n, False, str(q.device))
-        if len(tiles) and b * h:
-            kernels.diffusion_bwd_dq_kernel[(b * h, len(tiles))](
-                q, k, v, dout, lse, delta, dq, tiles, visits, *_s(q), *_s(k), *_s(v), *_s(dout),
-                *_s(dq), lse.stride(0), lse.stride(1), h, h // hkv, bs, scale, softcap,
-                BLOCK_M=q_cfg.block_m, BLOCK_N=q_cfg.block_n,
-                num_warps=q_cfg.num_warps, num_stages=q_cfg.num_stages, **flags)
+        dev = str(q.device)
+
+        def launch_dkdv(cfg):  # cfg.block_m keys owned, cfg.block_n queries visited
+            tiles, visits = tile_tables(masks, cfg.block_m, cfg.block_n, True, dev)
+            if len(tiles) and b * hkv:
+                kernels.diffusion_bwd_dkdv_kernel[(b * hkv, len(tiles))](
+                    q, k, v, dout, lse, delta, dk, dv, tiles, visits, *_s(q), *_s(k), *_s(v),
+                    *_s(dout), *_s(dk), *_s(dv), lse.stride(0), lse.stride(1), hkv, h // hkv, bs,
+                    scale, softcap, BLOCK_M=cfg.block_n, BLOCK_N=cfg.block_m,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+
+        def launch_dq(cfg):
+            tiles, visits = tile_tables(masks, cfg.block_m, cfg.block_n, False, dev)
+            if len(tiles) and b * h:
+                kernels.diffusion_bwd_dq_kernel[(b * h, len(tiles))](
+                    q, k, v, dout, lse, delta, dq, tiles, visits, *_s(q), *_s(k), *_s(v),
+                    *_s(dout), *_s(dq), lse.stride(0), lse.stride(1), h, h // hkv, bs, scale,
+                    softcap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+
+        self._run("dkdv", q, s, launch_dkdv)
+        self._run("dq", q, s, launch_dq)
         return dq, dk, dv
 
     # -- the four entry points ------------------------------------------------------------------
