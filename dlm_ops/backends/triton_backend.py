@@ -130,6 +130,12 @@ class TritonBackend(Backend):
         reasons = super().not_supported_reasons(problem)
         if problem.device_type == "cpu" and not INTERPRET:
             reasons.append("TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests")
+        if problem.device_type == "cuda" and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            if (major, minor) < (7, 5):
+                reasons.append(f"Triton needs compute capability >= 7.5, this GPU has {major}.{minor}")
+            elif problem.dtype == torch.bfloat16 and major < 8:
+                reasons.append(f"bfloat16 needs compute capability >= 8.0, this GPU has {major}.{minor}")
         return reasons
 
     def _run(self, role: str, q: torch.Tensor, seqlen: int, launch) -> None:

@@ -1,0 +1,31 @@
+"""The benchmark harness's arithmetic and reporting (the timing itself needs a GPU)."""
+
+import torch
+
+from benchmarks.__main__ import _markdown, _preset
+from benchmarks.contenders import Case, ExactCase
+from dlm_ops.reference import block_diffusion_mask
+
+
+def test_flops_count_visible_pairs_only():
+    case = Case(batch=2, n=40, heads=3, kv_heads=1, head_dim=16, block_size=6)
+    pairs = int(block_diffusion_mask(80, 6).sum())
+    assert case.flops("fwd") == 4 * pairs * 16 * 3 * 2
+    assert case.flops("bwd") == 2.5 * case.flops("fwd")
+    assert case.flops("step") == 3.5 * case.flops("fwd")
+    causal = ExactCase(batch=1, heads=2, seqlen=10, head_dim=16, causal=True)
+    assert causal.flops("fwd") == 4 * 55 * 16 * 2
+
+
+def test_presets_hold_16k_tokens_per_batch():
+    for case in _preset("main"):
+        assert case.batch * 2 * case.n == 16 * 1024
+        assert case.dtype == torch.bfloat16
+
+
+def test_markdown_table_has_ratio_columns():
+    rows = [dict(case="c", contender=name, mode="step", tflops=t, ratio_vs_ref=r)
+            for name, t, r in (("dlm_ops", 300.0, 0.6), ("ref", 500.0, 1.0))]
+    table = _markdown(rows, ["step"], ("ref",))
+    assert "| dlm_ops / ref |" in table.splitlines()[0]
+    assert "| c | step | 300 | 500 | 0.60 |" in table
