@@ -25,7 +25,7 @@ def _alias_repo_packages() -> None:
 
 _alias_repo_packages()
 
-from . import geometry, reference
+from . import geometry, masks, reference
 from .errors import UnsupportedConfig
 from .ops.exact import attention, is_eligible
 from .ops.diffusion import (
@@ -33,6 +33,10 @@ from .ops.diffusion import (
     diffusion_attn_func,
     diffusion_attn_varlen_func,
 )
+
+from . import compile  # noqa: E402  (after the ops: the rewrite pass emits them)
+
+compile.install()
 
 __version__ = "0.1.0"
 
@@ -43,6 +47,8 @@ __all__ = [
     "block_causal_attn_func",
     "diffusion_attn_func",
     "diffusion_attn_varlen_func",
+    "compile",
     "geometry",
+    "masks",
     "reference",
 ]

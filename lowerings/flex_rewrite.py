@@ -1,0 +1,246 @@
+"""torch.compile pass: flex_attention with a block-diffusion (or block-causal) mask -> dlm ops.
+
+Where it runs. Inductor's ``pre_grad_custom_pass``: on the Dynamo graph, before AOT autograd. The
+``flex_attention`` higher-order op is replaced by ``dlm::diffusion_attn_fwd`` (or
+``dlm::block_causal_attn_fwd``), whose registered autograd then gives the backward, so one rewrite
+covers training and inference.
+
+When. Only when the call provably computes our op (never on a guess, since a wrong rewrite silently
+changes a model):
+  * identity score_mod, no captured tensors (score_mod or mask_mod buffers), max_scores unused;
+  * q, k, v of one static sequence length S (a symbolic length is declined: the mask was checked at
+    one length only), a head dim and dtype our op takes, H % Hkv == 0;
+  * the mask_mod never reads its batch or head argument (checked on its graph), and evaluated on
+    every (q, kv) pair of S it equals the geometry's BD3 mask (S even) or block-causal mask, for the
+    block size read off its first row. Evaluation runs in row chunks and is cached per (mask graph
+    code, S): the code of a traced mask_mod carries its captured Python ints, so equal code means
+    equal masks. It is quadratic in S (a few seconds at S = 16K, once per compile): the BlockMask's
+    full/partial tile lists that would make it linear are graph inputs here, known only at run time.
+
+How. q, k, v (B, H, S, D) are passed as (B, S, H, D) views; out comes back transposed and made
+contiguous (as flex returns it); lse is converted to the base-2 statistics the higher-order op
+returns (flex multiplies by ln 2 afterwards) unless the FLASH backend was asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import operator
+import os
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import dlm_ops.ops.diffusion  # noqa: F401  (registers torch.ops.dlm.*)
+from dlm_ops.geometry import SequenceMask
+from dlm_ops.ops.validation import DTYPES, MAX_HEAD_DIM
+
+log = logging.getLogger("dlm_ops.compile")
+
+_LOG2E = 1.0 / math.log(2.0)
+_ROW_CHUNK = 512  # rows of the mask evaluated at once: 512 x S booleans
+_STATE = {"enabled": os.environ.get("DLM_OPS_REWRITE_FLEX", "1") != "0"}
+_STATS: Counter = Counter()
+_CLASSIFIED: dict[tuple[str, int], tuple[str, int] | str] = {}
+
+
+def enable() -> None:
+    _STATE["enabled"] = True
+
+
+def disable() -> None:
+    """Leave every flex_attention call to flex (also: DLM_OPS_REWRITE_FLEX=0 in the environment)."""
+    _STATE["enabled"] = False
+
+
+def stats() -> dict[str, int]:
+    """Counts since import: 'rewritten' (and per mask kind) and 'declined: <reason>' per reason."""
+    return dict(_STATS)
+
+
+def reset_stats() -> None:
+    _STATS.clear()
+
+
+# -- deciding ----------------------------------------------------------------------------------
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _is_identity_score_mod(gm: torch.fx.GraphModule) -> bool:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    ret = out.args[0]
+    ret = ret[0] if isinstance(ret, (tuple, list)) and len(ret) == 1 else ret
+    return ret is _placeholders(gm)[0]
+
+
+def classify_mask(mask_mod, seqlen: int, key: str | None = None) -> tuple[str, int] | str:
+    """("block_diffusion" | "block_causal", block_size) if ``mask_mod`` (b, h, q_idx, kv_idx) equals
+    that mask on every pair of a length-``seqlen`` sequence, else the reason it does not."""
+    cache_key = (key, seqlen) if key is not None else None
+    if cache_key in _CLASSIFIED:
+        return _CLASSIFIED[cache_key]
+    result = _classify(mask_mod, seqlen)
+    if cache_key is not None:
+        _CLASSIFIED[cache_key] = result
+    return result
+
+
+def _eval_rows(mask_mod, r0: int, r1: int, seqlen: int) -> torch.Tensor:
+    zero = torch.zeros((), dtype=torch.int32)
+    q_idx = torch.arange(r0, r1, dtype=torch.int32)[:, None]
+    kv_idx = torch.arange(seqlen, dtype=torch.int32)[None, :]
+    with torch.no_grad():
+        out = mask_mod(zero, zero, q_idx, kv_idx)
+    return torch.as_tensor(out).to(torch.bool).expand(r1 - r0, seqlen)
+
+
+def _classify(mask_mod, seqlen: int) -> tuple[str, int] | str:
+    if seqlen < 1:
+        return "empty sequence"
+    try:
+        first = _eval_rows(mask_mod, 0, 1, seqlen)[0]
+    except Exception as e:  # a mask_mod we cannot evaluate on plain index tensors
+        return f"mask_mod not evaluable ({type(e).__name__})"
+    block = int(first.sum())
+    if block < 1 or not bool(first[:block].all()):
+        return "not a block-diffusion or block-causal mask"
+    candidates = []
+    if seqlen % 2 == 0 and block <= seqlen // 2:
+        candidates.append(("block_diffusion", SequenceMask.block_diffusion(seqlen, block)))
+    candidates.append(("block_causal", SequenceMask.block_causal(seqlen, block)))
+    cols = torch.arange(seqlen)
+    for kind, mask in candidates:
+        # Against the geometry every kernel runs from, so a match means our op computes this mask.
+        if all(torch.equal(_eval_rows(mask_mod, r0, r1, seqlen), mask.visible(torch.arange(r0, r1), cols))
+               for r0 in range(0, seqlen, _ROW_CHUNK) for r1 in [min(r0 + _ROW_CHUNK, seqlen)]):
+            return kind, block
+    return "not a block-diffusion or block-causal mask"
+
+
+def _example(node) -> torch.Tensor | None:
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+
+
+def _static_int(x) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _decide(gm: torch.fx.GraphModule, node: torch.fx.Node):
+    """(op, block_size, lse_is_log2) for a flex_attention node we can replace, else a reason."""
+    (q, k, v, score_mod, block_mask, scale, kernel_options,
+     score_bufs, mask_bufs) = (list(node.args) + [(), ()])[:9]
+    if score_bufs or mask_bufs:
+        return "captures tensors"
+    if not _is_identity_score_mod(getattr(gm, score_mod.target)):
+        return "score_mod is not the identity"
+    max_users = [u for u in node.users if u.args[1] == 2 and u.users]
+    if max_users or not all(u.op == "call_function" and u.target is operator.getitem
+                            for u in node.users):
+        return "max_scores used"
+    vals = [_example(t) for t in (q, k, v)]
+    if any(t is None for t in vals):
+        return "no example values"
+    qv, kv, vv = vals
+    if qv.dim() != 4 or kv.shape != vv.shape or kv.dim() != 4:
+        return "unexpected ranks"
+    dims = [_static_int(x) for x in (*qv.shape, *kv.shape)]
+    if any(d is None for d in dims):
+        return "symbolic shape"
+    b, h, sq, d = dims[:4]
+    bk, hkv, skv, dk = dims[4:]
+    if sq != skv or b != bk or d != dk or h % hkv:
+        return "q and k/v shapes differ (cross-attention or mismatched heads)"
+    if qv.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM:
+        return "dtype or head dim outside the op"
+    mask_gm = getattr(gm, block_mask[-1].target)
+    b_arg, h_arg = _placeholders(mask_gm)[:2]
+    if b_arg.users or h_arg.users:
+        return "mask depends on batch or head"
+    kind = classify_mask(mask_gm, sq, key=mask_gm.code)
+    if isinstance(kind, str):
+        return kind
+    name, bs = kind
+    op = (torch.ops.dlm.diffusion_attn_fwd if name == "block_diffusion"
+          else torch.ops.dlm.block_causal_attn_fwd).default
+    lse_is_log2 = dict(kernel_options or {}).get("BACKEND", "AUTO") != "FLASH"
+    return op, bs, float(scale), lse_is_log2, name
+
+
+# -- rewriting ---------------------------------------------------------------------------------
+
+
+def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, op, bs, scale, lse_is_log2) -> None:
+    q, k, v = node.args[:3]
+    with graph.inserting_before(node):
+        qt, kt, vt = (graph.call_function(torch.transpose, (t, 1, 2)) for t in (q, k, v))
+        res = graph.call_function(op, (qt, kt, vt, bs, scale, 0.0, False, None))
+        out = graph.call_function(operator.getitem, (res, 0))
+        out = graph.call_function(torch.transpose, (out, 1, 2))
+        out = graph.call_method("contiguous", (out,))
+        lse = graph.call_function(operator.getitem, (res, 1))
+        if lse_is_log2:
+            lse = graph.call_function(operator.mul, (lse, _LOG2E))
+    for user in list(node.users):
+        index = user.args[1]
+        if index in (0, 1):
+            user.replace_all_uses_with(out if index == 0 else lse)
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def rewrite_graph(graph: torch.fx.Graph) -> int:
+    """Replace every qualifying flex_attention call in ``graph``; returns how many."""
+    gm = graph.owning_module
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.higher_order.flex_attention:
+            continue
+        decision = _decide(gm, node)
+        if isinstance(decision, str):
+            _STATS[f"declined: {decision}"] += 1
+            log.info("dlm_ops: flex_attention left to flex (%s)", decision)
+            continue
+        op, bs, scale, lse_is_log2, name = decision
+        _rewrite(graph, node, op, bs, scale, lse_is_log2)
+        _STATS["rewritten"] += 1
+        _STATS[f"rewritten: {name}"] += 1
+        log.info("dlm_ops: flex_attention -> %s (block_size %d)", op, bs)
+        done += 1
+    return done
+
+
+class FlexRewritePass(CustomGraphPass):
+    """The pre-grad pass; it runs the pass that was installed before it (if any) afterwards."""
+
+    def __init__(self, chained=None):
+        self.chained = chained
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if _STATE["enabled"]:
+            rewrite_graph(graph)
+        if self.chained is not None:
+            self.chained(graph)
+
+    def uuid(self):
+        h = hashlib.sha256(Path(__file__).read_bytes())
+        h.update(str(_STATE["enabled"]).encode())
+        chained = getattr(self.chained, "uuid", lambda: repr(self.chained))()
+        h.update(repr(chained).encode())
+        return h.hexdigest()
+
+
+def install() -> None:
+    """Chain the pass in front of whatever pre-grad pass is configured (idempotent)."""
+    import torch._inductor.config as inductor_config
+
+    current = inductor_config.pre_grad_custom_pass
+    if isinstance(current, FlexRewritePass):
+        return
+    inductor_config.pre_grad_custom_pass = FlexRewritePass(chained=current)

@@ -1,0 +1,239 @@
+"""torch.compile's flex_attention -> dlm ops rewrite (lowerings/flex_rewrite.py), on CPU.
+
+Flex has no CPU backward and no CPU return_lse, so the training tests replace flex's device check
+(test-only) and compare against the dense reference instead of compiled flex."""
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as flex_module
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import dlm_ops
+from dlm_ops.reference import masked_attention_ref
+
+from .strategies import make_qkv
+
+N, BS = 24, 4
+S = 2 * N
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    torch._dynamo.reset()
+    dlm_ops.compile.reset_stats()
+    dlm_ops.compile.enable()
+    # Test-only: flex refuses CPU tensors that require grad; after the rewrite our op serves them.
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *a, **k: None)
+    # Compiled-graph caches would replay an earlier test's graph without running the pass, and the
+    # stats these tests read count the pass's decisions.
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    yield
+    dlm_ops.compile.enable()
+    torch._dynamo.reset()
+
+
+def bd3_where(b, h, q_idx, kv_idx):
+    qc, kc = q_idx >= N, kv_idx >= N
+    qb = torch.where(qc, q_idx - N, q_idx) // BS
+    kb = torch.where(kc, kv_idx - N, kv_idx) // BS
+    return ((qc == kc) & (qb == kb)) | (~qc & kc & (kb < qb)) | (qc & kc & (kb <= qb))
+
+
+def bd3_modulo(b, h, q_idx, kv_idx):
+    q_blk, kv_blk = (q_idx % N) // BS, (kv_idx % N) // BS
+    q_clean, kv_clean = q_idx >= N, kv_idx >= N
+    diagonal = (q_blk == kv_blk) & (q_clean == kv_clean)
+    offset = (q_blk > kv_blk) & kv_clean & ~q_clean
+    causal = (q_blk >= kv_blk) & kv_clean & q_clean
+    return diagonal | offset | causal
+
+
+def _bd3_kw(b, h, q_idx, kv_idx, *, n, block_size):
+    return dlm_ops.masks.block_diffusion(n, block_size)(b, h, q_idx, kv_idx)
+
+
+class BD3:
+    def __init__(self, n, block_size):
+        self.n, self.bs = n, block_size
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return dlm_ops.masks.block_diffusion(self.n, self.bs)(b, h, q_idx, kv_idx)
+
+
+DOC = torch.tensor([0] * 20 + [1] * 28)
+NOT_OURS = {
+    "sliding window": lambda b, h, q, kv: (q - kv).abs() < 8,
+    "prefix lm": lambda b, h, q, kv: (kv < 10) | (q >= kv),
+    "document (captured tensor)": lambda b, h, q, kv: DOC[q] == DOC[kv],
+    "head-dependent": lambda b, h, q, kv: (h % 2 == 0) | (q >= kv),
+    "block causal, one block short": lambda b, h, q, kv: (kv // 4 <= q // 4) & (kv < S - 1),
+}
+
+
+def _dense(mask_mod, heads=4):
+    b = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    h = torch.arange(heads)[None, :, None, None]
+    q, kv = torch.arange(S)[None, None, :, None], torch.arange(S)[None, None, None, :]
+    return mask_mod(b, h, q, kv).expand(1, heads, S, S)
+
+
+def _inputs(grad, heads=4, kv_heads=2, d=16, dtype=torch.float32):
+    q, k, v = make_qkv((2, heads, S, d), (2, kv_heads, S, d), dtype, seed=0)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def _reference(q, k, v, dense, scale=None):
+    out, lse = masked_attention_ref(*(t.transpose(1, 2) for t in (q, k, v)), dense,
+                                    softmax_scale=scale, compute_dtype=torch.float64)
+    return out.transpose(1, 2), lse
+
+
+@pytest.mark.parametrize("mask_mod", [
+    bd3_where, bd3_modulo, functools.partial(_bd3_kw, n=N, block_size=BS), BD3(N, BS),
+    dlm_ops.masks.block_diffusion(N, BS)], ids=["where", "modulo", "partial", "class", "masks"])
+def test_block_diffusion_styles_are_rewritten_fwd_and_bwd(mask_mod):
+    block_mask = create_block_mask(mask_mod, None, None, S, S, device="cpu")
+    scale = 0.3
+
+    def attn(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
+                              return_lse=True)
+
+    compiled = torch.compile(attn, fullgraph=True)
+    q, k, v = _inputs(grad=True)
+    out, lse = compiled(q, k, v)
+    assert dlm_ops.compile.stats().get("rewritten: block_diffusion") == 1, dlm_ops.compile.stats()
+    dense = dlm_ops.reference.block_diffusion_mask(S, BS)
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = _reference(qr, kr, vr, dense, scale)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=0)  # flex's natural-log lse
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref_out * dout.double()).sum() + (ref_lse * dlse.double()).sum(),
+                                    (qr, kr, vr))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mask_mod,block_size", [
+    (dlm_ops.masks.block_causal(5), 5), (lambda b, h, q, kv: q >= kv, 1)], ids=["masks", "causal"])
+def test_block_causal_is_rewritten_and_matches_compiled_flex(mask_mod, block_size):
+    block_mask = create_block_mask(mask_mod, None, None, S, S, device="cpu")
+    attn = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    q, k, v = _inputs(grad=False)
+    dlm_ops.compile.disable()
+    flex_out = torch.compile(attn, fullgraph=True)(q, k, v)
+    assert not dlm_ops.compile.stats()
+    torch._dynamo.reset()
+    dlm_ops.compile.enable()
+    ours = torch.compile(attn, fullgraph=True)(q, k, v)
+    assert dlm_ops.compile.stats().get("rewritten: block_causal") == 1
+    torch.testing.assert_close(ours, flex_out, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(NOT_OURS))
+def test_other_masks_are_left_to_flex(name):
+    mask_mod = NOT_OURS[name]
+    block_mask = create_block_mask(mask_mod, None, 4, S, S, device="cpu")
+    attn = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    q, k, v = _inputs(grad=False)
+    out = torch.compile(attn, fullgraph=True)(q, k, v)
+    stats = dlm_ops.compile.stats()
+    assert "rewritten" not in stats and sum(stats.values()) == 1, stats
+    ref, _ = _reference(q, k, v, _dense(mask_mod))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_score_mod_and_dynamic_shapes_are_declined_with_reasons():
+    block_mask = create_block_mask(bd3_where, None, None, S, S, device="cpu")
+    q, k, v = _inputs(grad=False)
+    biased = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                            score_mod=lambda s, b, h, qi, ki: s + 0.1 * (qi - ki))
+    torch.compile(biased, fullgraph=True)(q, k, v)
+    assert dlm_ops.compile.stats() == {"declined: score_mod is not the identity": 1}
+    torch._dynamo.reset()
+    dlm_ops.compile.reset_stats()
+    plain = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    out = torch.compile(plain, fullgraph=True, dynamic=True)(q, k, v)
+    assert dlm_ops.compile.stats() == {"declined: symbolic shape": 1}
+    ref, _ = _reference(q, k, v, dlm_ops.reference.block_diffusion_mask(S, BS))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_disable_leaves_flex_alone():
+    dlm_ops.compile.disable()
+    block_mask = create_block_mask(bd3_where, None, None, S, S, device="cpu")
+    q, k, v = _inputs(grad=False)
+    torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True),
+                  fullgraph=True)(q, k, v)
+    assert dlm_ops.compile.stats() == {}
+
+
+class TinyBD3(torch.nn.Module):
+    """Two pre-norm layers, RoPE, attention through a pluggable function, [noisy | clean] input."""
+
+    def __init__(self, vocab=32, dim=32, heads=4, layers=2):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict(dict(norm=torch.nn.LayerNorm(dim), qkv=torch.nn.Linear(dim, 3 * dim),
+                                     proj=torch.nn.Linear(dim, dim), mlp=torch.nn.Linear(dim, dim)))
+            for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    @staticmethod
+    def rope(x):
+        s, d = x.shape[-2], x.shape[-1]
+        pos = torch.arange(s) % (s // 2)  # noisy and clean copies share positions
+        freq = pos[:, None] / (10000 ** (torch.arange(0, d, 2) / d))
+        cos, sin = freq.cos(), freq.sin()
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
+
+    def forward(self, tokens, attend):
+        x = self.embed(tokens)
+        b, s, dim = x.shape
+        for layer in self.layers:
+            h = layer["norm"](x)
+            q, k, v = layer["qkv"](h).view(b, s, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+            x = x + layer["proj"](attend(self.rope(q), self.rope(k), v).transpose(1, 2).reshape(b, s, dim))
+            x = x + torch.relu(layer["mlp"](x))
+        return self.head(x)
+
+
+def test_small_bd3_transformer_trains_the_same_with_the_rewrite():
+    torch.manual_seed(0)
+    model = TinyBD3()
+    ref_model = TinyBD3()
+    ref_model.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 32, (2, S))
+    block_mask = create_block_mask(dlm_ops.masks.block_diffusion(N, BS), None, None, S, S, device="cpu")
+    dense = dlm_ops.reference.block_diffusion_mask(S, BS)
+    flex_attend = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask)
+    dense_attend = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+
+    def loss_fn(model, attend):
+        logits = model(tokens, attend)[:, :N]  # loss on the noisy half
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, N:].reshape(-1))
+
+    compiled_loss = torch.compile(lambda: loss_fn(model, flex_attend), fullgraph=True)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref_model))
+    losses, ref_losses = [], []
+    for _ in range(4):
+        for o, m, fn, out in ((opt, model, compiled_loss, losses),
+                              (ref_opt, ref_model, lambda: loss_fn(ref_model, dense_attend), ref_losses)):
+            o.zero_grad()
+            loss = fn()
+            loss.backward()
+            o.step()
+            out.append(loss.item())
+    assert dlm_ops.compile.stats().get("rewritten", 0) >= 2  # one per layer
+    assert losses[-1] < losses[0]
+    for a, b in zip(losses, ref_losses):
+        assert math.isclose(a, b, rel_tol=1e-4), (losses, ref_losses)
