@@ -28,10 +28,11 @@ def fresh(monkeypatch):
     # Test-only: flex refuses CPU tensors that require grad; after the rewrite our op serves them.
     monkeypatch.setattr(flex_module, "_validate_device", lambda *a, **k: None)
     # Compiled-graph caches would replay an earlier test's graph without running the pass, and the
-    # stats these tests read count the pass's decisions.
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    yield
+    # stats these tests read count the pass's decisions. (Config modules have their own patch():
+    # pytest's monkeypatch deletes their entries on undo.)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
     dlm_ops.compile.enable()
     torch._dynamo.reset()
 
