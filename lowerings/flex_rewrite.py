@@ -8,8 +8,10 @@ covers training and inference.
 When. Only when the call provably computes our op (never on a guess, since a wrong rewrite silently
 changes a model):
   * identity score_mod, no captured tensors (score_mod or mask_mod buffers), max_scores unused;
-  * q, k, v of one static sequence length S (a symbolic length is declined: the mask was checked at
-    one length only), a head dim and dtype our op takes, H % Hkv == 0;
+  * q, k, v of one fixed sequence length S, a head dim and dtype our op takes, H % Hkv == 0. Under
+    dynamic=True the batch may stay symbolic; flex's own check of the length against the BlockMask
+    specialises S (a SymInt with a constant value), and a truly symbolic S is declined, since the
+    mask was checked at one length only;
   * the mask_mod never reads its batch or head argument (checked on its graph), and evaluated on
     every (q, kv) pair of S it equals the geometry's BD3 mask (S even) or block-causal mask, for the
     block size read off its first row. Evaluation runs in row chunks and is cached per (mask graph
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 import dlm_ops.ops.diffusion  # noqa: F401  (registers torch.ops.dlm.*)
 from dlm_ops.geometry import SequenceMask
@@ -129,13 +132,33 @@ def _example(node) -> torch.Tensor | None:
 
 
 def _static_int(x) -> int | None:
+    """x as an int if it is one, or a SymInt whose value is fixed (dynamic=True graphs carry
+    specialised sizes as SymInts with a constant expression), else None (no guard is added)."""
+    if isinstance(x, torch.SymInt):
+        return int(x) if is_concrete_int(x) else None
     return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _static_float(x) -> float | None:
+    """The scale argument: a float, or a graph node whose example value is a fixed number."""
+    if isinstance(x, torch.fx.Node):
+        x = x.meta.get("example_value", x.meta.get("val"))
+    if isinstance(x, torch.SymFloat):  # e.g. flex's 1/sqrt(head_dim) with a specialised head_dim
+        expr = x.node.expr
+        return None if getattr(expr, "free_symbols", True) else float(expr)
+    if isinstance(x, torch.SymInt):
+        x = _static_int(x)
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def _decide(gm: torch.fx.GraphModule, node: torch.fx.Node):
     """(op, block_size, lse_is_log2) for a flex_attention node we can replace, else a reason."""
     (q, k, v, score_mod, block_mask, scale, kernel_options,
      score_bufs, mask_bufs) = (list(node.args) + [(), ()])[:9]
+    if any(isinstance(_example(x), (torch.SymInt, torch.SymFloat)) for x in (*score_bufs, *mask_bufs)):
+        # dynamic=True lifts ints that a locally built mask_mod closes over (n, block_size) into
+        # symbolic inputs: the mask then holds for values we cannot check at compile time.
+        return "mask_mod closes over values made symbolic (dynamic=True; build the mask globally)"
     if score_bufs or mask_bufs:
         return "captures tensors"
     if not _is_identity_score_mod(getattr(gm, score_mod.target)):
@@ -150,12 +173,15 @@ def _decide(gm: torch.fx.GraphModule, node: torch.fx.Node):
     qv, kv, vv = vals
     if qv.dim() != 4 or kv.shape != vv.shape or kv.dim() != 4:
         return "unexpected ranks"
-    dims = [_static_int(x) for x in (*qv.shape, *kv.shape)]
+    # The batch may stay symbolic (the mask ignores it); heads, head dim and length must be static:
+    # the mask is checked at one length. (flex's own length check against a BlockMask built for a
+    # fixed length specialises the sequence length under dynamic=True.)
+    dims = [_static_int(x) for x in (qv.shape[1], qv.shape[2], qv.shape[3],
+                                     kv.shape[1], kv.shape[2], kv.shape[3])]
     if any(d is None for d in dims):
-        return "symbolic shape"
-    b, h, sq, d = dims[:4]
-    bk, hkv, skv, dk = dims[4:]
-    if sq != skv or b != bk or d != dk or h % hkv:
+        return "symbolic sequence length or head shape"
+    h, sq, d, hkv, skv, dk = dims
+    if sq != skv or d != dk or h % hkv:
         return "q and k/v shapes differ (cross-attention or mismatched heads)"
     if qv.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM:
         return "dtype or head dim outside the op"
@@ -167,10 +193,13 @@ def _decide(gm: torch.fx.GraphModule, node: torch.fx.Node):
     if isinstance(kind, str):
         return kind
     name, bs = kind
+    scale_value = _static_float(scale)
+    if scale_value is None:
+        return "symbolic scale"
     op = (torch.ops.dlm.diffusion_attn_fwd if name == "block_diffusion"
           else torch.ops.dlm.block_causal_attn_fwd).default
     lse_is_log2 = dict(kernel_options or {}).get("BACKEND", "AUTO") != "FLASH"
-    return op, bs, float(scale), lse_is_log2, name
+    return op, bs, scale_value, lse_is_log2, name
 
 
 # -- rewriting ---------------------------------------------------------------------------------
