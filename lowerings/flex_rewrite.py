@@ -19,6 +19,11 @@ changes a model):
     equal masks. It is quadratic in S (1.7 s at S = 16K on two CPU cores, once per compile): the BlockMask's
     full/partial tile lists that would make it linear are graph inputs here, known only at run time.
 
+Trust. Flex skips the tiles its BlockMask tables omit and runs the ones they list as full without
+calling mask_mod; create_block_mask derives those tables from the mask_mod, so the two agree. A
+hand-built BlockMask whose tables contradict its own mask_mod is not detected (the tables are
+run-time values); an all-visible mask_mod, where the tables carry the whole sparsity, is declined.
+
 How. q, k, v (B, H, S, D) are passed as (B, S, H, D) views; out comes back transposed and made
 contiguous (as flex returns it); lse is converted to the base-2 statistics the higher-order op
 returns (flex multiplies by ln 2 afterwards) unless the FLASH backend was asked for.
@@ -114,6 +119,10 @@ def _classify(mask_mod, seqlen: int) -> tuple[str, int] | str:
     block = int(first.sum())
     if block < 1 or not bool(first[:block].all()):
         return "not a block-diffusion or block-causal mask"
+    if block >= seqlen:
+        # An all-visible mask_mod (e.g. the default of BlockMask.from_kv_blocks) leaves the sparsity
+        # to the BlockMask's tables, which are run-time values: nothing to prove it against.
+        return "mask_mod sees everything (the BlockMask tables decide)"
     candidates = []
     if seqlen % 2 == 0 and block <= seqlen // 2:
         candidates.append(("block_diffusion", SequenceMask.block_diffusion(seqlen, block)))

@@ -72,6 +72,7 @@ NOT_OURS = {
     "document (captured tensor)": lambda b, h, q, kv: DOC[q] == DOC[kv],
     "head-dependent": lambda b, h, q, kv: (h % 2 == 0) | (q >= kv),
     "block causal, one block short": lambda b, h, q, kv: (kv // 4 <= q // 4) & (kv < S - 1),
+    "all visible (tables decide)": lambda b, h, q, kv: q >= 0,
 }
 
 
