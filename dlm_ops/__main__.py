@@ -76,6 +76,8 @@ def main(argv=None) -> int:
             for _ in range(2))
     problem = _problem(q, k, softcap=0.0, deterministic=False, varlen=False)
     print(f"backends for {a.dtype} head_dim {a.head_dim} on {device.type}:\n{report(problem)}")
+    rewrite = "on" if dlm_ops.compile.is_enabled() else "off"
+    print(f"torch.compile flex_attention rewrite: {rewrite} (DLM_OPS_REWRITE_FLEX=0 turns it off)")
     backend = select(problem, a.backend).name
     shape = f"B={a.batch} 2n={S} H={a.heads}/{kv_heads} D={a.head_dim} bs={a.block_size}"
     print(f"running {shape} {a.dtype} on backend {backend!r} ...", flush=True)

@@ -7,6 +7,6 @@ already configured there. ``disable()`` (or DLM_OPS_REWRITE_FLEX=0 before import
 ``torch._dynamo.reset()`` after switching.
 """
 
-from .lowerings.flex_rewrite import disable, enable, install, reset_stats, stats
+from .lowerings.flex_rewrite import disable, enable, install, is_enabled, reset_stats, stats
 
-__all__ = ["disable", "enable", "install", "reset_stats", "stats"]
+__all__ = ["disable", "enable", "install", "is_enabled", "reset_stats", "stats"]

@@ -65,6 +65,10 @@ def disable() -> None:
     _STATE["enabled"] = False
 
 
+def is_enabled() -> bool:
+    return _STATE["enabled"]
+
+
 def stats() -> dict[str, int]:
     """Counts since import: 'rewritten' (and per mask kind) and 'declined: <reason>' per reason."""
     return dict(_STATS)

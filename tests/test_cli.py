@@ -10,6 +10,7 @@ def test_main_reports_backends_and_a_checked_table(capsys):
     assert main(["--n", "48", "--heads", "4", "--kv-heads", "2", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "torch: usable" in out
+    assert "flex_attention rewrite: on" in out
     assert "dlm_ops (torch) fwd+bwd" in out and "SDPA dense mask fwd" in out
     assert "check: ok" in out
 
