@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 import dlm_ops.ops.diffusion  # noqa: F401  (registers torch.ops.dlm.*)
 from dlm_ops.geometry import SequenceMask
@@ -165,7 +165,8 @@ def _static_float(x) -> float | None:
 
 
 def _decide(gm: torch.fx.GraphModule, node: torch.fx.Node):
-    """(op, block_size, lse_is_log2) for a flex_attention node we can replace, else a reason."""
+    """(op, block_size, scale, lse_is_log2, mask kind) for a flex_attention node we can replace,
+    else the reason we leave it to flex."""
     (q, k, v, score_mod, block_mask, scale, kernel_options,
      score_bufs, mask_bufs) = (list(node.args) + [(), ()])[:9]
     if any(isinstance(_example(x), (torch.SymInt, torch.SymFloat)) for x in (*score_bufs, *mask_bufs)):
@@ -194,6 +195,8 @@ def _decide(gm: torch.fx.GraphModule, node: torch.fx.Node):
     if any(d is None for d in dims):
         return "symbolic sequence length or head shape"
     h, sq, d, hkv, skv, dk = dims
+    if not statically_known_true(qv.shape[0] == kv.shape[0]):
+        return "q and k/v batch sizes differ"
     if sq != skv or d != dk or h % hkv:
         return "q and k/v shapes differ (cross-attention or mismatched heads)"
     if qv.dtype not in DTYPES or d % 8 or d > MAX_HEAD_DIM:
