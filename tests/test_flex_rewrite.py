@@ -12,6 +12,7 @@ import torch.nn.attention.flex_attention as flex_module
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import dlm_ops
+from benchmarks.models import TinyBD3, noisy_half_loss
 from dlm_ops.reference import masked_attention_ref
 
 from .strategies import make_qkv
@@ -196,39 +197,6 @@ def test_disable_leaves_flex_alone():
     assert dlm_ops.compile.stats() == {}
 
 
-class TinyBD3(torch.nn.Module):
-    """Two pre-norm layers, RoPE, attention through a pluggable function, [noisy | clean] input."""
-
-    def __init__(self, vocab=32, dim=32, heads=4, layers=2):
-        super().__init__()
-        self.heads = heads
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.layers = torch.nn.ModuleList(
-            torch.nn.ModuleDict(dict(norm=torch.nn.LayerNorm(dim), qkv=torch.nn.Linear(dim, 3 * dim),
-                                     proj=torch.nn.Linear(dim, dim), mlp=torch.nn.Linear(dim, dim)))
-            for _ in range(layers))
-        self.head = torch.nn.Linear(dim, vocab)
-
-    @staticmethod
-    def rope(x):
-        s, d = x.shape[-2], x.shape[-1]
-        pos = torch.arange(s) % (s // 2)  # noisy and clean copies share positions
-        freq = pos[:, None] / (10000 ** (torch.arange(0, d, 2) / d))
-        cos, sin = freq.cos(), freq.sin()
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
-
-    def forward(self, tokens, attend):
-        x = self.embed(tokens)
-        b, s, dim = x.shape
-        for layer in self.layers:
-            h = layer["norm"](x)
-            q, k, v = layer["qkv"](h).view(b, s, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-            x = x + layer["proj"](attend(self.rope(q), self.rope(k), v).transpose(1, 2).reshape(b, s, dim))
-            x = x + torch.relu(layer["mlp"](x))
-        return self.head(x)
-
-
 def test_small_bd3_transformer_trains_the_same_with_the_rewrite():
     torch.manual_seed(0)
     model = TinyBD3()
@@ -241,8 +209,7 @@ def test_small_bd3_transformer_trains_the_same_with_the_rewrite():
     dense_attend = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
 
     def loss_fn(model, attend):
-        logits = model(tokens, attend)[:, :N]  # loss on the noisy half
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, N:].reshape(-1))
+        return noisy_half_loss(model, tokens, attend, vocab=32)
 
     compiled_loss = torch.compile(lambda: loss_fn(model, flex_attend), fullgraph=True,
                                   mode="max-autotune-no-cudagraphs")
@@ -260,3 +227,36 @@ def test_small_bd3_transformer_trains_the_same_with_the_rewrite():
     assert losses[-1] < losses[0]
     for a, b in zip(losses, ref_losses):
         assert math.isclose(a, b, rel_tol=1e-4), (losses, ref_losses)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_rewrite_against_compiled_flex(dtype):
+    """On CUDA both paths run: the rewritten op's error (out, lse, grads) vs an fp32 reference is
+    at most twice compiled flex's."""
+    from .accuracy import assert_rule
+
+    n, bs = 512, 16
+    block_mask = create_block_mask(dlm_ops.masks.block_diffusion(n, bs), None, None, 2 * n, 2 * n)
+    attn = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                          return_lse=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 2 * n, 64, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 2 * n, 64, device="cuda", generator=g).to(dtype) for _ in range(2))
+    dout = torch.randn(q.shape, device="cuda", generator=g).to(dtype)
+    results = {}
+    for enabled in (False, True):
+        torch._dynamo.reset()
+        (dlm_ops.compile.enable if enabled else dlm_ops.compile.disable)()
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = torch.compile(attn, fullgraph=True)(*inputs)
+        results[enabled] = (out, lse, *torch.autograd.grad((out * dout).sum() + lse.sum(), inputs))
+    assert dlm_ops.compile.stats().get("rewritten") == 1
+    inputs = [t.float().requires_grad_() for t in (q, k, v)]
+    dense = dlm_ops.reference.block_diffusion_mask(2 * n, bs, "cuda")
+    ref_out, ref_lse = masked_attention_ref(*(t.transpose(1, 2) for t in inputs), dense)
+    ref_out = ref_out.transpose(1, 2)
+    gold = (ref_out, ref_lse, *torch.autograd.grad((ref_out * dout.float()).sum() + ref_lse.sum(),
+                                                   inputs))
+    for i, name in enumerate(["out", "lse", "dq", "dk", "dv"]):
+        assert_rule(name, results[True][i], gold[i], results[False][i], dtype)
