@@ -101,7 +101,8 @@ def sdpa_dense_mask(case: Case):
 
 
 def flex(case: Case):
-    """Compiled FlexAttention with the BD3 mask_mod, as BD3-LM writes it.
+    """Compiled FlexAttention with the BD3 mask_mod (dlm_ops.masks, the same mask BD3-LM writes),
+    with dlm_ops' flex rewrite switched off: this contender is flex itself.
 
     Dynamo caches compiled code per code object and guards on the mask_mod closure, so every case
     recompiles flex_attention; past the recompile limit it would silently run flex eagerly (a few
@@ -109,19 +110,11 @@ def flex(case: Case):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     torch._dynamo.reset()
+    dlm_ops.compile.disable()
     fn = torch.compile(flex_attention, dynamic=False)
     n, bs = case.n, case.block_size
-
-    def bd3(b, h, q_idx, kv_idx):
-        q_clean, k_clean = q_idx >= n, kv_idx >= n
-        q_blk = torch.where(q_clean, q_idx - n, q_idx) // bs
-        k_blk = torch.where(k_clean, kv_idx - n, kv_idx) // bs
-        same = (q_clean == k_clean) & (q_blk == k_blk)
-        noisy_sees_clean = ~q_clean & k_clean & (k_blk < q_blk)
-        clean_sees_clean = q_clean & k_clean & (k_blk <= q_blk)
-        return same | noisy_sees_clean | clean_sees_clean
-
-    block_mask = create_block_mask(bd3, None, None, 2 * n, 2 * n, device="cuda")
+    block_mask = create_block_mask(dlm_ops.masks.block_diffusion(n, bs), None, None, 2 * n, 2 * n,
+                                   device="cuda")
     shape_q = (case.batch, case.heads, 2 * n, case.head_dim)
     shape_kv = (case.batch, case.kv_heads, 2 * n, case.head_dim)
     q, k, v = _rand(*shape_q, dtype=case.dtype), _rand(*shape_kv, dtype=case.dtype), \
