@@ -1,9 +1,10 @@
-"""Backend registry and dispatch.
+"""Backend registries and dispatch, one registry per op family.
 
-Each backend declares what it supports as data (``base.Capabilities``); ``select`` picks the
-highest-priority eligible one, or the one ``backend=`` forces, and otherwise raises
-``UnsupportedConfig`` with every backend's reason. New backends (triton, cutlass) register here and
-the op modules do not change.
+Each backend declares what it supports as data (``base.Capabilities``) and the family it serves
+(``Backend.family``); ``select`` picks the highest-priority eligible backend of that family, or the
+one ``backend=`` forces, and otherwise raises ``UnsupportedConfig`` with every backend's reason.
+An op family adds its backends with ``register`` (from the module that defines them); the op
+modules never name a backend class.
 """
 
 from __future__ import annotations
@@ -13,7 +14,18 @@ from .base import Backend, Problem
 from .torch_tiled import TorchTiledBackend
 from .triton_backend import TritonBackend
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (TritonBackend(), TorchTiledBackend())}
+REGISTRIES: dict[str, dict[str, Backend]] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Add ``backend`` to its family's registry (a later registration of the same name replaces it)."""
+    REGISTRIES.setdefault(backend.family, {})[backend.name] = backend
+    return backend
+
+
+for _b in (TritonBackend(), TorchTiledBackend()):
+    register(_b)
+BACKENDS = REGISTRIES["diffusion"]  # the block-diffusion family (and exact attention's fallbacks)
 
 
 def _auto_reasons(b: Backend, problem: Problem) -> list[str]:
@@ -24,27 +36,28 @@ def _auto_reasons(b: Backend, problem: Problem) -> list[str]:
     return reasons
 
 
-def select(problem: Problem, forced: str | None = None) -> Backend:
+def select(problem: Problem, forced: str | None = None, family: str = "diffusion") -> Backend:
+    backends = REGISTRIES[family]
     if forced is not None:
-        if forced not in BACKENDS:
-            raise ValueError(f"backend must be one of {sorted(BACKENDS)} or None, got {forced!r}")
-        reasons = BACKENDS[forced].not_supported_reasons(problem)
+        if forced not in backends:
+            raise ValueError(f"backend must be one of {sorted(backends)} or None, got {forced!r}")
+        reasons = backends[forced].not_supported_reasons(problem)
         if reasons:
             raise UnsupportedConfig(f"backend {forced!r} cannot run {problem}: " + "; ".join(reasons))
-        return BACKENDS[forced]
-    eligible = [b for b in BACKENDS.values() if not _auto_reasons(b, problem)]
+        return backends[forced]
+    eligible = [b for b in backends.values() if not _auto_reasons(b, problem)]
     if not eligible:
-        raise UnsupportedConfig(f"no backend can run {problem}:\n" + report(problem))
+        raise UnsupportedConfig(f"no backend can run {problem}:\n" + report(problem, family))
     return max(eligible, key=lambda b: b.priority)
 
 
-def report(problem: Problem) -> str:
-    """One line per backend: usable for ``problem``, or why not."""
+def report(problem: Problem, family: str = "diffusion") -> str:
+    """One line per backend of ``family``: usable for ``problem``, or why not."""
     lines = []
-    for b in sorted(BACKENDS.values(), key=lambda b: -b.priority):
+    for b in sorted(REGISTRIES[family].values(), key=lambda b: -b.priority):
         reasons = _auto_reasons(b, problem)
         lines.append(f"  {b.name}: " + ("usable" if not reasons else "; ".join(reasons)))
     return "\n".join(lines)
 
 
-__all__ = ["BACKENDS", "Backend", "Problem", "select", "report"]
+__all__ = ["BACKENDS", "REGISTRIES", "Backend", "Problem", "register", "select", "report"]

@@ -72,10 +72,11 @@ class Capabilities:
 
 
 class Backend:
-    """A way to run the block-diffusion family. Subclasses set the class attributes and implement
-    the four entry points; all tensors arrive validated and in the public layouts."""
+    """A way to run one op family (``family``). Subclasses set the class attributes and add the
+    family's entry points; all tensors arrive validated and in the public layouts."""
 
     name: str
+    family: str = "diffusion"  # which registry in dlm_ops.backends it joins
     priority: int  # higher wins among eligible backends
     capabilities: Capabilities
     auto_device_types: frozenset[str] | None = None  # where dispatch may pick it unforced (None: anywhere)
@@ -87,6 +88,12 @@ class Backend:
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         why = self.unavailable_reason()
         return ([why] if why else []) + self.capabilities.reasons(problem)
+
+
+class DiffusionBackend(Backend):
+    """The block-diffusion family (dlm_ops/ops/diffusion.py): four entry points."""
+
+    family = "diffusion"
 
     # Batched: q (B, S, H, D), k/v (B, S, Hkv, D) -> out (B, S, H, D), lse (B, H, S) lse_dtype.
     def fwd(self, q, k, v, mask, scale, softcap, deterministic):

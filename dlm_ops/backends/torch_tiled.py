@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..geometry import SequenceMask, VarlenMask, Visit
-from .base import DETERMINISTIC, GQA, SOFTCAP, VARLEN, Backend, Capabilities, lse_dtype, new_output
+from .base import (DETERMINISTIC, GQA, SOFTCAP, VARLEN, Capabilities, DiffusionBackend, lse_dtype,
+                   new_output)
 
 
 def _merge_runs(visits: tuple[Visit, ...], max_cols: int) -> list[Visit]:
@@ -54,7 +55,7 @@ def _row_stat(x: torch.Tensor, r0: int, r1: int, kv_heads: int) -> torch.Tensor:
     return x[:, :, r0:r1].reshape(b, kv_heads, -1, 1)
 
 
-class TorchTiledBackend(Backend):
+class TorchTiledBackend(DiffusionBackend):
     name = "torch"
     priority = 0
     capabilities = Capabilities(

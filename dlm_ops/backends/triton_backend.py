@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UnsupportedConfig
 from ..geometry import SequenceMask, VarlenMask
-from .base import DETERMINISTIC, GQA, SOFTCAP, VARLEN, Backend, Capabilities, new_output
+from .base import DETERMINISTIC, GQA, SOFTCAP, VARLEN, Capabilities, DiffusionBackend, new_output
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -108,7 +108,7 @@ def _s(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-class TritonBackend(Backend):
+class TritonBackend(DiffusionBackend):
     name = "triton"
     priority = 10
     capabilities = Capabilities(
