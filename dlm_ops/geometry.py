@@ -143,6 +143,24 @@ class SequenceMask:
 
     # -- tile level ----------------------------------------------------------------------------
 
+    def grid_counts(self, block_m: int, block_n: int, row_chunk: int = 4096) -> torch.Tensor:
+        """int64 ``(ceil(S/block_m), ceil(S/block_n))``: visible pairs per tile of a plain grid cut
+        from position 0 (FlexAttention's BlockMask tiling; unlike ``fwd_tiles``, its tiles may
+        straddle the two halves). Memory: ``row_chunk x ceil(S/block_n)`` int64 at a time."""
+        s = self.seqlen
+        c0 = torch.arange(0, s, block_n, dtype=torch.int64)
+        c1 = (c0 + block_n).clamp(max=s)
+        counts = torch.zeros((-(-s // block_m), len(c0)), dtype=torch.int64)
+        row_chunk = max(block_m, row_chunk // block_m * block_m)
+        for r0 in range(0, s, row_chunk):
+            rows = torch.arange(r0, min(r0 + row_chunk, s))
+            iv = self.row_intervals(rows).unsqueeze(1)  # (rows, 1, 4) against (tiles,) bounds
+            per_row = ((torch.minimum(iv[..., 1], c1) - torch.maximum(iv[..., 0], c0)).clamp(min=0)
+                       + (torch.minimum(iv[..., 3], c1) - torch.maximum(iv[..., 2], c0)).clamp(min=0))
+            counts.index_add_(0, rows // block_m, per_row)
+        return counts
+
+
     def _tiles(self, size: int) -> list[tuple[int, int]]:
         """Cut each half into tiles of ``size`` positions from its own start."""
         tiles = []

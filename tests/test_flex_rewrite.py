@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 import dlm_ops
 from benchmarks.models import TinyBD3, noisy_half_loss
@@ -109,7 +109,10 @@ def test_block_diffusion_styles_are_rewritten_fwd_and_bwd(mask_mod):
     compiled = torch.compile(attn, fullgraph=True)
     q, k, v = _inputs(grad=True)
     out, lse = compiled(q, k, v)
-    assert dlm_ops.compile.stats().get("rewritten: block_diffusion") == 1, dlm_ops.compile.stats()
+    stats = dlm_ops.compile.stats()
+    assert stats.get("rewritten: block_diffusion") == 1, stats
+    # Read off the BlockMask's own tables: mask_mod ran on the partial tiles only (linear in S).
+    assert stats.get("checked: partial tiles") == 1 and "checked: all pairs" not in stats, stats
     dense = dlm_ops.reference.block_diffusion_mask(S, BS)
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = _reference(qr, kr, vr, dense, scale)
@@ -139,6 +142,46 @@ def test_block_causal_is_rewritten_and_matches_compiled_flex(mask_mod, block_siz
     torch.testing.assert_close(ours, flex_out, atol=1e-5, rtol=0)
 
 
+def test_small_tiles_are_checked_from_the_block_mask_tables():
+    """8x8 BlockMask tiles: full, partial and skipped tiles all occur; only partial ones are
+    evaluated, and the rewrite matches compiled flex."""
+    block_mask = create_block_mask(bd3_where, None, None, S, S, device="cpu", BLOCK_SIZE=8)
+    attn = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    q, k, v = _inputs(grad=False)
+    dlm_ops.compile.disable()
+    flex_out = torch.compile(attn, fullgraph=True)(q, k, v)
+    torch._dynamo.reset()
+    dlm_ops.compile.enable()
+    ours = torch.compile(attn, fullgraph=True)(q, k, v)
+    stats = dlm_ops.compile.stats()
+    assert stats.get("rewritten: block_diffusion") == 1 and stats.get("checked: partial tiles") == 1
+    torch.testing.assert_close(ours, flex_out, atol=1e-5, rtol=0)
+
+
+def test_tables_that_contradict_the_mask_mod_are_declined():
+    """Flex computes tables AND mask_mod: a BlockMask whose full tiles were dropped no longer
+    computes the BD3 mask even though its mask_mod does, so it must stay with flex."""
+    good = create_block_mask(bd3_where, None, None, S, S, device="cpu", BLOCK_SIZE=8)
+    assert int(good.full_kv_num_blocks.sum()) > 0
+    tampered = BlockMask.from_kv_blocks(good.kv_num_blocks, good.kv_indices,
+                                        torch.zeros_like(good.full_kv_num_blocks),
+                                        good.full_kv_indices, BLOCK_SIZE=8, mask_mod=bd3_where,
+                                        seq_lengths=(S, S))
+    attn = lambda q, k, v: flex_attention(q, k, v, block_mask=tampered, enable_gqa=True)
+    q, k, v = _inputs(grad=False)
+    out = torch.compile(attn, fullgraph=True)(q, k, v)
+    assert _decisions() == {"declined: not a block-diffusion or block-causal mask": 1}
+    visible = bd3_where(0, 0, torch.arange(S)[:, None], torch.arange(S)[None, :])
+    in_partial = tampered.to_dense()[0, 0].repeat_interleave(8, 0).repeat_interleave(8, 1)[:S, :S]
+    ref, _ = _reference(q, k, v, visible & in_partial.bool())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def _decisions() -> dict[str, int]:
+    """stats() without the counts of how masks were checked."""
+    return {k: v for k, v in dlm_ops.compile.stats().items() if not k.startswith("checked: ")}
+
+
 @pytest.mark.parametrize("name", list(NOT_OURS))
 def test_other_masks_are_left_to_flex(name):
     mask_mod = NOT_OURS[name]
@@ -146,7 +189,7 @@ def test_other_masks_are_left_to_flex(name):
     attn = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     q, k, v = _inputs(grad=False)
     out = torch.compile(attn, fullgraph=True)(q, k, v)
-    stats = dlm_ops.compile.stats()
+    stats = _decisions()
     assert "rewritten" not in stats and sum(stats.values()) == 1, stats
     ref, _ = _reference(q, k, v, _dense(mask_mod))
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
@@ -158,7 +201,7 @@ def test_score_mod_is_declined_with_its_reason():
     biased = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
                                             score_mod=lambda s, b, h, qi, ki: s + 0.1 * (qi - ki))
     torch.compile(biased, fullgraph=True)(q, k, v)
-    assert dlm_ops.compile.stats() == {"declined: score_mod is not the identity": 1}
+    assert _decisions() == {"declined: score_mod is not the identity": 1}
 
 
 _GLOBAL = {}
@@ -252,6 +295,7 @@ def test_gpu_rewrite_against_compiled_flex(dtype):
         out, lse = torch.compile(attn, fullgraph=True)(*inputs)
         results[enabled] = (out, lse, *torch.autograd.grad((out * dout).sum() + lse.sum(), inputs))
     assert dlm_ops.compile.stats().get("rewritten") == 1
+    assert dlm_ops.compile.stats().get("checked: partial tiles") == 1  # the tables were readable
     inputs = [t.float().requires_grad_() for t in (q, k, v)]
     dense = dlm_ops.reference.block_diffusion_mask(2 * n, bs, "cuda")
     ref_out, ref_lse = masked_attention_ref(*(t.transpose(1, 2) for t in inputs), dense)

@@ -67,6 +67,18 @@ def test_intervals_tiles_and_pairs_match_definition(mask_and_dense, block_m, blo
     _check_plans(mask.bwd_tiles(block_m, block_n), dense, block_n, block_m, mask, True)
 
 
+@given(masks(), st.integers(1, 40), st.integers(1, 40), st.integers(1, 64))
+def test_grid_counts_match_definition(mask_and_dense, block_m, block_n, row_chunk):
+    """FlexAttention-style grid from position 0 (tiles may straddle the halves), any row chunking."""
+    mask, dense = mask_and_dense
+    s = mask.seqlen
+    want = torch.zeros((-(-s // block_m), -(-s // block_n)), dtype=torch.int64)
+    for i in range(want.shape[0]):
+        for j in range(want.shape[1]):
+            want[i, j] = dense[i * block_m:(i + 1) * block_m, j * block_n:(j + 1) * block_n].sum()
+    assert torch.equal(mask.grid_counts(block_m, block_n, row_chunk), want)
+
+
 @pytest.mark.parametrize("n,block_size", [(1, 1), (7, 7), (64, 1), (64, 16), (100, 10), (4096, 64)])
 def test_pair_count_closed_form_when_block_divides_n(n, block_size):
     # DESIGN.md section 1: n^2 + n*bs visible pairs out of (2n)^2, about a quarter.
