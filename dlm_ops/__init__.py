@@ -7,14 +7,17 @@ from pathlib import Path as _Path
 
 def _alias_repo_packages() -> None:
     """lowerings/ and templates/ sit beside dlm_ops/ in the repository and install as
-    dlm_ops.lowerings / dlm_ops.templates (pyproject package-dir). When dlm_ops is imported from a
-    plain checkout instead (PYTHONPATH=., a non-editable install shadowed by the working tree), map
-    them here so that the kernels are found the same way."""
+    dlm_ops.lowerings / dlm_ops.templates (pyproject package-dir). When this dlm_ops is imported
+    from a checkout (PYTHONPATH=., a git worktree while another checkout is installed editable),
+    the folders beside it win over whatever an installed finder would map, so that the kernels
+    always come from the same tree as the Python code."""
     root = _Path(__file__).resolve().parent.parent
+    if not (root / "pyproject.toml").exists():  # installed in site-packages: nothing beside it is ours
+        return
     for name in ("lowerings", "templates"):
         full = f"{__name__}.{name}"
         init = root / name / "__init__.py"
-        if full in _sys.modules or _importlib_util.find_spec(full) is not None or not init.exists():
+        if full in _sys.modules or not init.exists():
             continue
         spec = _importlib_util.spec_from_file_location(full, init,
                                                        submodule_search_locations=[str(init.parent)])
