@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from ._pooling import pooled_mass
+from . import _select_backend
 from .tables import mask_to_indices, topk_mask
 
 
@@ -76,14 +76,20 @@ def part_k(n_part: int, rho: float) -> int:
 
 
 def sparsed_block_mass(q, k, *, block_size_q: int, block_size_k: int, prompt_len=None,
-                       softmax_scale=None, chunk_q=None, chunk_k=None) -> torch.Tensor:
-    """The score SparseD ranks: fp32 (B, H, nQb, nKb) tile masses, each key part normalised alone."""
+                       softmax_scale=None, chunk_q=None, chunk_k=None, backend=None) -> torch.Tensor:
+    """The score SparseD ranks: fp32 (B, H, nQb, nKb) tile masses, each key part normalised alone.
+
+    ``backend``: None takes the fused Triton kernel on CUDA when the block sizes are powers of two
+    in [16, 128] and the chunked torch path otherwise (``chunk_q``/``chunk_k`` apply to it);
+    "torch" / "triton" force one (ValueError / UnsupportedConfig when it cannot run the call).
+    """
     check_selection_inputs(q, k, block_size_q, block_size_k)
     sk = k.shape[1]
     npb = prompt_blocks(prompt_len, sk, block_size_k)
     split = min(sk, npb * block_size_k) if npb else sk
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return pooled_mass(q, k, block_size_q, block_size_k, scale, split, chunk_q, chunk_k)
+    return _select_backend.block_mass(q, k, block_size_q, block_size_k, split, scale, chunk_q,
+                                      chunk_k, backend)
 
 
 def sparsed_table_from_mass(mass: torch.Tensor, rho: float, num_prompt_blocks: int) -> torch.Tensor:
@@ -102,15 +108,11 @@ def sparsed_select(q, k, *, block_size_q: int, block_size_k: int, rho: float, pr
 
     q (B, Sq, H, D), k (B, Sk, Hkv, D) (GQA: query head h uses kv head h // (H // Hkv)).
     ``rho`` in [0, 1]: each key part keeps min(n, int(n * rho) + 1) of its n blocks (module
-    docstring). ``backend``: None picks the fused Triton kernel on CUDA where available and the
-    chunked torch path elsewhere; "torch" / "triton" force one.
+    docstring). ``backend``: see ``sparsed_block_mass``.
     """
     check_fraction("rho", rho)
-    check_selection_inputs(q, k, block_size_q, block_size_k)
+    mass = sparsed_block_mass(q, k, block_size_q=block_size_q, block_size_k=block_size_k,
+                              prompt_len=prompt_len, softmax_scale=softmax_scale, chunk_q=chunk_q,
+                              chunk_k=chunk_k, backend=backend)
     npb = prompt_blocks(prompt_len, k.shape[1], block_size_k)
-    from . import _select_backend  # noqa: PLC0415 (small module; keeps the Triton import lazy)
-
-    mass = _select_backend.block_mass(q, k, block_size_q=block_size_q, block_size_k=block_size_k,
-                                      prompt_len=prompt_len, softmax_scale=softmax_scale,
-                                      chunk_q=chunk_q, chunk_k=chunk_k, backend=backend)
     return mask_to_indices(sparsed_table_from_mass(mass, rho, npb))
