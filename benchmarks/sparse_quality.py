@@ -39,45 +39,59 @@ DENSITIES = (0.1, 0.2, 0.3, 0.5)
 
 
 def planted_qkv(batch=1, seqlen=1024, heads=8, kv_heads=8, head_dim=64, block=32, clusters=8,
-                sinks=4, seed=0, device="cpu"):
-    """q, k, v (B, S, H, D) fp32 with planted cluster / block / sink structure (module docstring).
+                sinks=4, support=4, local_logit=6.0, seed=0, device="cpu"):
+    """q, k (B, S, H / Hkv, D) fp32 with planted cluster / block / sink structure, v Gaussian.
 
-    Every key block draws one cluster c and a type: smooth (all keys ~ a u_c, a ~ U(0.5, 1.5)) or
-    spiky (2 keys ~ 3a u_c, the rest noise). Queries draw a cluster per query block (local
-    topics) plus a shared sink direction; ``sinks`` random keys carry that sink direction.
-    Amplitudes are scaled so that logits reach O(5), the range where softmax is peaked but not
-    one-hot, as in trained models.
+    Cluster directions u_c live on ``support`` of the D coordinates (trained models concentrate
+    q/k energy in a few channels; the diagonal BA-Att correction sees spread along coordinates
+    only, ~support/D of it for dense random directions). Each key block draws a cluster c and a
+    type: smooth, keys (m_J + tau_J eps) u_c with its own mean m_J ~ U(0, 1.5) and spread
+    tau_J ~ U(0, 1.5), or spiky, 2 keys 2 m_J u_c and the rest noise. ``sinks`` random keys carry
+    a shared sink direction that every query also holds. Each query block draws a cluster
+    (local topics). A rotary-style positional code adds up to ``local_logit`` to nearby pairs.
+    Amplitudes put logits in O(5): peaked, not one-hot, as in trained models.
     """
     gen = torch.Generator().manual_seed(seed)
     d, s, nb = head_dim, seqlen, math.ceil(seqlen / block)
-    amp = 2.5 * math.sqrt(d) ** 0.5  # scale * |q||k| ~ amp^2 / sqrt(d) ~ 6
-    u = torch.nn.functional.normalize(torch.randn(batch, kv_heads, clusters + 1, d, generator=gen), dim=-1)
-    sink_dir = u[:, :, clusters]  # (B, Hkv, D)
+    amp = 2.5 * d ** 0.25  # scale * amp^2 = 6.25: the logit of a unit match
+    u = torch.zeros(batch, kv_heads, clusters + 1, d)
+    coords = torch.rand(batch, kv_heads, clusters + 1, d, generator=gen).argsort(-1)[..., :support]
+    signs = torch.randint(0, 2, coords.shape, generator=gen) * 2.0 - 1.0
+    u.scatter_(-1, coords, signs / math.sqrt(support))
+    sink_dir = u[:, :, clusters]
 
-    def noise(*shape):
-        return torch.randn(*shape, generator=gen) * 0.35
+    def per_token(x):  # (B, Hkv, nb, ...) -> (B, Hkv, S, ...)
+        return x.repeat_interleave(block, 2)[:, :, :s]
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen)
 
     kc = torch.randint(0, clusters, (batch, kv_heads, nb), generator=gen)
-    spiky = torch.rand(batch, kv_heads, nb, generator=gen) < 0.5
-    a = 0.5 + torch.rand(batch, kv_heads, nb, generator=gen)
-    tok_amp = a.repeat_interleave(block, -1)[..., :s].clone()  # (B, Hkv, S)
-    spike = torch.zeros(batch, kv_heads, nb, block, dtype=torch.bool)
-    spike_pos = torch.rand(batch, kv_heads, nb, block, generator=gen).argsort(-1)[..., :2]
-    spike.scatter_(-1, spike_pos, True)
-    spike = spike.view(batch, kv_heads, nb * block)[..., :s]
-    spiky_tok = spiky.repeat_interleave(block, -1)[..., :s]
-    tok_amp = torch.where(spiky_tok, torch.where(spike, 3.0 * tok_amp, 0.0), tok_amp)
-    dirs = torch.gather(u, 2, kc.repeat_interleave(block, -1)[..., :s, None].expand(-1, -1, -1, d))
-    k = amp * tok_amp[..., None] * dirs + noise(batch, kv_heads, s, d) * amp * 0.5
-    sink_idx = torch.randperm(s, generator=gen)[:sinks]
-    k[:, :, sink_idx] += 1.5 * amp * sink_dir[:, :, None]
+    m, tau = 1.5 * rand(batch, kv_heads, nb), 1.5 * rand(batch, kv_heads, nb)
+    spiky = per_token(rand(batch, kv_heads, nb) < 0.5)
+    spike = (rand(batch, kv_heads, nb, block).argsort(-1) < 2).view(batch, kv_heads, -1)[..., :s]
+    eps = torch.randn(batch, kv_heads, s, generator=gen)
+    coef = torch.where(spiky, spike * 2.0 * per_token(m), per_token(m) + per_token(tau) * eps)
+    dirs = torch.gather(u, 2, per_token(kc)[..., None].expand(-1, -1, -1, d))
+    k = amp * (coef[..., None] * dirs + 0.15 * torch.randn(batch, kv_heads, s, d, generator=gen))
+    k[:, :, torch.randperm(s, generator=gen)[:sinks]] += 1.5 * amp * sink_dir[:, :, None]
 
     g = heads // kv_heads
+    u_h, sink_h = u.repeat_interleave(g, 1), sink_dir.repeat_interleave(g, 1)
     qc = torch.randint(0, clusters, (batch, heads, nb), generator=gen)
-    u_h = u.repeat_interleave(g, 1)
-    q_dirs = torch.gather(u_h, 2, qc.repeat_interleave(block, -1)[..., :s, None].expand(-1, -1, -1, d))
-    q = amp * (q_dirs + 0.5 * sink_dir.repeat_interleave(g, 1)[:, :, None]) \
-        + noise(batch, heads, s, d) * amp * 0.5
+    q_dirs = torch.gather(u_h, 2, per_token(qc)[..., None].expand(-1, -1, -1, d))
+    q = amp * (q_dirs + 0.5 * sink_h[:, :, None]
+               + 0.15 * torch.randn(batch, heads, s, d, generator=gen))
+    # Locality (what columns cannot express): 4 rotary-style frequencies on the last 8
+    # coordinates, periods 1, 2, 4, 8 blocks; q_i.k_j gains local_logit * mean_f cos(w_f (i - j))
+    # / scale, so nearby key blocks win (every query row, not the same columns for all).
+    pos = torch.arange(s, dtype=torch.float32)
+    w = 2 * math.pi / (block * 2.0 ** torch.arange(4))
+    ang = pos[:, None] * w[None, :]
+    code = torch.stack([ang.cos(), ang.sin()], -1).reshape(s, 8)
+    a_p = math.sqrt(local_logit * math.sqrt(d) / 4)
+    q[..., -8:] += a_p * code
+    k[..., -8:] += a_p * code
     v = torch.randn(batch, kv_heads, s, d, generator=gen)
     return tuple(t.transpose(1, 2).contiguous().to(device) for t in (q, k, v))
 

@@ -432,3 +432,32 @@ def test_select_backend_dispatch():
     from dlm_ops.backends.base import Problem
     assert select(Problem("cpu", torch.float32, 16), family="sparse_select").name == "torch"
     assert {"torch", "triton"} <= set(REGISTRIES["sparse_select"])
+
+
+# --- dlm::sparse_block_mass: opcheck and torch.compile -------------------------------------------
+
+@pytest.mark.parametrize("sq,sk,heads,bq,bk,split", [(20, 20, (4, 2), 4, 4, 8), (13, 9, (2, 2), 8, 2, 9)])
+def test_opcheck_sparse_block_mass(sq, sk, heads, bq, bk, split):
+    q, k = _qk(2, sq, sk, *heads, 16, 0)
+    torch.library.opcheck(torch.ops.dlm.sparse_block_mass.default,
+                          (q, k, bq, bk, split, None, None, None, "torch"))
+    with pytest.raises(ValueError, match="split"):
+        torch.ops.dlm.sparse_block_mass(q, k, bq, bk, 3, None, None, None, "torch")
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_sparsed_select_matches_eager(dynamic):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def select(q, k):
+        return sparsed_select(q * 1.5, k, block_size_q=4, block_size_k=4, rho=0.3, prompt_len=8,
+                              backend="torch")
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(select, backend=counter, fullgraph=True, dynamic=dynamic)
+    for s in ([24, 32] if dynamic else [24]):
+        q, k = _qk(2, s, s, 4, 2, 16, s)
+        for got, want in zip(compiled(q, k), select(q, k)):
+            assert torch.equal(got, want)
+    torch._dynamo.reset()

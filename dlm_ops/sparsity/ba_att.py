@@ -53,7 +53,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .sparsed import check_fraction, check_selection_inputs, part_k
+from ..ops.sparse_select import check_selection_inputs
+from .sparsed import check_fraction, part_k
 from .tables import mask_to_indices, topk_mask
 
 METHODS = ("corrected", "mean")

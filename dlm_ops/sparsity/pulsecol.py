@@ -19,8 +19,9 @@ import math
 import torch
 
 from ._pooling import pooled_mass
-from .sparsed import check_fraction, check_selection_inputs
-from .tables import mask_to_indices, topk_mask
+from ..ops.sparse_select import check_selection_inputs
+from .sparsed import check_fraction
+from .tables import topk_indices
 
 
 def sample_rows_index(seqlen_q: int, sample_rows, device) -> torch.Tensor | None:
@@ -69,4 +70,5 @@ def pulsecol_select(q, k, *, keep: float, sample_rows=None, softmax_scale=None, 
     check_fraction("keep", keep)
     mass = pulsecol_column_mass(q, k, sample_rows=sample_rows, softmax_scale=softmax_scale,
                                 chunk_rows=chunk_rows, chunk_k=chunk_k)
-    return mask_to_indices(topk_mask(mass, keep_count(k.shape[1], keep)))
+    idx = topk_indices(mass, keep_count(k.shape[1], keep)).to(torch.int32)
+    return idx, torch.full(idx.shape[:-1], idx.shape[-1], dtype=torch.int32, device=idx.device)

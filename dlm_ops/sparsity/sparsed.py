@@ -20,7 +20,7 @@ Definitions here (our own; where SparseD's public code differs, said so):
     int(nKb * rho) + 1 over *all* blocks and then drops those in the generation part, so its
     prompt part keeps a data-dependent number of blocks). Every query block therefore keeps
     exactly k_prompt + k_gen blocks, at least one of each part that exists.
-  - Ties go to the lowest block index (``tables.topk_mask``).
+  - Ties go to the lowest block index (a stable sort, ``tables.topk_indices``).
 
 Cost: the mass is computed in chunks (``_pooling.pooled_mass``): 2x the QK^T of one attention
 forward, working memory bounded by ``_pooling.CHUNK_BYTES`` (256 MiB), never S x S.
@@ -28,31 +28,10 @@ forward, working memory bounded by ``_pooling.CHUNK_BYTES`` (256 MiB), never S x
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import _select_backend
-from .tables import mask_to_indices, topk_mask
-
-
-def check_selection_inputs(q, k, block_size_q: int, block_size_k: int) -> None:
-    """q (B, Sq, H, D), k (B, Sk, Hkv, D) floating, H a multiple of Hkv; block sizes >= 1."""
-    for name, t in (("q", q), ("k", k)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
-            got = f"{t.dtype} shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a 4-D floating tensor (batch, seqlen, heads, head_dim), "
-                             f"got {got}")
-    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or k.shape[1] < 1:
-        raise ValueError(f"k must have shape ({q.shape[0]}, Sk >= 1, Hkv, {q.shape[3]}) to match q, "
-                         f"got {tuple(k.shape)}")
-    if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
-        raise ValueError(f"q's head count ({q.shape[2]}) must be a multiple of k's ({k.shape[2]})")
-    if k.device != q.device:
-        raise ValueError(f"k must be on q's device ({q.device}), got {k.device}")
-    for name, bs in (("block_size_q", block_size_q), ("block_size_k", block_size_k)):
-        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {bs!r}")
+from ..ops.sparse_select import check_selection_inputs, sparse_block_mass
+from .tables import topk_indices
 
 
 def check_fraction(name: str, x) -> None:
@@ -62,12 +41,12 @@ def check_fraction(name: str, x) -> None:
 
 def prompt_blocks(prompt_len: int | None, seqlen_k: int, block_size_k: int) -> int:
     """nPb: how many key blocks form the prompt part (0 or nKb: a single part)."""
-    nkb = math.ceil(seqlen_k / block_size_k)
+    nkb = -(-seqlen_k // block_size_k)  # integer ceil: seqlen_k may be a SymInt under compile
     if prompt_len is None:
         return 0
     if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 0:
         raise ValueError(f"prompt_len must be an int >= 0 or None, got {prompt_len!r}")
-    return min(nkb, math.ceil(prompt_len / block_size_k))
+    return min(nkb, -(-prompt_len // block_size_k))
 
 
 def part_k(n_part: int, rho: float) -> int:
@@ -87,18 +66,27 @@ def sparsed_block_mass(q, k, *, block_size_q: int, block_size_k: int, prompt_len
     sk = k.shape[1]
     npb = prompt_blocks(prompt_len, sk, block_size_k)
     split = min(sk, npb * block_size_k) if npb else sk
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _select_backend.block_mass(q, k, block_size_q, block_size_k, split, scale, chunk_q,
-                                      chunk_k, backend)
+    return sparse_block_mass(q, k, block_size_q, block_size_k, split, softmax_scale, chunk_q,
+                             chunk_k, backend)
 
 
-def sparsed_table_from_mass(mass: torch.Tensor, rho: float, num_prompt_blocks: int) -> torch.Tensor:
-    """Boolean (B, H, nQb, nKb) table: each part's top ``part_k`` blocks per query block."""
-    check_fraction("rho", rho)
-    nkb = mass.shape[-1]
+def _part_parts(nkb: int, num_prompt_blocks: int) -> list[tuple[int, int]]:
     npb = num_prompt_blocks if 0 < num_prompt_blocks < nkb else 0
-    parts = [(0, npb), (npb, nkb)] if npb else [(0, nkb)]
-    return torch.cat([topk_mask(mass[..., a:b], part_k(b - a, rho)) for a, b in parts], dim=-1)
+    return [(0, npb), (npb, nkb)] if npb else [(0, nkb)]
+
+
+def sparsed_indices_from_mass(mass: torch.Tensor, rho: float, num_prompt_blocks: int):
+    """(kv_block_indices, kv_block_counts) of each part's top ``part_k`` blocks per query block.
+
+    Every row keeps exactly k = sum of part_k, so the width is k and the indices come straight
+    from a stable sort (ties to the lowest index), no data-dependent shape: this runs inside
+    torch.compile(fullgraph=True). Same result as ``tables.block_table_to_indices`` of the table.
+    """
+    check_fraction("rho", rho)
+    idx = torch.cat([topk_indices(mass[..., a:b], part_k(b - a, rho), offset=a)
+                     for a, b in _part_parts(mass.shape[-1], num_prompt_blocks)], dim=-1)
+    idx = idx.to(torch.int32)  # parts are consecutive ranges: the concatenation stays ascending
+    return idx, torch.full(mass.shape[:-1], idx.shape[-1], dtype=torch.int32, device=mass.device)
 
 
 def sparsed_select(q, k, *, block_size_q: int, block_size_k: int, rho: float, prompt_len=None,
@@ -115,4 +103,4 @@ def sparsed_select(q, k, *, block_size_q: int, block_size_k: int, rho: float, pr
                               prompt_len=prompt_len, softmax_scale=softmax_scale, chunk_q=chunk_q,
                               chunk_k=chunk_k, backend=backend)
     npb = prompt_blocks(prompt_len, k.shape[1], block_size_k)
-    return mask_to_indices(sparsed_table_from_mass(mass, rho, npb))
+    return sparsed_indices_from_mass(mass, rho, npb)

@@ -97,3 +97,11 @@ def topk_mask(scores: torch.Tensor, k, valid: torch.Tensor | None = None) -> tor
         k, device=scores.device).unsqueeze(-1)
     mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank_ok.expand_as(order))
     return mask if valid is None else mask & valid
+
+
+def topk_indices(scores: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
+    """The ``k`` largest ``scores`` along the last dim as int64 positions (+ ``offset``), in
+    ascending order, ties to the lowest index (stable sort, as ``topk_mask``). The width is k for
+    every row, so nothing depends on the data: usable inside torch.compile(fullgraph=True)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.sort(order, dim=-1).values + offset
