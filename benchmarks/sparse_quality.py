@@ -223,8 +223,10 @@ def cost_rows(rounds=5) -> list[dict]:
 
         contenders = {
             "sdpa cudnn": sdpa,
-            "sparsed select": lambda: sparsed_select(q, k, block_size_q=64, block_size_k=64,
-                                                     rho=0.3, prompt_len=s // 2),
+            "sparsed select (triton)": lambda: sparsed_select(
+                q, k, block_size_q=64, block_size_k=64, rho=0.3, prompt_len=s // 2),
+            "sparsed select (torch chunked)": lambda: sparsed_select(
+                q, k, block_size_q=64, block_size_k=64, rho=0.3, prompt_len=s // 2, backend="torch"),
             "ba-att select": lambda: ba_att_select(q, k, block_size_q=64, block_size_k=64, rho=0.3),
             "pulsecol select (S/8 rows)": lambda: pulsecol_select(q, k, keep=0.3,
                                                                   sample_rows=s // 8),

@@ -297,13 +297,15 @@ def test_pulsecol_ties_and_rows():
 
 # --- step caches -------------------------------------------------------------------------------
 
-def block_sparse_ref(q, k, v, indices, counts, *, block_size_q, block_size_k, softmax_scale=None):
+def block_sparse_ref(q, k, v, indices, counts, *, block_size_q, block_size_k, softmax_scale=None,
+                     compute_dtype=torch.float32):
     """Dense attention restricted to the listed key blocks (an explicit mask)."""
     nkb = math.ceil(k.shape[1] / block_size_k)
     table = indices_to_block_table(indices, counts, nkb)
     mask = table.repeat_interleave(block_size_q, 2)[:, :, :q.shape[1]]
     mask = mask.repeat_interleave(block_size_k, 3)[..., :k.shape[1]]
-    return masked_attention_ref(q, k, v, mask, softmax_scale=softmax_scale)[0].to(q.dtype)
+    return masked_attention_ref(q, k, v, mask, softmax_scale=softmax_scale,
+                                compute_dtype=compute_dtype)[0].to(q.dtype)
 
 
 def column_sparse_ref(q, k, v, indices, counts, *, softmax_scale=None):
@@ -461,3 +463,63 @@ def test_compiled_sparsed_select_matches_eager(dynamic):
         for got, want in zip(compiled(q, k), select(q, k)):
             assert torch.equal(got, want)
     torch._dynamo.reset()
+
+
+# --- GPU (run with -m gpu on a CUDA machine) -------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("s,bq,bk,prompt", [(2048, 64, 64, 1500), (3000, 128, 32, None), (1024, 16, 128, 512)])
+def test_gpu_triton_block_mass(dtype, s, bq, bk, prompt):
+    gen = torch.Generator(device="cuda").manual_seed(s)
+    q = torch.randn(2, s, 32, 128, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(2, s, 8, 128, device="cuda", generator=gen).to(dtype)
+    kw = dict(block_size_q=bq, block_size_k=bk, prompt_len=prompt)
+    ours = sparsed_block_mass(q, k, **kw)  # auto: the Triton kernel on CUDA
+    gold = sparsed_block_mass(q.double(), k.double(), backend="torch", **kw)
+    plain = sparsed_block_mass(q, k, backend="torch", **kw)
+    assert torch.isfinite(ours).all()
+    err, base = (ours.double() - gold).abs().max(), (plain.double() - gold).abs().max()
+    assert err <= 2 * base + 1e-4, (err, base)
+    # The kernel's pattern: every block it keeps is among the heaviest up to fp32 rounding.
+    idx, cnt = sparsed_select(q, k, rho=0.2, **kw)
+    nkb = math.ceil(s / bk)
+    npb = prompt_blocks(prompt, s, bk)
+    table = indices_to_block_table(idx, cnt, nkb)
+    for a, b in ([(0, npb), (npb, nkb)] if 0 < npb < nkb else [(0, nkb)]):
+        sel, m = table[..., a:b], gold[..., a:b]
+        lowest_kept = m.masked_fill(~sel, math.inf).amin(-1)
+        highest_dropped = m.masked_fill(sel, -math.inf).amax(-1)
+        assert (lowest_kept >= highest_dropped - 1e-3).all()
+
+
+@pytest.mark.gpu
+def test_gpu_caches_full_steps_and_selection():
+    q, k, v = (t.cuda().to(torch.bfloat16) for t in _qkv(b=2, s=512, h=8, hkv=2, d=64))
+    for cache in (SparseDCache(num_steps=3, skip=0.4, rho=0.2, block_size=64, prompt_len=200,
+                               sparse_attention=block_sparse_ref),
+                  BAAttCache(num_steps=3, skip=0.4, rho=0.2, block_size=64,
+                             sparse_attention=block_sparse_ref),
+                  PulseColCache(num_steps=3, skip=0.4, keep=0.2, sample_rows=64,
+                                sparse_attention=column_sparse_ref)):
+        full = cache.attend(0, 0, q, k, v)
+        gold = masked_attention_ref(q, k, v, torch.ones(512, 512, dtype=torch.bool, device="cuda"))[0]
+        plain = masked_attention_ref(q, k, v, torch.ones(512, 512, dtype=torch.bool, device="cuda"),
+                                     compute_dtype=torch.bfloat16)[0]
+        assert (full.float() - gold).abs().max() <= 2 * (plain.float() - gold).abs().max() + 1e-4
+        sparse = cache.attend(0, 1, q, k, v)
+        assert torch.isfinite(sparse).all() and cache.history[-1][2] == "select"
+        assert all(t.device.type == "cuda" for t in cache.patterns[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hasattr(dlm_ops, "block_sparse_attn"), reason="needs dlm_ops.block_sparse_attn")
+def test_gpu_cache_with_block_sparse_attn():
+    q, k, v = (t.cuda().to(torch.bfloat16) for t in _qkv(b=2, s=1024, h=8, hkv=2, d=64))
+    cache = SparseDCache(num_steps=2, skip=0.0, rho=0.2, block_size=64, prompt_len=300)
+    out = cache.attend(0, 0, q, k, v)
+    idx, cnt = cache.patterns[0]
+    gold = block_sparse_ref(q.float(), k.float(), v.float(), idx, cnt, block_size_q=64, block_size_k=64)
+    plain = block_sparse_ref(q, k, v, idx, cnt, block_size_q=64, block_size_k=64,
+                             compute_dtype=torch.bfloat16)
+    assert (out.float() - gold).abs().max() <= 2 * (plain.float() - gold).abs().max() + 1e-4
