@@ -258,6 +258,31 @@ def cost_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Relative error against density, one line per selector (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot (pip install -e '.[bench]')")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["selector"] for r in rows):
+        pts = [(d, statistics.mean(r["rel_error"] for r in rows
+                                   if r["selector"] == name and r["density_target"] == d))
+               for d in DENSITIES]
+        ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xlabel("density (target)")
+    ax.set_ylabel("relative output error vs full attention")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.sparse_quality",
                                 description=__doc__.splitlines()[0])
@@ -294,6 +319,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"sparse_quality_{a.device}.json").write_text(json.dumps(rows, indent=1))
     (out / f"sparse_quality_{a.device}.md").write_text(text + "\n")
+    plot([r for r in rows if r["kind"] == "quality"], out / f"sparse_quality_{a.device}.png")
     print(text)
     return 0
 

@@ -523,3 +523,19 @@ def test_gpu_cache_with_block_sparse_attn():
     plain = block_sparse_ref(q, k, v, idx, cnt, block_size_q=64, block_size_k=64,
                              compute_dtype=torch.bfloat16)
     assert (out.float() - gold).abs().max() <= 2 * (plain.float() - gold).abs().max() + 1e-4
+
+
+def test_sparse_quality_benchmark_runs_on_cpu():
+    """The benchmark's CPU parts: arguments, the planted problem, one tiny quality sweep."""
+    from benchmarks import sparse_quality as sq
+
+    a = sq.parse_args(["--out", "x", "--device", "cpu", "--seqlen", "128"])
+    assert (a.device, a.seqlen, a.block) == ("cpu", 128, 32)
+    q, k, v = sq.planted_qkv(1, 96, 4, 2, 32, 16, seed=0)
+    assert q.shape == (1, 96, 4, 32) and k.shape == v.shape == (1, 96, 2, 32)
+    rows = sq.quality_rows(seqlen=128, heads=2, kv_heads=2, head_dim=32, block=16, seeds=(0,))
+    err = {(r["selector"], r["density_target"]): r["rel_error"] for r in rows}
+    assert set(sq.DENSITIES) == {d for _, d in err}
+    for d in sq.DENSITIES:  # every pattern beats random blocks at equal density
+        assert max(e for (n, dd), e in err.items() if dd == d and n != "random") < err["random", d]
+    assert "| 10% |" in sq.summarize(rows)

@@ -4,11 +4,12 @@
     triton  templates/sparse_select.py, one fused two-pass kernel: CUDA (chosen there), or CPU
             under TRITON_INTERPRET=1 when forced (tests)
 
-Why a kernel pays (estimate for S = 32K, H = 32, D = 128, bf16 on an H200): both paths do 2x the
-QK^T of one attention forward (~17.6 TFLOP), but the chunked torch path also writes and re-reads
-every fp32 score and probability (32K^2 x 32 x 4 B = 137 GB per pass, several passes), ~1 s of
-HBM traffic; the kernel keeps each tile in registers and only writes (B, H, nQb, nKb) floats.
-benchmarks/sparse_quality.py measures both.
+Why a kernel pays (estimate for S = 32K, H = 32, D = 128, bf16 on an H200): both paths do the
+QK^T twice (2 x 8.8 TFLOP). The torch path upcasts to fp32 (exact logits, ~50 TFLOPS without
+tensor-core bf16: ~0.35 s) and writes and re-reads every fp32 score and probability (137 GB per
+pass, several times: ~0.2 s more); the kernel runs bf16 tensor-core dots with fp32 accumulation,
+keeps each tile in registers and writes only (B, H, nQb, nKb) floats, so it should sit near two
+attention forwards (~0.05 s). benchmarks/sparse_quality.py measures both against cuDNN SDPA.
 """
 
 from __future__ import annotations
