@@ -150,6 +150,15 @@ def test_sparsed_ties_are_deterministic():
     assert torch.equal(again[0], idx)
 
 
+def test_chunks_fit_the_memory_bound():
+    from dlm_ops.sparsity._pooling import CHUNK_BYTES, LIVE_COPIES, chunk_sizes
+
+    for b, h, s, blk in ((1, 32, 65536, 64), (4, 32, 16384, 128), (1, 8, 100, 16), (2, 2, 7, 3)):
+        cq, ck = chunk_sizes(b, h, s, s, blk, blk)
+        assert cq % blk == 0 and ck % blk == 0 and ck <= max(blk, 4096)
+        assert LIVE_COPIES * 4 * b * h * cq * ck <= CHUNK_BYTES or cq == blk
+
+
 def test_sparsed_validation():
     q, k = _qk(1, 8, 8, 2, 1, 8, 0)
     with pytest.raises(ValueError, match="rho"):

@@ -14,7 +14,9 @@ Definitions here (our own; where SparseD's public code differs, said so):
     part only (each part normalised on its own). SparseD's code normalises the generation part on
     its own but the prompt part over all keys; we normalise both the same way so that neither
     part's ranking depends on how much mass the other holds. The mass equals SparseD's padded tile
-    mean times block_q x block_k, so both rank identically for full tiles.
+    mean times block_q x block_k, so both rank identically for full tiles. Logits use the
+    attention's own scale (softmax_scale, default 1/sqrt(D)); SparseD's code divides by
+    sqrt(num_heads) instead, which flattens or sharpens the probabilities it pools.
   - How rho applies. Each part keeps ``min(n_part, int(n_part * rho) + 1)`` blocks, SparseD's
     ``int(nKb * rho) + 1`` applied to each part's own block count (SparseD's code takes the top
     int(nKb * rho) + 1 over *all* blocks and then drops those in the generation part, so its
