@@ -55,3 +55,7 @@ __all__ = [
     "masks",
     "reference",
 ]
+
+from . import sparsity  # noqa: E402  (pattern selection and step caches, issue #5)
+
+__all__ += ["sparsity"]

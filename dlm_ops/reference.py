@@ -85,3 +85,33 @@ def diffusion_attn_varlen_ref(q, k, v, cu_seqlens, block_size, **kw):
         outs.append(o[0])
         lses.append(l[0])
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+# --- Pattern selection (dlm_ops.sparsity): the scores the selectors rank, materialised ----------
+# Written from the definitions (sparsity/_pooling.py, sparsed.py, pulsecol.py): the full S x S
+# probabilities in float64, then pooled. The selectors compute the same numbers in chunks.
+
+
+def attention_mass_ref(q, k, *, block_size_q, block_size_k, split=None, softmax_scale=None):
+    """Tile mass float64 (B, H, ceil(Sq/bq), ceil(Sk/bk)): sum over the tile of p[i, j], p the
+    softmax of scale * q.k over keys [0, split) and [split, Sk) separately (split None: all)."""
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    kf = k.double().repeat_interleave(h // k.shape[2], dim=2)
+    scores = torch.einsum("bihd,bjhd->bhij", q.double(), kf) * scale
+    split = sk if split is None else split
+    probs = torch.cat([torch.softmax(scores[..., :split], -1),
+                       torch.softmax(scores[..., split:], -1)], dim=-1)
+    tile_q = torch.arange(sq) // block_size_q
+    tile_k = torch.arange(sk) // block_size_k
+    onehot_q = torch.nn.functional.one_hot(tile_q).double().to(q.device)  # (Sq, nQb)
+    onehot_k = torch.nn.functional.one_hot(tile_k).double().to(q.device)  # (Sk, nKb)
+    return torch.einsum("bhij,iI,jJ->bhIJ", probs, onehot_q, onehot_k)
+
+
+def column_mass_ref(q, k, rows=None, softmax_scale=None):
+    """Column mass float64 (B, H, Sk): sum over query ``rows`` (None: all) of the softmax over all keys."""
+    q = q if rows is None else q[:, rows]
+    return attention_mass_ref(q, k, block_size_q=q.shape[1], block_size_k=1,
+                              softmax_scale=softmax_scale)[:, :, 0]

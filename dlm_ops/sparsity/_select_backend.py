@@ -1,0 +1,134 @@
+"""Backends of the selection family ("sparse_select"): who computes SparseD's pooled tile mass.
+
+    torch   chunked PyTorch (_pooling.pooled_mass), any device, any block size: the CPU path
+    triton  templates/sparse_select.py, one fused two-pass kernel: CUDA (chosen there), or CPU
+            under TRITON_INTERPRET=1 when forced (tests)
+
+Why a kernel pays (estimate for S = 32K, H = 32, D = 128, bf16 on an H200): both paths do the
+QK^T twice (2 x 8.8 TFLOP). The torch path upcasts to fp32 (exact logits, ~50 TFLOPS without
+tensor-core bf16: ~0.35 s) and writes and re-reads every fp32 score and probability (137 GB per
+pass, several times: ~0.2 s more); the kernel runs bf16 tensor-core dots with fp32 accumulation,
+keeps each tile in registers and writes only (B, H, nQb, nKb) floats, so it should sit near two
+attention forwards (~0.05 s). benchmarks/sparse_quality.py measures both against cuDNN SDPA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from ..backends import register, select
+from ..backends.base import GQA, Backend, Capabilities, Problem, new_output
+from ._pooling import pooled_mass
+
+FAMILY = "sparse_select"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# A feature a call needs when its selection blocks are not powers of two in [16, 128]: the
+# kernel makes one selection block one tile (tl.dot needs >= 16 and power-of-two shapes, and
+# 128 x 128 fp32 tiles are the most a program holds in registers).
+ANY_BLOCK_SIZE = "any_block_size"
+KERNEL_BLOCKS = (16, 32, 64, 128)
+
+
+
+def _load_kernels():
+    try:
+        from ..templates import sparse_select
+
+        return sparse_select
+    except ImportError:
+        # An editable install of another checkout can own ``dlm_ops.templates`` (its import
+        # finder wins over the alias in dlm_ops/__init__.py), and that checkout may predate this
+        # kernel: then load this checkout's file, which sits beside the dlm_ops package.
+        path = Path(__file__).resolve().parents[2] / "templates" / "sparse_select.py"
+        if not path.exists():
+            raise
+        spec = importlib.util.spec_from_file_location("dlm_ops.templates.sparse_select", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+
+try:
+    import triton
+
+    kernels = _load_kernels()
+    _IMPORT_ERROR = None
+except Exception as e:  # triton missing or broken: the backend reports why and stays out of the way
+    triton = kernels = None
+    _IMPORT_ERROR = f"triton unavailable ({type(e).__name__}: {e})"
+
+
+class SelectBackend(Backend):
+    family = FAMILY
+
+    def block_mass(self, q, k, block_q: int, block_k: int, split: int, scale: float,
+                   chunk_q, chunk_k) -> torch.Tensor:
+        """fp32 (B, H, nQb, nKb) tile mass; keys [0, split) and [split, Sk) normalised apart."""
+        raise NotImplementedError
+
+
+class TorchSelectBackend(SelectBackend):
+    name = "torch"
+    priority = 0
+    capabilities = Capabilities(device_types=None, dtypes=frozenset(
+        {torch.float16, torch.bfloat16, torch.float32, torch.float64}), max_head_dim=1024,
+        head_dim_multiple=1, features=frozenset({GQA, ANY_BLOCK_SIZE}))
+
+    def block_mass(self, q, k, block_q, block_k, split, scale, chunk_q, chunk_k):
+        return pooled_mass(q, k, block_q, block_k, scale, split, chunk_q, chunk_k)
+
+
+class TritonSelectBackend(SelectBackend):
+    name = "triton"
+    priority = 10
+    capabilities = Capabilities(
+        device_types=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        max_head_dim=256, head_dim_multiple=8, features=frozenset({GQA}))
+    auto_device_types = frozenset({"cuda"})
+
+    def unavailable_reason(self):
+        return _IMPORT_ERROR
+
+    def not_supported_reasons(self, problem):
+        reasons = super().not_supported_reasons(problem)
+        if problem.device_type == "cpu" and not INTERPRET:
+            reasons.append("TRITON_INTERPRET=1 runs the kernel on CPU, slowly, for tests")
+        return reasons
+
+    def block_mass(self, q, k, block_q, block_k, split, scale, chunk_q, chunk_k):
+        b, sq, h, d = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        nqb, nkb = math.ceil(sq / block_q), math.ceil(sk / block_k)
+        mass = new_output(q, (b, h, nqb, nkb), dtype=torch.float32)
+        npb = split // block_k if split < sk else 0
+        # 4 warps up to 64 x 64 tiles; 128-row or -column tiles (16K fp32 logits) want 8.
+        warps = 8 if block_q * block_k >= 128 * 64 else 4
+        kernels.block_mass_kernel[(b * h, nqb)](
+            q, k, mass, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+            k.stride(2), mass.stride(0), mass.stride(1), mass.stride(2),
+            sq, sk, h, h // hkv, nkb, npb, scale * 1.4426950408889634,
+            D=d, BLOCK_M=block_q, BLOCK_N=block_k, BLOCK_D=max(16, triton.next_power_of_2(d)),
+            IEEE=q.dtype == torch.float32, num_warps=warps)
+        return mass
+
+
+for _b in (TorchSelectBackend(), TritonSelectBackend()):
+    register(_b)
+
+
+def block_mass(q, k, block_q: int, block_k: int, split: int, scale: float, chunk_q=None,
+               chunk_k=None, backend=None) -> torch.Tensor:
+    """Pick a backend for checked inputs (sparsed.sparsed_block_mass) and compute the tile mass."""
+    features = {GQA} if k.shape[2] != q.shape[2] else set()
+    if block_q not in KERNEL_BLOCKS or block_k not in KERNEL_BLOCKS:
+        features.add(ANY_BLOCK_SIZE)
+    impl = select(Problem(q.device.type, q.dtype, q.shape[-1], frozenset(features)), backend,
+                  family=FAMILY)
+    return impl.block_mass(q.contiguous(), k.contiguous(), block_q, block_k, split, scale,
+                           chunk_q, chunk_k)
