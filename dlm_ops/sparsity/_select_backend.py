@@ -14,10 +14,8 @@ attention forwards (~0.05 s). benchmarks/sparse_quality.py measures both against
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-from pathlib import Path
 
 import torch
 
@@ -35,28 +33,10 @@ KERNEL_BLOCKS = (16, 32, 64, 128)
 
 
 
-def _load_kernels():
-    try:
-        from ..templates import sparse_select
-
-        return sparse_select
-    except ImportError:
-        # An editable install of another checkout can own ``dlm_ops.templates`` (its import
-        # finder wins over the alias in dlm_ops/__init__.py), and that checkout may predate this
-        # kernel: then load this checkout's file, which sits beside the dlm_ops package.
-        path = Path(__file__).resolve().parents[2] / "templates" / "sparse_select.py"
-        if not path.exists():
-            raise
-        spec = importlib.util.spec_from_file_location("dlm_ops.templates.sparse_select", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-
 try:
     import triton
 
-    kernels = _load_kernels()
+    from ..templates import sparse_select as kernels
     _IMPORT_ERROR = None
 except Exception as e:  # triton missing or broken: the backend reports why and stays out of the way
     triton = kernels = None
