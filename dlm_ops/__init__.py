@@ -52,3 +52,8 @@ __all__ = [
     "masks",
     "reference",
 ]
+
+# -- block-hybrid attention (LLaDA-Hybrid, issue #6) --
+from .ops.hybrid import block_hybrid_attn, block_hybrid_train_attn, hybrid_state_update  # noqa: E402
+
+__all__ += ["block_hybrid_attn", "block_hybrid_train_attn", "hybrid_state_update"]
