@@ -332,3 +332,27 @@ def test_gpu_decode_accuracy_and_triton_vs_torch(dtype, b, bs, h, hkv, d, f, blo
 @pytest.mark.parametrize("n,bs,heads", [(512, 32, (8, 2)), (300, 7, (4, 4)), (64, 100, (4, 1))])
 def test_gpu_train_accuracy(dtype, n, bs, heads):
     _check_train(2, n, *heads, 128, 64, bs, dtype, n, device="cuda")
+
+
+# -- the benchmark's CPU-checkable parts ---------------------------------------------------------
+
+
+def test_benchmark_cases_and_table():
+    from benchmarks import hybrid as bench
+
+    a = bench.parse_args([])
+    decode, train = bench.decode_cases(a), bench.train_cases(a)
+    assert {(c.heads, c.kv_heads) for c in decode} == {(32, 8), (16, 16)}
+    assert {c.batch for c in decode} == {1, 16} and {c.prefix for c in decode} == {1024, 4096,
+                                                                                  16384, 32768}
+    assert all(c.head_dim == 128 and c.block == 32 and c.features == 64 for c in decode)
+    assert all(c.batch * 2 * c.n == bench.TOKENS for c in train)
+    a = bench.parse_args(["--batches", "2", "--prefixes", "64", "--heads", "4/2"])
+    (case,) = bench.decode_cases(a)
+    rows = bench.decode_rows(case, {"eager": {"hybrid attn": 1.0, "hybrid update": 4.0,
+                                              "sdpa flash": 3.0}}, steps_per_block=8)
+    step = next(r for r in rows if r["contender"] == "hybrid step")
+    assert step["ms"] == 1.5
+    assert next(r for r in rows if r["contender"] == "sdpa flash")["ratio_sdpa_over_hybrid"] == 2.0
+    table = bench.markdown(rows)
+    assert "| sdpa flash / hybrid step |" in table.splitlines()[0] and "| 2.00 |" in table
