@@ -13,14 +13,17 @@ max in a_ij = exp(s_ij - max_j s_ij) does not cancel here (the state terms are n
 it), so its gradient is kept, split among ties like ``torch.amax``.
 
 Memory per training call (fp32 compute; float64 inputs double it), with P = 2 * nb * bs padded
-tokens, G = H / Hkv: q, k, v blocked and head-expanded 3 * B * H * P * D; scores and
-exponentials 2 * B * H * P * bs; phi(q), phi(k) 1.5 * B * H * P * 2F; the block sums and their
-prefix 2 * B * H * nb * 2F * D. At B=1, H=16, 2n=8K, D=128, bs=32, F=64: about 0.2 + 0.07 + 0.05
-+ 0.07 GB. The backward recomputes the forward and holds about twice that.
+tokens, in floats: q, k, v blocked and head-expanded, the in-block output, the state output and
+out 6 * B * H * P * D; scores and exponentials 2 * B * H * P * bs; phi(q), phi(k) and their two
+softmaxes 3 * B * H * P * 2F; the block sums U and their prefix S 2 * B * H * nb * 2F * D. At
+B=1, H=16, 2n=8K, D=128, bs=32, F=64: 0.4 + 0.03 + 0.2 + 0.27 GB, about 0.9 GB. The per-block
+states grow with 2F / bs (each block's (2F, D) sum is 2F/bs times the size of its tokens). The
+backward recomputes the forward (only the inputs are saved) and holds about twice that.
 
 ``triton``: the decode step as one fused kernel (templates/hybrid_attn.py); the state update and
 the training form run the torch code above on the GPU (matmul-bound; a fused training kernel is
-not written). On CPU it runs only when forced under TRITON_INTERPRET=1, for tests.
+not written). On CPU it runs only when forced under TRITON_INTERPRET=1, for tests. It declines
+decode shapes whose widest fp32 dot would not fit in shared memory (MAX_DOT_BYTES).
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ try:
     import triton
 
     from ..templates import hybrid_attn as kernels
-except Exception:  # the reason is _IMPORT_ERROR, reported by unavailable_reason
+
+    _KERNEL_ERROR = None
+except Exception as e:  # reported by unavailable_reason
     triton = kernels = None
+    _KERNEL_ERROR = _IMPORT_ERROR or f"templates.hybrid_attn unavailable ({type(e).__name__}: {e})"
 
 EPS = 1e-6  # the clamp of each denominator term (the paper's reference implementation)
 
@@ -247,8 +253,21 @@ class HybridTorchBackend(Backend):
 
 # -- triton -----------------------------------------------------------------------------------
 
-MAX_TRITON_BLOCK = 128  # queries = keys of one active block held in registers by one program
-MAX_TRITON_FEATURES = 128  # F; the program holds S as two (F, D) fp32 halves
+MAX_TRITON_BLOCK = 128  # queries = keys of one active block, held whole by one program
+# The widest dot's two fp32 operands (q @ W: (bs + F) x D, or phi @ S: F x (bs + D), padded to
+# powers of two) must sit in shared memory at once; 96 KB leaves room on every sm80+ GPU (sm80
+# 164 KB, sm86/89 100 KB, sm90 228 KB). bs=32, F=64, D=128 needs 48 KB.
+MAX_DOT_BYTES = 96 * 1024
+
+
+def _pow2(x: int) -> int:
+    return max(16, 1 << (max(x, 1) - 1).bit_length())
+
+
+def decode_dot_bytes(block: int, head_dim: int, features: int) -> int:
+    """Shared memory of the decode kernel's widest fp32 dot (see MAX_DOT_BYTES)."""
+    s, d, f = _pow2(block), _pow2(head_dim), _pow2(features)
+    return 4 * max((s + f) * d, f * (s + d), s * (s + d))
 
 
 class HybridTritonBackend(HybridTorchBackend):
@@ -264,17 +283,20 @@ class HybridTritonBackend(HybridTorchBackend):
     auto_device_types = frozenset({"cuda"})
 
     def unavailable_reason(self) -> str | None:
-        return _IMPORT_ERROR
+        return _KERNEL_ERROR
 
     def not_supported_reasons(self, problem):
         reasons = super().not_supported_reasons(problem)
         if problem.device_type == "cpu" and not INTERPRET:
             reasons.append("TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests")
-        if isinstance(problem, HybridProblem):
+        if isinstance(problem, HybridProblem) and problem.block:  # a decode call
             if problem.block > MAX_TRITON_BLOCK:
                 reasons.append(f"active block of {problem.block} tokens > {MAX_TRITON_BLOCK}")
-            if problem.num_features > MAX_TRITON_FEATURES:
-                reasons.append(f"F = {problem.num_features} features > {MAX_TRITON_FEATURES}")
+            need = decode_dot_bytes(problem.block, problem.head_dim, problem.num_features)
+            if need > MAX_DOT_BYTES:
+                reasons.append(f"block {problem.block}, F {problem.num_features}, head_dim "
+                               f"{problem.head_dim} need {need // 1024} KB of shared memory for one "
+                               f"fp32 dot, > {MAX_DOT_BYTES // 1024} KB")
         if problem.device_type == "cuda" and torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
             if (major, minor) < (8, 0):
