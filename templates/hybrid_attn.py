@@ -1,5 +1,6 @@
-"""Triton kernel for the block-hybrid (LLaDA-Hybrid) decode step: one active block against a
-linear-attention state (definitions in dlm_ops/ops/hybrid.py).
+"""Triton kernels for block-hybrid (LLaDA-Hybrid) decoding: the step of one active block against
+a linear-attention state, and the commit of a block into the state (definitions in
+dlm_ops/ops/hybrid.py).
 
 Notation
 --------
@@ -15,7 +16,9 @@ One program per (batch, query head) does the whole block: the in-block scores an
 unnormalised exponentials a = exp(s - rowmax) (base 2 inside), phi(q) from q @ W[h] in fp32, the
 state terms phi(q) S and phi(q) . Z, and the shared normalisation. The state is the big read
 (2F * D * 4 bytes = 64 KB per head at F=64, D=128, against 8 KB for q, k or v of a 32-token bf16
-block), so the kernel is bandwidth-bound on it; one program per head reads it once.
+block), so the kernel is bandwidth-bound on it; one program per head reads it once. The commit
+kernel is laid out the same way: one program per (batch, query head) forms phi(k) with that head's
+W[h] and writes S + phi(k)^T v and Z + sum phi(k) to new tensors (the op is functional).
 
 Precision: fp32 inputs take IEEE fp32 dots everywhere. Low-precision inputs take the attention
 dots in the input dtype (fp32 accumulation, a in the input dtype for a @ v, as FlashAttention
@@ -99,3 +102,44 @@ def hybrid_decode_kernel(
     out = (w * o_loc + lin_num) / den[:, None]
     tl.store(O + b * sob + h * soh + rows[:, None] * sos + dims[None, :],
              out.to(O.dtype.element_ty), mask=tile_ok)
+
+
+@triton.jit
+def hybrid_state_update_kernel(
+    S, Z, K, V, W, S_OUT, Z_OUT,
+    skb, sks, skh, svb, svs, svh,
+    H, G, bs, F,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Commit a block for one (batch, query head): S_OUT = S + phi(k)^T v, Z_OUT = Z + sum phi(k),
+    with phi from this query head's W[h] applied to its kv head's keys."""
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    kvh = h // G
+    rows = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    feats = tl.arange(0, BLOCK_F)
+    row_ok, dim_ok, feat_ok = rows < bs, dims < D, feats < F
+    tile_ok = row_ok[:, None] & dim_ok[None, :]
+    k = tl.load(K + b * skb + kvh * skh + rows[:, None] * sks + dims[None, :], mask=tile_ok, other=0.0)
+    v = tl.load(V + b * svb + kvh * svh + rows[:, None] * svs + dims[None, :], mask=tile_ok, other=0.0)
+    w_tile = tl.load(W + h * D * F + dims[:, None] * F + feats[None, :],
+                     mask=dim_ok[:, None] & feat_ok[None, :], other=0.0).to(tl.float32)
+    u = _dot32(k.to(tl.float32), w_tile, IEEE)
+    keep = row_ok[:, None].to(tl.float32)  # padded key rows add nothing
+    pos = _softmax_rows(u, feat_ok[None, :]) * keep
+    neg = _softmax_rows(-u, feat_ok[None, :]) * keep
+    v32 = v.to(tl.float32)
+
+    s_mask = feat_ok[:, None] & dim_ok[None, :]
+    s_offs = bh * 2 * F * D + feats[:, None] * D + dims[None, :]
+    s_pos = tl.load(S + s_offs, mask=s_mask, other=0.0) + _dot32(tl.trans(pos), v32, IEEE)
+    tl.store(S_OUT + s_offs, s_pos, mask=s_mask)
+    s_neg = tl.load(S + F * D + s_offs, mask=s_mask, other=0.0) + _dot32(tl.trans(neg), v32, IEEE)
+    tl.store(S_OUT + F * D + s_offs, s_neg, mask=s_mask)
+    z_offs = bh * 2 * F + feats
+    tl.store(Z_OUT + z_offs, tl.load(Z + z_offs, mask=feat_ok, other=0.0) + tl.sum(pos, 0),
+             mask=feat_ok)
+    tl.store(Z_OUT + F + z_offs, tl.load(Z + F + z_offs, mask=feat_ok, other=0.0) + tl.sum(neg, 0),
+             mask=feat_ok)

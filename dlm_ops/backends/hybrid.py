@@ -20,8 +20,8 @@ B=1, H=16, 2n=8K, D=128, bs=32, F=64: 0.4 + 0.03 + 0.2 + 0.27 GB, about 0.9 GB. 
 states grow with 2F / bs (each block's (2F, D) sum is 2F/bs times the size of its tokens). The
 backward recomputes the forward (only the inputs are saved) and holds about twice that.
 
-``triton``: the decode step as one fused kernel (templates/hybrid_attn.py); the state update and
-the training form run the torch code above on the GPU (matmul-bound; a fused training kernel is
+``triton``: the decode step and the state update as fused kernels (templates/hybrid_attn.py); the
+training form runs the torch code above on the GPU (matmul-bound; a fused training kernel is
 not written). On CPU it runs only when forced under TRITON_INTERPRET=1, for tests. It declines
 decode shapes whose widest fp32 dot would not fit in shared memory (MAX_DOT_BYTES).
 """
@@ -50,7 +50,7 @@ EPS = 1e-6  # the clamp of each denominator term (the paper's reference implemen
 
 @dataclass(frozen=True)
 class HybridProblem(Problem):
-    block: int = 0  # active-block length of a decode call (queries = keys); 0 otherwise
+    block: int = 0  # block length of a decode or commit call (a fused kernel holds it); 0 otherwise
     num_features: int = 1  # F, feature_weight.shape[-1] (phi has 2F)
 
 
@@ -267,7 +267,7 @@ def _pow2(x: int) -> int:
 def decode_dot_bytes(block: int, head_dim: int, features: int) -> int:
     """Shared memory of the decode kernel's widest fp32 dot (see MAX_DOT_BYTES)."""
     s, d, f = _pow2(block), _pow2(head_dim), _pow2(features)
-    return 4 * max((s + f) * d, f * (s + d), s * (s + d))
+    return 4 * max((s + f) * d, f * (s + d), s * (s + d), s * (f + d))
 
 
 class HybridTritonBackend(HybridTorchBackend):
@@ -324,3 +324,23 @@ class HybridTritonBackend(HybridTorchBackend):
                 D=d, BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_F=block_f,
                 IEEE=q.dtype == torch.float32, num_warps=warps)
         return out
+
+    def state_update(self, state_s, state_z, k, v, feature_weight):
+        b, bs, hkv, d = k.shape
+        h, f = state_s.shape[1], feature_weight.shape[-1]
+        k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+        state_s, state_z, feature_weight = (t.contiguous() for t in (state_s, state_z,
+                                                                      feature_weight))
+        new_s, new_z = new_output(state_s, state_s.shape), new_output(state_z, state_z.shape)
+        if not bs:  # an empty block commits nothing
+            return new_s.copy_(state_s), new_z.copy_(state_z)
+        if b * h:
+            block_d, block_f = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(f))
+            kernels.hybrid_state_update_kernel[(b * h,)](
+                state_s, state_z, k, v, feature_weight, new_s, new_z,
+                k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                h, h // hkv, bs, f,
+                D=d, BLOCK_S=max(16, triton.next_power_of_2(bs)), BLOCK_D=block_d,
+                BLOCK_F=block_f, IEEE=k.dtype == torch.float32,
+                num_warps=8 if block_f * block_d >= 64 * 128 else 4)
+        return new_s, new_z

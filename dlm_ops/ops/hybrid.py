@@ -49,8 +49,8 @@ def _scale(softmax_scale: Optional[float], q: Tensor) -> float:
 
 
 def _impl(q: Tensor, k: Tensor, feature_weight: Tensor, backend: Optional[str], block: int = 0):
-    """The backend for a call; ``block`` is the active block of a decode call (the fused decode
-    kernel holds it in registers), 0 for the training form (run by PyTorch ops everywhere)."""
+    """The backend for a call; ``block`` is the active block of a decode call (the fused kernel
+    holds it whole), 0 for the training form (run by PyTorch ops on every backend)."""
     features = frozenset({GQA}) if k.shape[-2] != q.shape[-2] else frozenset()
     problem = HybridProblem(q.device.type, q.dtype, q.shape[-1], features, block=block,
                             num_features=feature_weight.shape[-1])
@@ -159,7 +159,7 @@ def hybrid_state_update_op(state_s: Tensor, state_z: Tensor, k: Tensor, v: Tenso
     # Dispatch on the keys' dtype and the state's head count (the queries are not involved).
     problem = HybridProblem(k.device.type, k.dtype, k.shape[-1],
                             frozenset({GQA}) if k.shape[2] != state_s.shape[1] else frozenset(),
-                            num_features=feature_weight.shape[-1])
+                            block=k.shape[1], num_features=feature_weight.shape[-1])
     return select(problem, backend, family="hybrid").state_update(state_s, state_z, k, v,
                                                                   feature_weight)
 
