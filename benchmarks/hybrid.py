@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 TOKENS = 16 * 1024  # training tokens per batch, as in DESIGN.md section 5
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
+DEVICE = "cuda"
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def _graphed(fn):
 def _decode_contenders(c: DecodeCase, graph: bool) -> dict:
     import dlm_ops
 
-    dt, dev = torch.bfloat16, "cuda"
+    dt, dev = torch.bfloat16, DEVICE
     b, h, hkv, d, bs, f = c.batch, c.heads, c.kv_heads, c.head_dim, c.block, c.features
     q = torch.randn(b, bs, h, d, device=dev, dtype=dt)
     k, v = (torch.randn(b, bs, hkv, d, device=dev, dtype=dt) for _ in range(2))
@@ -170,7 +171,7 @@ def _decode_contenders(c: DecodeCase, graph: bool) -> dict:
         "hybrid update": lambda: dlm_ops.hybrid_state_update(s, z, k, v, w),
     }
     # SDPA layout (B, H, S, D): q is the block, keys/values the prefix followed by the block.
-    qs = q.transpose(1, 2)
+    qs = q.transpose(1, 2).contiguous()
     ks, vs = (torch.randn(b, hkv, c.prefix + bs, d, device=dev, dtype=dt) for _ in range(2))
     for name in SDPA_BACKENDS:
         try:
@@ -192,7 +193,7 @@ def _decode_contenders(c: DecodeCase, graph: bool) -> dict:
 def _train_contenders(c: TrainCase) -> dict:
     import dlm_ops
 
-    dt, dev = torch.bfloat16, "cuda"
+    dt, dev = torch.bfloat16, DEVICE
     b, s, h, hkv, d, f = c.batch, 2 * c.n, c.heads, c.kv_heads, c.head_dim, c.features
     q = torch.randn(b, s, h, d, device=dev, dtype=dt, requires_grad=True)
     k, v = (torch.randn(b, s, hkv, d, device=dev, dtype=dt, requires_grad=True) for _ in range(2))

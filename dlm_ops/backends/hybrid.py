@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import register
 from .base import GQA, Backend, Capabilities, Problem, new_output
 from .triton_backend import _IMPORT_ERROR, INTERPRET
 
@@ -344,3 +345,7 @@ class HybridTritonBackend(HybridTorchBackend):
                 BLOCK_F=block_f, IEEE=k.dtype == torch.float32,
                 num_warps=8 if block_f * block_d >= 64 * 128 else 4)
         return new_s, new_z
+
+
+register(HybridTritonBackend())
+register(HybridTorchBackend())

@@ -32,13 +32,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends import register, select
+from ..backends import select
 from ..backends.base import GQA, lse_dtype
-from ..backends.hybrid import HybridProblem, HybridTorchBackend, HybridTritonBackend
+from ..backends.hybrid import HybridProblem  # importing it registers the "hybrid" backends
 from .validation import DTYPES, check_even_seqlen, check_options, check_qkv
-
-register(HybridTritonBackend())
-register(HybridTorchBackend())
 
 LAYOUT = "(batch, seqlen, heads, head_dim)"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
