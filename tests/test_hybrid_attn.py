@@ -386,3 +386,23 @@ def test_benchmark_cases_and_table():
                                             (3, 5, 16, 16, 256, 16)])
 def test_gpu_state_update(dtype, b, bs, h, hkv, d, f):
     _check_update(b, bs, h, hkv, d, f, dtype, bs, device="cuda")  # the default backend: triton
+
+
+def test_compile_dynamic_shapes(fresh_dynamo):
+    """Symbolic batch and sequence length: the fake functions must not specialise on them (aot_eager:
+    the graph and the fake functions are what is checked)."""
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
+    def train(q, k, v, w, gate):
+        return dlm_ops.block_hybrid_train_attn(q, k, v, w, gate, 3)
+
+    w, gate = _params(4, 16, 8, 2)
+    # sizes unlike the fixed ones (heads 4, kv heads 2, D 16, F 8): dynamo would duck-size them
+    for b, s in ((3, 10), (5, 14), (3, 6)):
+        inputs = (*_seq(b, s, 4, 2, 16, torch.float32, s), w, gate)
+        dout = torch.randn(b, s, 4, 16)
+        for x, y in zip(_grads(train, inputs, dout),
+                        _grads(lambda *t: dlm_ops.block_hybrid_train_attn(*t, 3), inputs, dout)):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    assert counter.frame_count == 1
