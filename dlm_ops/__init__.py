@@ -59,3 +59,8 @@ __all__ = [
 from . import sparsity  # noqa: E402  (pattern selection and step caches, issue #5)
 
 __all__ += ["sparsity"]
+
+# -- block-hybrid attention (LLaDA-Hybrid, issue #6) --
+from .ops.hybrid import block_hybrid_attn, block_hybrid_train_attn, hybrid_state_update  # noqa: E402
+
+__all__ += ["block_hybrid_attn", "block_hybrid_train_attn", "hybrid_state_update"]

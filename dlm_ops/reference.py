@@ -115,3 +115,76 @@ def column_mass_ref(q, k, rows=None, softmax_scale=None):
     q = q if rows is None else q[:, rows]
     return attention_mass_ref(q, k, block_size_q=q.shape[1], block_size_k=1,
                               softmax_scale=softmax_scale)[:, :, 0]
+
+# -- block-hybrid attention (LLaDA-Hybrid, issue #6 item 4) ---------------------------------------
+# Written from the definitions in dlm_ops/ops/hybrid.py's docstring: phi_h(x) = [softmax(x W_h),
+# softmax(-x W_h)], per-query-head state S (2F, D), Z (2F,), unnormalised in-block exponentials
+# a_ij = exp(s_ij - max_j s_ij), gate w_h = sigmoid(gate_h), and each denominator term clamped at
+# HYBRID_EPS. Everything runs in ``compute_dtype`` (states included), like the references above.
+
+HYBRID_EPS = 1e-6
+__all__ += ["HYBRID_EPS", "hybrid_feature_map_ref", "block_hybrid_attn_ref",
+            "hybrid_state_update_ref", "block_hybrid_train_attn_ref"]
+
+
+def hybrid_feature_map_ref(x, feature_weight, compute_dtype=torch.float32):
+    """phi of x (B, H, S, D) with feature_weight (H, D, F): (B, H, S, 2F) in ``compute_dtype``."""
+    u = torch.einsum("bhsd,hdf->bhsf", x.to(compute_dtype), feature_weight.to(compute_dtype))
+    return torch.cat([torch.softmax(u, dim=-1), torch.softmax(-u, dim=-1)], dim=-1)
+
+
+def _heads_first(x, heads, compute_dtype):
+    """(B, S, Hkv, D) -> (B, H, S, D): query head h reads kv head h // (H / Hkv)."""
+    return x.to(compute_dtype).repeat_interleave(heads // x.shape[2], dim=2).transpose(1, 2)
+
+
+def block_hybrid_attn_ref(q, k, v, state_s, state_z, feature_weight, gate, *, softmax_scale=None,
+                          compute_dtype=torch.float32):
+    """One active block: q (B, bs, H, D), k/v (B, bs, Hkv, D), state_s (B, H, 2F, D),
+    state_z (B, H, 2F). Returns out (B, bs, H, D) in ``compute_dtype``."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    heads = q.shape[2]
+    qf = q.to(compute_dtype).transpose(1, 2)
+    kf, vf = _heads_first(k, heads, compute_dtype), _heads_first(v, heads, compute_dtype)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    a = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    w = torch.sigmoid(gate.to(compute_dtype))[None, :, None]  # (1, H, 1)
+    phi_q = hybrid_feature_map_ref(qf, feature_weight, compute_dtype)
+    num = w[..., None] * (a @ vf) + phi_q @ state_s.to(compute_dtype)
+    lin = (phi_q * state_z.to(compute_dtype)[:, :, None, :]).sum(-1)
+    den = torch.clamp(w * a.sum(-1), min=HYBRID_EPS) + torch.clamp(lin, min=HYBRID_EPS)
+    return (num / den[..., None]).transpose(1, 2)
+
+
+def hybrid_state_update_ref(state_s, state_z, k, v, feature_weight, compute_dtype=None):
+    """Commit a block: S + sum_j phi(k_j)^T v_j, Z + sum_j phi(k_j) (in the state's dtype)."""
+    compute_dtype = compute_dtype or state_s.dtype
+    heads = state_s.shape[1]
+    phi_k = hybrid_feature_map_ref(_heads_first(k, heads, compute_dtype), feature_weight,
+                                   compute_dtype)
+    vf = _heads_first(v, heads, compute_dtype)
+    return (state_s.to(compute_dtype) + phi_k.transpose(-1, -2) @ vf,
+            state_z.to(compute_dtype) + phi_k.sum(dim=-2))
+
+
+def block_hybrid_train_attn_ref(q, k, v, feature_weight, gate, block_size, *, softmax_scale=None,
+                                compute_dtype=torch.float32):
+    """Training form on (B, 2n, H, D) [noisy | clean]: a loop over blocks. The queries of block b
+    in either half read the state of clean blocks 0..b-1 and attend within their own block of their
+    own half. Returns out (B, 2n, H, D) in ``compute_dtype``."""
+    b, seqlen, heads, d = q.shape
+    n, f = seqlen // 2, feature_weight.shape[-1]
+    state_s = q.new_zeros((b, heads, 2 * f, d), dtype=compute_dtype)
+    state_z = q.new_zeros((b, heads, 2 * f), dtype=compute_dtype)
+    noisy, clean = [q.new_zeros((b, 0, heads, d), dtype=compute_dtype)], []
+    for start in range(0, n, block_size):
+        end = min(start + block_size, n)
+        for half, outs in ((0, noisy), (n, clean)):
+            blk = slice(half + start, half + end)
+            outs.append(block_hybrid_attn_ref(q[:, blk], k[:, blk], v[:, blk], state_s, state_z,
+                                              feature_weight, gate, softmax_scale=softmax_scale,
+                                              compute_dtype=compute_dtype))
+        state_s, state_z = hybrid_state_update_ref(state_s, state_z, k[:, n + start:n + end],
+                                                   v[:, n + start:n + end], feature_weight,
+                                                   compute_dtype)
+    return torch.cat(noisy + clean, dim=1)
