@@ -34,6 +34,13 @@ from .ops.diffusion import (
     diffusion_attn_varlen_func,
 )
 
+from .ops.cached import (
+    block_decode_attn,
+    flashblock_attn,
+    flashblock_refresh,
+    merge_attn_states,
+)
+
 from . import compile  # noqa: E402  (after the ops: the rewrite pass emits them)
 
 compile.install()
@@ -51,4 +58,8 @@ __all__ = [
     "geometry",
     "masks",
     "reference",
+    "block_decode_attn",
+    "merge_attn_states",
+    "flashblock_attn",
+    "flashblock_refresh",
 ]
