@@ -40,6 +40,7 @@ from .ops.cached import (
     flashblock_refresh,
     merge_attn_states,
 )
+from . import sparsity  # noqa: E402  (dlm_ops.sparsity.FlashBlockCache)
 
 from . import compile  # noqa: E402  (after the ops: the rewrite pass emits them)
 

@@ -110,8 +110,9 @@ class TorchCachedBackend(CachedBackend):
             o, l = merge_states(o, l, *part)
         ext = None
         if want_ext:
-            ext = (_ungroup_rows(o, bs).to(lse_dtype(q.dtype)),
-                   l.reshape(b, h, bs).to(lse_dtype(q.dtype)))
+            lt = lse_dtype(q.dtype)
+            ext = (new_output(q, q.shape, lt).copy_(_ungroup_rows(o, bs)),
+                   new_output(q, (b, h, bs), lt).copy_(l.reshape(b, h, bs)))
             # the full result merges what a reuse step will read back (bitwise reuse)
             o = _group_rows(ext[0], 0, bs, hkv, cd)
             l = _to_rows(ext[1], hkv).to(cd)
