@@ -383,32 +383,29 @@ def test_opcheck():
 
 
 def test_compile_fullgraph():
+    """All four ops in one compiled graph (fullgraph), and the merge's backward through it."""
     torch._dynamo.reset()
     q, kc, vc, kn, vn = _decode_inputs(2, 3, 4, 2, 16, 5, torch.float32, 0)
     lens = torch.tensor([0, 4], dtype=torch.int32)
+    oa, la, ob, lb = _states(2, 3, 4, 16, torch.float32, 0, {0}, {0, 1})
+    states = [t.nan_to_num(0.0) for t in (oa, la, ob, lb)]
 
-    def step(q, kc, vc, kn, vn, lens):
+    def step(q, kc, vc, kn, vn, lens, oa, la, ob, lb):
         full, lse = dlm_ops.block_decode_attn(q * 1.5, kc, vc, cache_seqlens=lens, k_new=kn,
                                               v_new=vn, return_lse=True)
         out, lse2, eo, el = dlm_ops.flashblock_refresh(q, kc, vc, kn, vn, cache_seqlens=lens)
         reuse = dlm_ops.flashblock_attn(q, kn, vn, eo, el, dirty=lens[:, None].expand(2, 3) > 0)
         merged, _ = dlm_ops.merge_attn_states(full, lse, out, lse2)
-        return merged + reuse
+        m_out, m_lse = dlm_ops.merge_attn_states(oa, la, ob, lb)
+        loss = (m_out * m_out).sum() + m_lse.clamp(min=-10).sum()
+        return merged + reuse, loss
 
-    compiled = torch.compile(step, fullgraph=True)
-    torch.testing.assert_close(compiled(q, kc, vc, kn, vn, lens), step(q, kc, vc, kn, vn, lens),
-                               rtol=1e-5, atol=1e-5)
+    def run(fn):
+        inputs = [t.clone().requires_grad_() for t in states]
+        res, loss = fn(q, kc, vc, kn, vn, lens, *inputs)
+        return (res, loss, *torch.autograd.grad(loss, inputs))
 
-    oa, la, ob, lb = _states(1, 3, 2, 8, torch.float32, 0, {0}, {1})
-    oa, ob = oa.nan_to_num(0.0), ob.nan_to_num(0.0)
-
-    def loss(*t):
-        out, lse = dlm_ops.merge_attn_states(*t)
-        return (out * out).sum() + lse.clamp(min=-10).sum()
-
-    grads = lambda fn: torch.autograd.grad(fn(*inputs), inputs)
-    inputs = [t.requires_grad_() for t in (oa, la, ob, lb)]
-    for x, y in zip(grads(torch.compile(loss, fullgraph=True)), grads(loss)):
+    for x, y in zip(run(torch.compile(step, fullgraph=True)), run(step)):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
 
