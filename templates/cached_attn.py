@@ -29,6 +29,8 @@ unchanged block reproduces the refresh step bit for bit (tested).
 import triton
 import triton.language as tl
 
+# For the host side; kernels spell the constants out: compiled Triton code may not read
+# non-constexpr globals (the interpreter would not notice).
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -123,7 +125,8 @@ def decode_partial_kernel(
 ):
     """Grid (NSPLIT [+1 with k_new], cdiv(M, BLOCK_M), B * Hkv): one cache split (or the block's
     own keys) for BLOCK_M packed rows of one (batch, kv head)."""
-    split, mt, bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    split, mt = tl.program_id(0), tl.program_id(1)
+    bk = tl.program_id(2).to(tl.int64)  # 64-bit offsets: a (128, 64K, 8, 128) cache is 2^33
     b, kvh = bk // HKV, bk % HKV
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -156,7 +159,7 @@ def decode_combine_kernel(
 ):
     """Grid (cdiv(M, BLOCK_M), B * Hkv): merge the cache splits into the block-external result
     (written to EO/ELSE when WRITE_EXT), then merge the block's own keys in (when HAS_NEW)."""
-    mt, bk = tl.program_id(0), tl.program_id(1)
+    mt, bk = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, kvh = bk // HKV, bk % HKV
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -169,17 +172,17 @@ def decode_combine_kernel(
         l_s = tl.load(PL + slot * M + rows, mask=rows < M, other=float("-inf"))
         o, l2 = _merge(o, l2, o_s, l_s)
     if WRITE_EXT:
-        lse_ext = l2 * LN2
+        lse_ext = l2 * 0.6931471805599453
         _store_rows(EO, o, b, kvh, rows, dims, seb, ses, seh, G, M, D)
         tl.store(ELSE + _row_lse_offsets(b, kvh, rows, sfb, sfh, G), lse_ext, mask=rows < M)
-        l2 = lse_ext * LOG2E  # what a FlashBlock reuse step will read back (bitwise reuse)
+        l2 = lse_ext * 1.4426950408889634  # what a FlashBlock reuse step will read back (bitwise reuse)
     if HAS_NEW:
         slot = bk * (NSPLIT + 1) + NSPLIT
         o_n = tl.load(PO + (slot * M + rows)[:, None] * D + dims[None, :], mask=mask, other=0.0)
         l_n = tl.load(PL + slot * M + rows, mask=rows < M, other=float("-inf"))
         o, l2 = _merge(o, l2, o_n, l_n)
     _store_rows(O, o, b, kvh, rows, dims, sob, sos, soh, G, M, D)
-    tl.store(LSE + _row_lse_offsets(b, kvh, rows, slb, slh, G), l2 * LN2, mask=rows < M)
+    tl.store(LSE + _row_lse_offsets(b, kvh, rows, slb, slh, G), l2 * 0.6931471805599453, mask=rows < M)
 
 
 @triton.jit
@@ -192,7 +195,7 @@ def flashblock_kernel(
 ):
     """Grid (cdiv(M, BLOCK_M), B * Hkv): block-internal attention merged, in registers, with the
     cached block-external (out, lse); dirty rows take the block-internal part alone."""
-    mt, bk = tl.program_id(0), tl.program_id(1)
+    mt, bk = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, kvh = bk // HKV, bk % HKV
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -201,13 +204,13 @@ def flashblock_kernel(
                        scale2, dims, D, BLOCK_M, BLOCK_N, BLOCK_D, IEEE)
     o_c = _load_rows(CO, b, kvh, rows, dims, scb, scs, sch, G, M, D).to(tl.float32)
     l_c = tl.load(CL + _row_lse_offsets(b, kvh, rows, sfb, sfh, G), mask=rows < M,
-                  other=float("-inf")) * LOG2E
+                  other=float("-inf")) * 1.4426950408889634
     if HAS_DIRTY:
         dirty = tl.load(DIRTY + b * sdb + (rows // G) * sds, mask=rows < M, other=0)
         l_c = tl.where(dirty != 0, float("-inf"), l_c)  # _merge then drops o_c
     o, l2 = _merge(o_c, l_c, o_n, l_n)
     _store_rows(O, o, b, kvh, rows, dims, sob, sos, soh, G, M, D)
-    tl.store(LSE + _row_lse_offsets(b, kvh, rows, slb, slh, G), l2 * LN2, mask=rows < M)
+    tl.store(LSE + _row_lse_offsets(b, kvh, rows, slb, slh, G), l2 * 0.6931471805599453, mask=rows < M)
 
 
 @triton.jit
@@ -217,7 +220,7 @@ def merge_kernel(
     S, H, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (cdiv(S, BLOCK_S), B * H): out/lse of two partials over disjoint key sets."""
-    st, bh = tl.program_id(0), tl.program_id(1)
+    st, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     rows = st * BLOCK_S + tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
@@ -226,9 +229,9 @@ def merge_kernel(
     off_d = dims[None, :]
     o_a = tl.load(OA + b * sab + h * sah + rows[:, None] * sas + off_d, mask=mask, other=0.0)
     o_b = tl.load(OB + b * sbb + h * sbh + rows[:, None] * sbs + off_d, mask=mask, other=0.0)
-    l_a = tl.load(LA + b * slab + h * slah + rows, mask=row_ok, other=float("-inf")) * LOG2E
-    l_b = tl.load(LB + b * slbb + h * slbh + rows, mask=row_ok, other=float("-inf")) * LOG2E
+    l_a = tl.load(LA + b * slab + h * slah + rows, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+    l_b = tl.load(LB + b * slbb + h * slbh + rows, mask=row_ok, other=float("-inf")) * 1.4426950408889634
     o, l2 = _merge(o_a.to(tl.float32), l_a, o_b.to(tl.float32), l_b)
     tl.store(O + b * sob + h * soh + rows[:, None] * sos + off_d, o.to(O.dtype.element_ty),
              mask=mask)
-    tl.store(LSE + b * slb + h * slh + rows, l2 * LN2, mask=row_ok)
+    tl.store(LSE + b * slb + h * slh + rows, l2 * 0.6931471805599453, mask=row_ok)

@@ -165,13 +165,16 @@ LOG2E = 1.4426950408889634
 def tiles(m: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for M = G*bs packed rows. One table for the decode partials
     and the FlashBlock kernel: the same tile shape is what makes reuse equal refresh bitwise.
-    BLOCK_M covers M up to 64 (bs 16 x G 4) in one tile; 16 is tl.dot's minimum. At D=256 a
-    64x256 K tile is 32 KB in bf16, so BLOCK_N drops to 32 to keep two stages in shared memory."""
-    block_m = min(64, max(16, triton.next_power_of_2(max(m, 1))))
+    Decode is bound by reading K/V, and every row tile of a (batch, kv head) reads all of it, so
+    BLOCK_M covers M in one tile up to 128 (bs 32 x G 4, 8 warps: a 128x128 fp32 accumulator is
+    64 registers per thread); 16 is tl.dot's minimum. At D=256 the accumulator doubles, so
+    BLOCK_M stops at 64, and BLOCK_N drops to 32 (a 64x256 bf16 K tile is 32 KB per stage)."""
+    cap = 128 if head_dim <= 128 else 64
+    block_m = min(cap, max(16, triton.next_power_of_2(max(m, 1))))
     block_n = 64 if head_dim <= 128 else 32
     if INTERPRET:  # numpy per program: small tiles keep the interpreter fast
-        block_n = 16
-    return block_m, block_n, 4
+        block_m, block_n = min(block_m, 32), 16
+    return block_m, block_n, 8 if block_m == 128 else 4
 
 
 def num_splits(programs: int, smax: int, sm_count: int, min_keys: int = 512,
