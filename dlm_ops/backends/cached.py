@@ -162,19 +162,21 @@ class TorchCachedBackend(CachedBackend):
 LOG2E = 1.4426950408889634
 
 
-def tiles(m: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for M = G*bs packed rows. One table for the decode partials
-    and the FlashBlock kernel: the same tile shape is what makes reuse equal refresh bitwise.
-    Decode is bound by reading K/V, and every row tile of a (batch, kv head) reads all of it, so
-    BLOCK_M covers M in one tile up to 128 (bs 32 x G 4, 8 warps: a 128x128 fp32 accumulator is
-    64 registers per thread); 16 is tl.dot's minimum. At D=256 the accumulator doubles, so
-    BLOCK_M stops at 64, and BLOCK_N drops to 32 (a 64x256 bf16 K tile is 32 KB per stage)."""
-    cap = 128 if head_dim <= 128 else 64
-    block_m = min(cap, max(16, triton.next_power_of_2(max(m, 1))))
-    block_n = 64 if head_dim <= 128 else 32
+def tiles(m: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for M = G*bs packed rows. One table for the decode
+    partials and the FlashBlock kernel: the same tile shape is what makes reuse equal refresh
+    bitwise. Decode is bound by reading K/V, and every row tile of a (batch, kv head) reads all
+    of it, so BLOCK_M covers M in one tile up to 128 (bs 32 x G 4, 8 warps: a 128x128 fp32
+    accumulator is 64 registers per thread); 16 is tl.dot's minimum. Shared memory, compiled for
+    sm90 (228 KB): bf16 at D=128 takes 98 KB (BLOCK_M 128) and 22 KB (16); fp32 at BLOCK_N 64
+    took 270-330 KB, so fp32 (tests, and the rare fp32 user) runs 64x32 tiles with 2 stages. At
+    D=256 the accumulator and K tiles double: BLOCK_M stops at 64 and BLOCK_N drops to 32."""
+    wide = dtype == torch.float32 or head_dim > 128
+    block_m = min(64 if wide else 128, max(16, triton.next_power_of_2(max(m, 1))))
+    block_n = 32 if wide else 64
     if INTERPRET:  # numpy per program: small tiles keep the interpreter fast
         block_m, block_n = min(block_m, 32), 16
-    return block_m, block_n, 8 if block_m == 128 else 4
+    return block_m, block_n, 8 if block_m == 128 else 4, 2 if wide else 3
 
 
 def num_splits(programs: int, smax: int, sm_count: int, min_keys: int = 512,
@@ -248,7 +250,7 @@ class TritonCachedBackend(CachedBackend):
         b, bs, h, d = q.shape
         smax, hkv = k_cache.shape[1], k_cache.shape[2]
         g, m = h // hkv, (h // hkv) * bs
-        block_m, block_n, warps = tiles(m, d)
+        block_m, block_n, warps, stages = tiles(m, d, q.dtype)
         m_tiles = triton.cdiv(m, block_m)
         splits = self._splits or num_splits(b * hkv * m_tiles, smax, _sm_count(q.device),
                                             self._min_keys)
@@ -268,7 +270,7 @@ class TritonCachedBackend(CachedBackend):
             *_s(q), *_s(k_cache), *_s(v_cache), *_s(kn), *_s(vn),
             hkv, g, m, smax, bs, scale * LOG2E,
             NSPLIT=splits, HAS_LENS=lens is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=warps, **flags)
+            num_warps=warps, num_stages=stages, **flags)
         eo, el = (ext_out, ext_lse) if want_ext else (out, lse)  # placeholders when unused
         kernels.decode_combine_kernel[(m_tiles, b * hkv)](
             po, pl, out, lse, eo, el, *_s(out), lse.stride(0), lse.stride(1), *_s(eo),
@@ -282,7 +284,7 @@ class TritonCachedBackend(CachedBackend):
         b, bs, h, d = q.shape
         hkv = k_block.shape[2]
         g, m = h // hkv, (h // hkv) * bs
-        block_m, block_n, warps = tiles(m, d)
+        block_m, block_n, warps, stages = tiles(m, d, q.dtype)
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, bs), torch.float32)
         if b * hkv * m == 0:
@@ -297,7 +299,7 @@ class TritonCachedBackend(CachedBackend):
             lse.stride(0), lse.stride(1), *_s(out), cl.stride(0), cl.stride(1),
             hkv, g, m, bs, scale * LOG2E,
             HAS_DIRTY=dirty is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-            **self._flags(q))
+            num_stages=stages, **self._flags(q))
         return out, lse
 
     def merge(self, out_a, lse_a, out_b, lse_b):
