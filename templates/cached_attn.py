@@ -19,11 +19,9 @@ Notation
     lse               natural log outside; inside, base 2 (exp2 is one instruction):
                       lse2 = lse * log2(e). An empty key set has lse -inf and output 0.
 
-Bitwise reuse (FlashBlock): the refresh path stores the block-external (out, lse) as fp32 out and
-natural-log lse, then merges the block-internal part into the value it stored, re-read as
-``lse * log2(e)``; the reuse kernel loads exactly those values, computes the block-internal part
-with the same ``_attend`` and tile shape, and merges with the same ``_merge``. So a reuse step on an
-unchanged block reproduces the refresh step bit for bit (tested).
+FlashBlock: a refresh is the decode path without the block's keys (the block-external part,
+written in fp32) followed by ``flashblock_kernel`` on that part, the very kernel a reuse step runs;
+so reuse on an unchanged block reproduces the refresh bit for bit by construction (tested).
 """
 
 import triton
@@ -151,14 +149,12 @@ def decode_partial_kernel(
 
 @triton.jit
 def decode_combine_kernel(
-    PO, PL, O, LSE, EO, ELSE,
-    sob, sos, soh, slb, slh, seb, ses, seh, sfb, sfh,
-    HKV, G, M,
-    NSPLIT: tl.constexpr, HAS_NEW: tl.constexpr, WRITE_EXT: tl.constexpr, D: tl.constexpr,
+    PO, PL, O, LSE, sob, sos, soh, slb, slh, HKV, G, M,
+    NSPLIT: tl.constexpr, HAS_NEW: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid (cdiv(M, BLOCK_M), B * Hkv): merge the cache splits into the block-external result
-    (written to EO/ELSE when WRITE_EXT), then merge the block's own keys in (when HAS_NEW)."""
+    """Grid (cdiv(M, BLOCK_M), B * Hkv): merge the cache splits, and the block's own keys when
+    HAS_NEW, into O (any float dtype: the fp32 block-external part for FlashBlock) and LSE."""
     mt, bk = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, kvh = bk // HKV, bk % HKV
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -166,23 +162,14 @@ def decode_combine_kernel(
     mask = (rows < M)[:, None] & (dims < D)[None, :]
     o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     l2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, NSPLIT):
+    for s in range(0, NSPLIT + HAS_NEW):
         slot = bk * (NSPLIT + 1) + s
         o_s = tl.load(PO + (slot * M + rows)[:, None] * D + dims[None, :], mask=mask, other=0.0)
         l_s = tl.load(PL + slot * M + rows, mask=rows < M, other=float("-inf"))
         o, l2 = _merge(o, l2, o_s, l_s)
-    if WRITE_EXT:
-        lse_ext = l2 * 0.6931471805599453
-        _store_rows(EO, o, b, kvh, rows, dims, seb, ses, seh, G, M, D)
-        tl.store(ELSE + _row_lse_offsets(b, kvh, rows, sfb, sfh, G), lse_ext, mask=rows < M)
-        l2 = lse_ext * 1.4426950408889634  # what a FlashBlock reuse step will read back (bitwise reuse)
-    if HAS_NEW:
-        slot = bk * (NSPLIT + 1) + NSPLIT
-        o_n = tl.load(PO + (slot * M + rows)[:, None] * D + dims[None, :], mask=mask, other=0.0)
-        l_n = tl.load(PL + slot * M + rows, mask=rows < M, other=float("-inf"))
-        o, l2 = _merge(o, l2, o_n, l_n)
     _store_rows(O, o, b, kvh, rows, dims, sob, sos, soh, G, M, D)
-    tl.store(LSE + _row_lse_offsets(b, kvh, rows, slb, slh, G), l2 * 0.6931471805599453, mask=rows < M)
+    tl.store(LSE + _row_lse_offsets(b, kvh, rows, slb, slh, G), l2 * 0.6931471805599453,
+             mask=rows < M)
 
 
 @triton.jit

@@ -260,9 +260,9 @@ def test_flashblock_matches_reference(p, dtype, fp32_cache, data):
                          + ([("triton", torch.float16), ("triton", torch.float32)] if TRITON else []))
 def test_flashblock_reuse_with_infinite_tau_equals_refresh_bitwise(backend, dtype):
     """tau = inf on an unchanged block: every step after the first reuses, and reproduces the
-    refresh step bit for bit: the full result of a refresh is itself merged from the stored fp32
-    block-external part, by the same code (torch: the same merge function; Triton: the same
-    _attend/_merge helpers and tile shape in the combine and reuse kernels)."""
+    refresh step bit for bit, on both backends: a refresh computes the block-external part, stores
+    it in fp32, and then runs the reuse path itself on it (Triton: the same flashblock_kernel
+    launch; torch: the same TorchCachedBackend.block)."""
     device = "cuda" if backend == "triton" and CUDA else "cpu"
     q, kc, vc, kb, vb = _decode_inputs(2, 4, 4, 1, 16, 33, dtype, 7, device)
     lens = torch.tensor([33, 0], dtype=torch.int32, device=device)

@@ -10,8 +10,9 @@ Three entry points, all on validated tensors in the public layouts:
     block(q, k_block, v_block, cached_out, cached_lse, dirty, scale) -> out, lse
     merge(out_a, lse_a, out_b, lse_b) -> out, lse
 
-Both backends build the full result as merge(cache part, block part) from the same pieces that a
-FlashBlock reuse step uses, so reuse on an unchanged block equals refresh bitwise on each backend.
+A FlashBlock refresh (decode with want_ext) computes the cache part, then runs the reuse path
+(``block``) on it: reuse on an unchanged block equals refresh bitwise, on each backend, by
+construction.
 """
 
 from __future__ import annotations
@@ -108,20 +109,16 @@ class TorchCachedBackend(CachedBackend):
             part = _attend(qg, k_cache[:, c0:c1].to(cd).transpose(1, 2),
                            v_cache[:, c0:c1].to(cd).transpose(1, 2), valid, scale)
             o, l = merge_states(o, l, *part)
-        ext = None
-        if want_ext:
+        if want_ext:  # FlashBlock refresh: the cache part, then the reuse path on it
             lt = lse_dtype(q.dtype)
-            ext = (new_output(q, q.shape, lt).copy_(_ungroup_rows(o, bs)),
-                   new_output(q, (b, h, bs), lt).copy_(l.reshape(b, h, bs)))
-            # the full result merges what a reuse step will read back (bitwise reuse)
-            o = _group_rows(ext[0], 0, bs, hkv, cd)
-            l = _to_rows(ext[1], hkv).to(cd)
+            ext_out = new_output(q, q.shape, lt).copy_(_ungroup_rows(o, bs))
+            ext_lse = new_output(q, (b, h, bs), lt).copy_(l.reshape(b, h, bs))
+            return (*self.block(q, k_new, v_new, ext_out, ext_lse, None, scale), ext_out, ext_lse)
         if k_new is not None:
             new = _attend(qg, k_new.to(cd).transpose(1, 2), v_new.to(cd).transpose(1, 2), None,
                           scale)
             o, l = merge_states(o, l, *new)
-        out, lse = self._write(q, o, l, bs)
-        return (out, lse) + (ext if want_ext else (None, None))
+        return (*self._write(q, o, l, bs), None, None)
 
     def block(self, q, k_block, v_block, cached_out, cached_lse, dirty, scale):
         b, bs, h, d = q.shape
@@ -246,21 +243,30 @@ class TritonCachedBackend(CachedBackend):
         return dict(D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), IEEE=q.dtype == torch.float32)
 
     def decode(self, q, k_cache, v_cache, lens, k_new, v_new, scale, want_ext):
+        if want_ext:  # FlashBlock refresh: the cache part, then the reuse kernel on it
+            ext_out = new_output(q, q.shape, torch.float32)
+            ext_lse = new_output(q, (q.shape[0], q.shape[2], q.shape[1]), torch.float32)
+            self._decode(q, k_cache, v_cache, lens, None, None, scale, ext_out, ext_lse)
+            out, lse = self.block(q, k_new, v_new, ext_out, ext_lse, None, scale)
+            return out, lse, ext_out, ext_lse
+        out = new_output(q, q.shape)
+        lse = new_output(q, (q.shape[0], q.shape[2], q.shape[1]), torch.float32)
+        self._decode(q, k_cache, v_cache, lens, k_new, v_new, scale, out, lse)
+        return out, lse, None, None
+
+    def _decode(self, q, k_cache, v_cache, lens, k_new, v_new, scale, out, lse):
+        """Split-KV attention of q over the cache (and k_new), written into out / lse."""
         q, k_cache, v_cache, k_new, v_new = map(_contig, (q, k_cache, v_cache, k_new, v_new))
         b, bs, h, d = q.shape
         smax, hkv = k_cache.shape[1], k_cache.shape[2]
         g, m = h // hkv, (h // hkv) * bs
+        if b * hkv * m == 0:
+            return
         block_m, block_n, warps, stages = tiles(m, d, q.dtype)
         m_tiles = triton.cdiv(m, block_m)
         splits = self._splits or num_splits(b * hkv * m_tiles, smax, _sm_count(q.device),
                                             self._min_keys)
         has_new = k_new is not None
-        out = new_output(q, q.shape)
-        lse = new_output(q, (b, h, bs), torch.float32)
-        ext_out = new_output(q, q.shape, torch.float32) if want_ext else None
-        ext_lse = new_output(q, (b, h, bs), torch.float32) if want_ext else None
-        if b * hkv * m == 0:
-            return out, lse, ext_out, ext_lse
         po = torch.empty((b * hkv, splits + 1, m, d), dtype=torch.float32, device=q.device)
         pl = torch.empty((b * hkv, splits + 1, m), dtype=torch.float32, device=q.device)
         kn, vn = (k_new, v_new) if has_new else (k_cache, v_cache)
@@ -271,13 +277,10 @@ class TritonCachedBackend(CachedBackend):
             hkv, g, m, smax, bs, scale * LOG2E,
             NSPLIT=splits, HAS_LENS=lens is not None, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=warps, num_stages=stages, **flags)
-        eo, el = (ext_out, ext_lse) if want_ext else (out, lse)  # placeholders when unused
         kernels.decode_combine_kernel[(m_tiles, b * hkv)](
-            po, pl, out, lse, eo, el, *_s(out), lse.stride(0), lse.stride(1), *_s(eo),
-            el.stride(0), el.stride(1), hkv, g, m,
-            NSPLIT=splits, HAS_NEW=has_new, WRITE_EXT=want_ext, D=d, BLOCK_M=block_m,
-            BLOCK_D=flags["BLOCK_D"], num_warps=warps)
-        return out, lse, ext_out, ext_lse
+            po, pl, out, lse, *_s(out), lse.stride(0), lse.stride(1), hkv, g, m,
+            NSPLIT=splits, HAS_NEW=has_new, D=d, BLOCK_M=block_m, BLOCK_D=flags["BLOCK_D"],
+            num_warps=warps)
 
     def block(self, q, k_block, v_block, cached_out, cached_lse, dirty, scale):
         q, k_block, v_block, cached_out = map(_contig, (q, k_block, v_block, cached_out))

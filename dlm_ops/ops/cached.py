@@ -362,9 +362,11 @@ def flashblock_refresh(q, k_cache, v_cache, k_block, v_block, *, cache_seqlens=N
     """FlashBlock refresh step: one pass over cache + block.
 
     Same inputs as ``block_decode_attn`` with k_block, v_block as k_new, v_new. Returns
-    (out, lse, cached_out, cached_lse): the full attention (= block_decode_attn) and the
-    block-external part alone, cached_out float32 (float64 for float64 q) so that a later
-    ``flashblock_attn`` on the same block reproduces ``out`` bitwise. Inference-only.
+    (out, lse, cached_out, cached_lse): the full attention (= block_decode_attn up to rounding)
+    and the block-external part alone, cached_out float32 (float64 for float64 q). The refresh
+    computes the block-external part (split-KV over the cache), then runs the reuse kernel of
+    ``flashblock_attn`` on it, so a later reuse on the same block reproduces ``out`` bitwise
+    (Triton: 3 launches, partials + combine + FlashBlock kernel). Inference-only.
     """
     _check_decode(q, k_cache, v_cache, cache_seqlens, k_block, v_block, softmax_scale)
     _check_seqlen_values(cache_seqlens, k_cache.shape[1])
