@@ -197,7 +197,8 @@ def flashblock_kernel(
         l_c = tl.where(dirty != 0, float("-inf"), l_c)  # _merge then drops o_c
     o, l2 = _merge(o_c, l_c, o_n, l_n)
     _store_rows(O, o, b, kvh, rows, dims, sob, sos, soh, G, M, D)
-    tl.store(LSE + _row_lse_offsets(b, kvh, rows, slb, slh, G), l2 * 0.6931471805599453, mask=rows < M)
+    tl.store(LSE + _row_lse_offsets(b, kvh, rows, slb, slh, G), l2 * 0.6931471805599453,
+             mask=rows < M)
 
 
 @triton.jit
@@ -216,8 +217,9 @@ def merge_kernel(
     off_d = dims[None, :]
     o_a = tl.load(OA + b * sab + h * sah + rows[:, None] * sas + off_d, mask=mask, other=0.0)
     o_b = tl.load(OB + b * sbb + h * sbh + rows[:, None] * sbs + off_d, mask=mask, other=0.0)
-    l_a = tl.load(LA + b * slab + h * slah + rows, mask=row_ok, other=float("-inf")) * 1.4426950408889634
-    l_b = tl.load(LB + b * slbb + h * slbh + rows, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+    l_a = tl.load(LA + b * slab + h * slah + rows, mask=row_ok, other=float("-inf"))
+    l_b = tl.load(LB + b * slbb + h * slbh + rows, mask=row_ok, other=float("-inf"))
+    l_a, l_b = l_a * 1.4426950408889634, l_b * 1.4426950408889634
     o, l2 = _merge(o_a.to(tl.float32), l_a, o_b.to(tl.float32), l_b)
     tl.store(O + b * sob + h * soh + rows[:, None] * sos + off_d, o.to(O.dtype.element_ty),
              mask=mask)

@@ -11,7 +11,8 @@
 
 lse is float32 (float64 for float64 inputs), natural log, (B, H, bs); a row that sees no key has
 out 0 and lse -inf. Only merge_attn_states is differentiable (a few elementwise ops); the decode
-ops are inference-only and say so when a backward reaches them. Backends: dlm_ops/backends/cached.py.
+ops are inference-only and say so when a backward reaches them.
+Backends: dlm_ops/backends/cached.py.
 
 No ``from __future__ import annotations``: torch.library reads the annotations as types.
 """
@@ -77,6 +78,7 @@ def _check_kv(names, k, v, q, seqlen=None):
 
 def _check_scale(softmax_scale):
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
+                                          and not isinstance(softmax_scale, bool)
                                           and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite float or None "
                          f"(1/sqrt(head_dim)), got {softmax_scale!r}")
@@ -86,7 +88,8 @@ def _check_seqlens(cache_seqlens, q):
     if cache_seqlens is None:
         return
     if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype != torch.int32:
-        got = cache_seqlens.dtype if isinstance(cache_seqlens, Tensor) else type(cache_seqlens).__name__
+        got = (cache_seqlens.dtype if isinstance(cache_seqlens, Tensor)
+               else type(cache_seqlens).__name__)
         raise ValueError(f"cache_seqlens must be an int32 tensor or None, got {got}")
     if tuple(cache_seqlens.shape) != (q.shape[0],):
         raise ValueError(f"cache_seqlens must have shape (batch,) = ({q.shape[0]},), got "
@@ -154,7 +157,8 @@ def _check_block(q, k_block, v_block, cached_out, cached_lse, dirty, softmax_sca
 def _check_merge(out_a, lse_a, out_b, lse_b):
     _check_tensor("out_a", out_a, 4, "(batch, seqlen, heads, head_dim)")
     if out_a.dtype not in DTYPES:
-        raise ValueError(f"out_a.dtype must be one of {[str(d) for d in DTYPES]}, got {out_a.dtype}")
+        raise ValueError(f"out_a.dtype must be one of {[str(d) for d in DTYPES]}, "
+                         f"got {out_a.dtype}")
     _check_tensor("out_b", out_b, 4, "(batch, seqlen, heads, head_dim)")
     _check_like("out_b", out_b, out_a)
     if out_b.shape != out_a.shape:
@@ -170,6 +174,10 @@ def _check_merge(out_a, lse_a, out_b, lse_b):
 
 
 # -- ops -------------------------------------------------------------------------------------
+
+
+def _float(softmax_scale):
+    return None if softmax_scale is None else float(softmax_scale)  # the schema takes a float
 
 
 def _scale(softmax_scale, q):
@@ -325,7 +333,7 @@ def block_decode_attn(q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_
     _check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale)
     _check_seqlen_values(cache_seqlens, k_cache.shape[1])
     out, lse = block_decode_attn_op(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                    softmax_scale, backend)
+                                    _float(softmax_scale), backend)
     return (out, lse) if return_lse else out
 
 
@@ -353,7 +361,7 @@ def flashblock_attn(q, k_block, v_block, cached_out, cached_lse, *, dirty=None, 
     """
     _check_block(q, k_block, v_block, cached_out, cached_lse, dirty, softmax_scale)
     out, lse = flashblock_attn_op(q, k_block, v_block, cached_out, cached_lse, dirty,
-                                  softmax_scale, backend)
+                                  _float(softmax_scale), backend)
     return (out, lse) if return_lse else out
 
 
@@ -371,4 +379,4 @@ def flashblock_refresh(q, k_cache, v_cache, k_block, v_block, *, cache_seqlens=N
     _check_decode(q, k_cache, v_cache, cache_seqlens, k_block, v_block, softmax_scale)
     _check_seqlen_values(cache_seqlens, k_cache.shape[1])
     return flashblock_refresh_op(q, k_cache, v_cache, k_block, v_block, cache_seqlens,
-                                 softmax_scale, backend)
+                                 _float(softmax_scale), backend)

@@ -50,7 +50,8 @@ class FlashBlockCache:
     """
 
     def __init__(self, tau: float = math.inf, *, backend: str | None = None):
-        if not (tau == math.inf or (isinstance(tau, int) and not isinstance(tau, bool) and tau >= 1)):
+        is_int = isinstance(tau, int) and not isinstance(tau, bool)
+        if not (tau == math.inf or (is_int and tau >= 1)):
             raise ValueError(f"tau must be an int >= 1 or math.inf, got {tau!r}")
         self.tau = tau
         self.backend = backend
@@ -83,6 +84,8 @@ class FlashBlockCache:
             self._counts = [0] * len(unmasked)
         if len(unmasked) == 1 and len(self._counts) > 1:
             unmasked = unmasked * len(self._counts)
+        if len(self._counts) == 1 and len(unmasked) > 1:  # an int so far, now per sample
+            self._counts = self._counts * len(unmasked)
         if len(unmasked) != len(self._counts):
             raise ValueError(f"unmasked must have one count per sample ({len(self._counts)}), "
                              f"got {len(unmasked)}")
