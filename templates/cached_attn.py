@@ -12,7 +12,8 @@ Notation
     Smax, L_b         cache capacity and sample b's valid length (cache_seqlens, clamped to
                       [0, Smax] so that a bad value can never read out of bounds)
     NSPLIT            cache splits: split s of sample b covers keys [s*c, min((s+1)*c, L_b)) with
-                      c = cdiv(cdiv(L_b, NSPLIT), BLOCK_N) * BLOCK_N (tile aligned)
+                      c = cdiv(cdiv(L_b, NSPLIT), BLOCK_N) * BLOCK_N (tile aligned); with
+                      one split, decode_fused_kernel does everything in one launch
     PO, PL            fp32 partials (B*Hkv, NSPLIT + 1, M, D) and (B*Hkv, NSPLIT + 1, M): the
                       normalised output and base-2 LSE of every split; slot NSPLIT is the block's
                       own keys (k_new) when there are any
@@ -145,6 +146,36 @@ def decode_partial_kernel(
     mask = (rows < M)[:, None] & (dims < D)[None, :]
     tl.store(PO + (slot * M + rows)[:, None] * D + dims[None, :], o, mask=mask)
     tl.store(PL + slot * M + rows, l2, mask=rows < M)
+
+
+@triton.jit
+def decode_fused_kernel(
+    Q, K, V, KN, VN, LENS, O, LSE,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, snb, sns, snh, swb, sws, swh,
+    sob, sos, soh, slb, slh, HKV, G, M, SMAX, BS, scale2,
+    HAS_NEW: tl.constexpr, HAS_LENS: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Grid (cdiv(M, BLOCK_M), B * Hkv), the unsplit case (B * Hkv fills the GPU): the whole cache
+    and the block's own keys in one program, written straight to O / LSE. Saves the fp32
+    partials' round trip: at B=128, bs=32, L=1K they are 134 MB against 537 MB of K/V."""
+    mt, bk = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, kvh = bk // HKV, bk % HKV
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q = _load_rows(Q, b, kvh, rows, dims, sqb, sqs, sqh, G, M, D)
+    length = SMAX
+    if HAS_LENS:
+        length = tl.minimum(tl.maximum(tl.load(LENS + b), 0), SMAX)
+    o, l2 = _attend(q, K + b * skb + kvh * skh, V + b * svb + kvh * svh, sks, svs, 0, length,
+                    scale2, dims, D, BLOCK_M, BLOCK_N, BLOCK_D, IEEE)
+    if HAS_NEW:
+        o_n, l_n = _attend(q, KN + b * snb + kvh * snh, VN + b * swb + kvh * swh, sns, sws, 0, BS,
+                           scale2, dims, D, BLOCK_M, BLOCK_N, BLOCK_D, IEEE)
+        o, l2 = _merge(o, l2, o_n, l_n)
+    _store_rows(O, o, b, kvh, rows, dims, sob, sos, soh, G, M, D)
+    tl.store(LSE + _row_lse_offsets(b, kvh, rows, slb, slh, G), l2 * 0.6931471805599453,
+             mask=rows < M)
 
 
 @triton.jit

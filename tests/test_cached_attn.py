@@ -122,6 +122,20 @@ def test_decode_triton(p, dtype, splits, seed):
     _run_decode(p, dtype, seed, call, device)
 
 
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3])  # 1: decode_fused_kernel; 3: partials + combine
+@pytest.mark.parametrize("new", [True, False])
+def test_decode_triton_paths(splits, new):
+    device = "cuda" if CUDA else "cpu"
+    p = dict(b=2, bs=5, h=4, hkv=2, d=16, smax=37, lens=[0, 37], new=new, scale=None)
+
+    def call(q, kc, vc, lens, kn, vn, scale):
+        return TritonCachedBackend(splits=splits).decode(q, kc, vc, lens, kn, vn,
+                                                         1 / math.sqrt(q.shape[-1]), False)[:2]
+
+    _run_decode(p, torch.float32, 5, call, device)
+
+
 def test_num_splits_policy():
     assert num_splits(programs=128 * 8, smax=65536, sm_count=132) == 1  # B*Hkv fills the GPU
     assert num_splits(programs=8, smax=65536, sm_count=132) == 33  # ~2 waves of programs

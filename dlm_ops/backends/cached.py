@@ -267,12 +267,21 @@ class TritonCachedBackend(CachedBackend):
         splits = self._splits or num_splits(b * hkv * m_tiles, smax, _sm_count(q.device),
                                             self._min_keys)
         has_new = k_new is not None
-        po = torch.empty((b * hkv, splits + 1, m, d), dtype=torch.float32, device=q.device)
-        pl = torch.empty((b * hkv, splits + 1, m), dtype=torch.float32, device=q.device)
         kn, vn = (k_new, v_new) if has_new else (k_cache, v_cache)
         flags = self._flags(q)
+        lens_arg = lens.contiguous() if lens is not None else lse  # placeholder when None
+        if splits == 1:  # one program per row tile reads its whole cache: no partials
+            kernels.decode_fused_kernel[(m_tiles, b * hkv)](
+                q, k_cache, v_cache, kn, vn, lens_arg, out, lse,
+                *_s(q), *_s(k_cache), *_s(v_cache), *_s(kn), *_s(vn), *_s(out),
+                lse.stride(0), lse.stride(1), hkv, g, m, smax, bs, scale * LOG2E,
+                HAS_NEW=has_new, HAS_LENS=lens is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                num_warps=warps, num_stages=stages, **flags)
+            return
+        po = torch.empty((b * hkv, splits + 1, m, d), dtype=torch.float32, device=q.device)
+        pl = torch.empty((b * hkv, splits + 1, m), dtype=torch.float32, device=q.device)
         kernels.decode_partial_kernel[(splits + has_new, m_tiles, b * hkv)](
-            q, k_cache, v_cache, kn, vn, lens.contiguous() if lens is not None else pl, po, pl,
+            q, k_cache, v_cache, kn, vn, lens_arg, po, pl,
             *_s(q), *_s(k_cache), *_s(v_cache), *_s(kn), *_s(vn),
             hkv, g, m, smax, bs, scale * LOG2E,
             NSPLIT=splits, HAS_LENS=lens is not None, BLOCK_M=block_m, BLOCK_N=block_n,
