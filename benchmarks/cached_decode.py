@@ -16,6 +16,11 @@ process (DESIGN.md section 5), median over rounds:
     flashblock refresh  dlm_ops.flashblock_refresh: the full pass, also writing the cached part
     flashblock reuse    dlm_ops.flashblock_attn: block-internal attention + merge with the cache
 
+Modes: "eager" times back-to-back calls (a Python decode loop: per-call launch overhead counts,
+and it dominates the small cases); "graph" replays each call captured in a CUDA graph (how
+production decode loops run: only GPU time counts). A contender that cannot be captured is left
+out of the graph mode, and said so.
+
 Grid (the "default" preset, ~2 minutes on an H200): B=1 and B=16 at L in {1K, 4K, 16K, 64K}, B=128
 at L in {1K, 4K, 8K} (128 x 64K would hold 34 GB of K/V and 137 GB expanded), each at bs 4 and 32:
 22 cases. Effective bandwidth counts the K/V bytes every contender must read once.
@@ -73,20 +78,23 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="default", choices=["default", "quick"])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--iters", type=int, default=20, help="calls per timed sample")
+    p.add_argument("--modes", default="eager,graph", help="eager and/or graph (CUDA graphs)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="h200_cached_decode", help="file name stem of the results")
     return p.parse_args(argv)
 
 
 def markdown(rows: list[dict]) -> str:
-    """One line per case: microseconds per contender, best SDPA / dlm_ops, refresh / reuse."""
+    """One line per (case, mode): microseconds per contender, best SDPA / dlm_ops, refresh /
+    reuse."""
     names = ["dlm_ops", *[f"sdpa {b}" for b in SDPA_BACKENDS], "flashblock refresh",
              "flashblock reuse"]
-    head = ["case", *[f"{n} us" for n in names], "dlm_ops GB/s", "best sdpa / dlm_ops",
+    head = ["case", "mode", *[f"{n} us" for n in names], "dlm_ops GB/s", "best sdpa / dlm_ops",
             "refresh / reuse"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for case in dict.fromkeys(r["case"] for r in rows):
-        cell = {r["contender"]: r for r in rows if r["case"] == case}
+    for case, mode in dict.fromkeys((r["case"], r.get("mode", "eager")) for r in rows):
+        cell = {r["contender"]: r for r in rows
+                if r["case"] == case and r.get("mode", "eager") == mode}
         us = lambda n: (f"{cell[n]['ms'] * 1e3:.1f}" + (" (expanded)" if cell[n].get("expanded")
                                                         else "")) if n in cell else "-"
         sdpa = [cell[f"sdpa {b}"]["ms"] for b in SDPA_BACKENDS if f"sdpa {b}" in cell]
@@ -95,7 +103,7 @@ def markdown(rows: list[dict]) -> str:
         fb = (f"{cell['flashblock refresh']['ms'] / cell['flashblock reuse']['ms']:.1f}"
               if "flashblock refresh" in cell and "flashblock reuse" in cell else "-")
         gbs = f"{ours['gb_per_s']:.0f}" if ours else "-"
-        lines.append("| " + " | ".join([case, *map(us, names), gbs, ratio, fb]) + " |")
+        lines.append("| " + " | ".join([case, mode, *map(us, names), gbs, ratio, fb]) + " |")
     return "\n".join(lines)
 
 
@@ -169,21 +177,43 @@ def _check(case: DecodeCase, fns: dict) -> None:
             assert err < 2e-2, f"{case.label}: {name} differs from dlm_ops by {err:.3g}"
 
 
-def bench(case: DecodeCase, rounds: int, iters: int) -> list[dict]:
+def _graphed(fn):
+    """fn captured in a CUDA graph (after two warm-up calls on a side stream); returns replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def bench(case: DecodeCase, rounds: int, iters: int, modes: list[str]) -> list[dict]:
     from .__main__ import _time_once
 
     fns = _contenders(case)
     _check(case, fns)
-    for fn, _ in fns.values():  # warm-up: compilation, allocator
-        _time_once(None, fn, 3)
-    times = {name: [] for name in fns}
+    runs = {}  # (name, mode) -> callable
+    for name, (fn, _) in fns.items():
+        _time_once(None, fn, 3)  # warm-up: compilation, allocator
+        if "eager" in modes:
+            runs[(name, "eager")] = fn
+        if "graph" in modes:
+            try:
+                runs[(name, "graph")] = _graphed(fn)
+            except Exception as e:
+                print(f"  {name}: no graph mode ({type(e).__name__}: {str(e)[:100]})", flush=True)
+    times = {key: [] for key in runs}
     for _ in range(rounds):
-        for name, (fn, _) in fns.items():
-            times[name].append(_time_once(None, fn, iters))
+        for key, fn in runs.items():
+            times[key].append(_time_once(None, fn, iters))
     rows = []
-    for name, ts in times.items():
+    for (name, mode), ts in times.items():
         ms = statistics.median(ts)
-        rows.append(dict(asdict(case), case=case.label, contender=name, ms=ms,
+        rows.append(dict(asdict(case), case=case.label, contender=name, mode=mode, ms=ms,
                          expanded=fns[name][1], gb_per_s=case.kv_bytes() / ms / 1e6))
     return rows
 
@@ -203,7 +233,8 @@ def main(argv=None) -> int:
     for case in cases(a.preset):
         print(case.label, flush=True)
         try:
-            rows += [dict(meta, **r) for r in bench(case, a.rounds, a.iters)]
+            rows += [dict(meta, **r) for r in bench(case, a.rounds, a.iters,
+                                                    a.modes.split(","))]
         except torch.cuda.OutOfMemoryError as e:
             print(f"  skipped: {e}", flush=True)
         torch.cuda.empty_cache()
@@ -214,7 +245,7 @@ def main(argv=None) -> int:
     (out / f"{a.tag}.md").write_text(
         f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}; "
         f"bf16, H={HEADS}, Hkv={KV_HEADS}, D={HEAD_DIM}; median of {a.rounds} interleaved rounds "
-        f"of {a.iters} calls; microseconds per call.\n\n{table}\n")
+        f"of {a.iters} calls; microseconds per call (graph: CUDA-graph replays).\n\n{table}\n")
     print("\n" + table)
     return 0
 

@@ -491,11 +491,11 @@ def test_cached_decode_benchmark_grid_and_table():
     assert all((c.heads, c.kv_heads, c.head_dim) == (32, 8, 128) for c in grid)
     case = DecodeCase(2, 100, 4)
     assert case.kv_bytes() == 2 * 2 * 104 * 8 * 128 * 2
-    rows = [dict(case=case.label, contender=n, ms=ms, expanded=n == "sdpa cudnn",
+    rows = [dict(case=case.label, contender=n, ms=ms, expanded=n == "sdpa cudnn", mode="graph",
                  gb_per_s=case.kv_bytes() / ms / 1e6)
             for n, ms in (("dlm_ops", 0.010), ("sdpa flash", 0.020), ("sdpa cudnn", 0.015),
                           ("flashblock refresh", 0.012), ("flashblock reuse", 0.004))]
     line = markdown(rows).splitlines()[2]
-    assert line.startswith("| B=2 L=100 bs=4 | 10.0 | 20.0 | 15.0 (expanded) | - | 12.0 | 4.0 |")
+    assert line.startswith("| B=2 L=100 bs=4 | graph | 10.0 | 20.0 | 15.0 (expanded) | - | 12.0 | 4.0 |")
     assert line.endswith("| 1.50 | 3.0 |")
-    assert parse_args(["--out", "x"]).out == "x"
+    assert parse_args(["--out", "x"]).out == "x" and parse_args([]).modes == "eager,graph"
