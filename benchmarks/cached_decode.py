@@ -58,7 +58,8 @@ class DecodeCase:
 
     def kv_bytes(self, elem: int = 2) -> int:
         """K and V of the cache and the block, read once."""
-        return 2 * self.batch * (self.cache_len + self.block_size) * self.kv_heads * self.head_dim * elem
+        tokens = self.batch * (self.cache_len + self.block_size)
+        return 2 * tokens * self.kv_heads * self.head_dim * elem
 
 
 def cases(preset: str) -> list[DecodeCase]:
@@ -138,7 +139,8 @@ def _contenders(case: DecodeCase) -> dict:
         if gqa:
             return lambda: _sdpa(F, sdpa_kernel, backend, q_s, k_s, v_s, True)
         if "kv" not in expanded:
-            expanded["kv"] = (k_s.repeat_interleave(h // hkv, 1), v_s.repeat_interleave(h // hkv, 1))
+            g = h // hkv
+            expanded["kv"] = (k_s.repeat_interleave(g, 1), v_s.repeat_interleave(g, 1))
         k_e, v_e = expanded["kv"]
         return lambda: _sdpa(F, sdpa_kernel, backend, q_s, k_e, v_e, False)
 

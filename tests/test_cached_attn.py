@@ -479,7 +479,7 @@ def test_gpu_merge(dtype):
     _check((out, lse), lambda: (tout, tlse), lambda: ref(dtype), dtype, ["out", "lse"])
 
 
-# -- the benchmark's CPU-checkable parts ------------------------------------------------------------
+# -- the benchmark's CPU-checkable parts -----------------------------------------------------------
 
 
 def test_cached_decode_benchmark_grid_and_table():
@@ -496,6 +496,7 @@ def test_cached_decode_benchmark_grid_and_table():
             for n, ms in (("dlm_ops", 0.010), ("sdpa flash", 0.020), ("sdpa cudnn", 0.015),
                           ("flashblock refresh", 0.012), ("flashblock reuse", 0.004))]
     line = markdown(rows).splitlines()[2]
-    assert line.startswith("| B=2 L=100 bs=4 | graph | 10.0 | 20.0 | 15.0 (expanded) | - | 12.0 | 4.0 |")
+    assert line.startswith("| B=2 L=100 bs=4 | graph | 10.0 | 20.0 | 15.0 (expanded) | - | "
+                           "12.0 | 4.0 |")
     assert line.endswith("| 1.50 | 3.0 |")
     assert parse_args(["--out", "x"]).out == "x" and parse_args([]).modes == "eager,graph"
