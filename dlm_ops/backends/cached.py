@@ -160,9 +160,8 @@ LOG2E = 1.4426950408889634
 
 
 def tiles(m: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for M = G*bs packed rows. One table for the decode
-    partials and the FlashBlock kernel: the same tile shape is what makes reuse equal refresh
-    bitwise. Decode is bound by reading K/V, and every row tile of a (batch, kv head) reads all
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for M = G*bs packed rows, for every kernel of the
+    family. Decode is bound by reading K/V, and every row tile of a (batch, kv head) reads all
     of it, so BLOCK_M covers M in one tile up to 128 (bs 32 x G 4, 8 warps: a 128x128 fp32
     accumulator is 64 registers per thread); 16 is tl.dot's minimum. Shared memory, compiled for
     sm90 (228 KB): bf16 at D=128 takes 98 KB (BLOCK_M 128) and 22 KB (16); fp32 at BLOCK_N 64
