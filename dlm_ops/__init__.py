@@ -37,6 +37,14 @@ from .ops.diffusion import (
     diffusion_attn_varlen_func,
 )
 
+from .ops.cached import (
+    block_decode_attn,
+    flashblock_attn,
+    flashblock_refresh,
+    merge_attn_states,
+)
+from . import sparsity  # noqa: E402  (dlm_ops.sparsity.FlashBlockCache)
+
 from . import compile  # noqa: E402  (after the ops: the rewrite pass emits them)
 
 compile.install()
@@ -54,6 +62,10 @@ __all__ = [
     "geometry",
     "masks",
     "reference",
+    "block_decode_attn",
+    "merge_attn_states",
+    "flashblock_attn",
+    "flashblock_refresh",
 ]
 
 from . import sparsity  # noqa: E402  (pattern selection and step caches, issue #5)

@@ -188,3 +188,71 @@ def block_hybrid_train_attn_ref(q, k, v, feature_weight, gate, block_size, *, so
                                                    v[:, n + start:n + end], feature_weight,
                                                    compute_dtype)
     return torch.cat(noisy + clean, dim=1)
+
+# -- cached-block attention (dlm_ops/ops/cached.py) ----------------------------------------------
+# Written from the definitions: attention over an explicit key set given as a per-sample boolean
+# validity mask, and the merge as logaddexp plus softmax-weighted outputs.
+
+__all__ += ["block_decode_attn_ref", "merge_attn_states_ref", "flashblock_attn_ref",
+            "flashblock_refresh_ref"]
+
+
+def _keyset_attention(q, k, v, valid, softmax_scale, compute_dtype):
+    """q (B, bs, H, D) over k, v (B, N, Hkv, D) restricted to keys where ``valid`` (B, N)."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    group = q.shape[2] // k.shape[2]
+    qf, kf, vf = (t.to(compute_dtype).transpose(1, 2) for t in (q, k, v))
+    kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
+    scores = ((qf @ kf.transpose(-1, -2)) * scale).masked_fill(~valid[:, None, None, :],
+                                                                float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1).masked_fill(lse.unsqueeze(-1) == -math.inf, 0))
+    return (probs @ vf).transpose(1, 2), lse
+
+
+def block_decode_attn_ref(q, k_cache, v_cache, cache_seqlens=None, k_new=None, v_new=None, *,
+                          softmax_scale=None, compute_dtype=torch.float32):
+    """The block q (B, bs, H, D) attends, unmasked, to the first cache_seqlens[b] cache entries of
+    its sample and to the block's own keys (k_new, v_new) as if appended. Returns (out, lse)."""
+    b, smax = k_cache.shape[:2]
+    lens = torch.full((b,), smax) if cache_seqlens is None else cache_seqlens.cpu().long()
+    valid = (torch.arange(smax)[None, :] < lens[:, None]).to(q.device)
+    k, v = k_cache, v_cache
+    if k_new is not None:
+        k, v = torch.cat([k_cache, k_new], dim=1), torch.cat([v_cache, v_new], dim=1)
+        valid = torch.cat([valid, valid.new_ones((b, k_new.shape[1]))], dim=1)
+    return _keyset_attention(q, k, v, valid, softmax_scale, compute_dtype)
+
+
+def merge_attn_states_ref(out_a, lse_a, out_b, lse_b, *, compute_dtype=torch.float32):
+    """lse = log(exp(lse_a) + exp(lse_b)); out = sum_x exp(lse_x - lse) out_x over the sides with
+    lse_x > -inf (both -inf: out 0, lse -inf). out (B, S, H, D), lse (B, H, S)."""
+    la, lb = lse_a.to(compute_dtype), lse_b.to(compute_dtype)
+    lse = torch.logaddexp(la, lb)
+    out = torch.zeros(out_a.shape, dtype=compute_dtype, device=out_a.device)
+    for o, l in ((out_a, la), (out_b, lb)):
+        w = torch.where(l > -math.inf, torch.exp(l - lse.masked_fill(lse == -math.inf, 0)), 0.0)
+        out = out + torch.where(w.transpose(1, 2)[..., None] > 0,
+                                w.transpose(1, 2)[..., None] * o.to(compute_dtype), 0.0)
+    return out, lse
+
+
+def flashblock_attn_ref(q, k_block, v_block, cached_out, cached_lse, dirty=None, *,
+                        softmax_scale=None, compute_dtype=torch.float32):
+    """Attention over the block's own keys, merged with the cached block-external (out, lse) on
+    the rows that are not dirty."""
+    valid = torch.ones(k_block.shape[:2], dtype=torch.bool, device=q.device)
+    o, l = _keyset_attention(q, k_block, v_block, valid, softmax_scale, compute_dtype)
+    lse_c = cached_lse.to(compute_dtype)
+    if dirty is not None:
+        lse_c = lse_c.masked_fill(dirty[:, None, :], -math.inf)
+    return merge_attn_states_ref(cached_out, lse_c, o, l, compute_dtype=compute_dtype)
+
+
+def flashblock_refresh_ref(q, k_cache, v_cache, k_block, v_block, cache_seqlens=None, *,
+                           softmax_scale=None, compute_dtype=torch.float32):
+    """(out, lse) over cache + block, and (out, lse) over the cache alone."""
+    kw = dict(softmax_scale=softmax_scale, compute_dtype=compute_dtype)
+    full = block_decode_attn_ref(q, k_cache, v_cache, cache_seqlens, k_block, v_block, **kw)
+    ext = block_decode_attn_ref(q, k_cache, v_cache, cache_seqlens, **kw)
+    return (*full, *ext)

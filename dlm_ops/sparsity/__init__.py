@@ -11,6 +11,7 @@ from .tables import (
 from .sparsed import sparsed_block_mass, sparsed_select
 from .ba_att import ba_att_scores, ba_att_select
 from .pulsecol import pulsecol_column_mass, pulsecol_select
+from .flashblock import FlashBlockCache
 from .caches import BAAttCache, PulseColCache, SparseDCache, StepCache, pulse_steps
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "BAAttCache",
     "PulseColCache",
     "pulse_steps",
+    "FlashBlockCache",
 ]
