@@ -36,14 +36,14 @@ from .ops.diffusion import (
     diffusion_attn_func,
     diffusion_attn_varlen_func,
 )
-
 from .ops.cached import (
     block_decode_attn,
     flashblock_attn,
     flashblock_refresh,
     merge_attn_states,
 )
-from . import sparsity  # noqa: E402  (dlm_ops.sparsity.FlashBlockCache)
+from .ops.hybrid import block_hybrid_attn, block_hybrid_train_attn, hybrid_state_update
+from . import sparsity  # pattern selection, step caches, FlashBlockCache
 
 from . import compile  # noqa: E402  (after the ops: the rewrite pass emits them)
 
@@ -53,26 +53,26 @@ __version__ = "0.1.0"
 
 __all__ = [
     "UnsupportedConfig",
+    # exact attention
     "attention",
     "is_eligible",
+    # block diffusion
     "block_causal_attn_func",
     "diffusion_attn_func",
     "diffusion_attn_varlen_func",
-    "compile",
-    "geometry",
-    "masks",
-    "reference",
+    # cached-block attention
     "block_decode_attn",
     "merge_attn_states",
     "flashblock_attn",
     "flashblock_refresh",
+    # block-hybrid attention (LLaDA-Hybrid)
+    "block_hybrid_attn",
+    "block_hybrid_train_attn",
+    "hybrid_state_update",
+    # modules
+    "compile",
+    "geometry",
+    "masks",
+    "reference",
+    "sparsity",
 ]
-
-from . import sparsity  # noqa: E402  (pattern selection and step caches, issue #5)
-
-__all__ += ["sparsity"]
-
-# -- block-hybrid attention (LLaDA-Hybrid, issue #6) --
-from .ops.hybrid import block_hybrid_attn, block_hybrid_train_attn, hybrid_state_update  # noqa: E402
-
-__all__ += ["block_hybrid_attn", "block_hybrid_train_attn", "hybrid_state_update"]
