@@ -52,3 +52,8 @@ __all__ = [
     "masks",
     "reference",
 ]
+
+# -- sparse attention (issue #5) ----------------------------------------------------------------
+from .ops.sparse import block_sparse_attn, column_sparse_attn  # noqa: E402
+
+__all__ += ["block_sparse_attn", "column_sparse_attn"]

@@ -85,3 +85,49 @@ def diffusion_attn_varlen_ref(q, k, v, cu_seqlens, block_size, **kw):
         outs.append(o[0])
         lses.append(l[0])
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+# -- sparse attention (dlm_ops/ops/sparse.py) ------------------------------------------------------
+# The masks are rebuilt from the index lists as the op definitions read: query i of head h sees key
+# j iff j's block (j // block_size_k) is among the first count entries listed for i's block
+# (i // block_size_q); for column sparsity, iff j is among the first count keys listed for head h.
+
+
+def block_sparse_mask(kv_block_indices, kv_block_counts, seqlen_q, seqlen_k, block_size_q,
+                      block_size_k) -> torch.Tensor:
+    """Boolean (B, H, Sq, Sk) from the block lists."""
+    b, h, nqb, m = kv_block_indices.shape
+    nkb = -(-seqlen_k // block_size_k)
+    listed = torch.arange(m, device=kv_block_indices.device) < kv_block_counts[..., None]
+    table = torch.zeros((b, h, nqb, nkb + 1), dtype=torch.bool, device=kv_block_indices.device)
+    table.scatter_(-1, torch.where(listed, kv_block_indices.long(), nkb), True)  # nkb: unlisted
+    rows = torch.arange(seqlen_q, device=table.device) // block_size_q
+    cols = torch.arange(seqlen_k, device=table.device) // block_size_k
+    return table[:, :, rows][..., cols]
+
+
+def column_sparse_mask(kv_indices, kv_counts, seqlen_q, seqlen_k) -> torch.Tensor:
+    """Boolean (B, H, Sq, Sk) from the column lists (every query of a head sees the same keys)."""
+    b, h, m = kv_indices.shape
+    listed = torch.arange(m, device=kv_indices.device) < kv_counts[..., None]
+    table = torch.zeros((b, h, seqlen_k + 1), dtype=torch.bool, device=kv_indices.device)
+    table.scatter_(-1, torch.where(listed, kv_indices.long(), seqlen_k), True)
+    return table[:, :, None, :seqlen_k].expand(b, h, seqlen_q, seqlen_k)
+
+
+def block_sparse_attn_ref(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k,
+                          **kw):
+    """Block-sparse attention: q (B, Sq, H, D), k/v (B, Sk, Hkv, D); dense with the explicit mask."""
+    mask = block_sparse_mask(kv_block_indices, kv_block_counts, q.shape[1], k.shape[1],
+                             block_size_q, block_size_k)
+    return masked_attention_ref(q, k, v, mask, **kw)
+
+
+def column_sparse_attn_ref(q, k, v, kv_indices, kv_counts, **kw):
+    """Column-sparse attention: q (B, Sq, H, D), k/v (B, Sk, Hkv, D); dense with the explicit mask."""
+    return masked_attention_ref(q, k, v, column_sparse_mask(kv_indices, kv_counts, q.shape[1],
+                                                            k.shape[1]), **kw)
+
+
+__all__ += ["block_sparse_mask", "column_sparse_mask", "block_sparse_attn_ref",
+            "column_sparse_attn_ref"]

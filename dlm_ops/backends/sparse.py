@@ -1,0 +1,468 @@
+"""Backends of the sparse family (dlm_ops/ops/sparse.py): tiled PyTorch on any device, and the
+Triton kernels of templates/sparse_attn.py on CUDA (on CPU only forced, under TRITON_INTERPRET=1).
+
+Both are deterministic: neither sums with atomics. The block-sparse backward of both walks the
+transposed index (``transpose_block_index``: per key block, the query blocks that list it), built
+with torch ops once per call; the column-sparse backward sums the G query heads of a kv head into
+dK/dV with one scatter per head index g (``scatter_group_sum``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import register
+from .base import GQA, Backend, Capabilities, lse_dtype, new_output
+from .triton_backend import _IMPORT_ERROR, INTERPRET, OutOfResources
+
+if _IMPORT_ERROR is None:
+    import triton
+
+    from ..templates import diffusion_attn as dense_kernels
+    from ..templates import sparse_attn as kernels
+
+# Elements of the largest score tensor the torch backend forms per chunk (float32: 64 MiB).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+class SparseBackend(Backend):
+    """The sparse family's entry points; tensors arrive validated, in the public layouts."""
+
+    family = "sparse"
+
+    def block_fwd(self, q, k, v, idx, counts, bsq, bsk, scale):
+        raise NotImplementedError
+
+    def block_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, bsq, bsk, scale):
+        raise NotImplementedError
+
+    def column_fwd(self, q, k, v, idx, counts, scale):
+        raise NotImplementedError
+
+    def column_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, scale):
+        raise NotImplementedError
+
+
+# -- shared index plumbing ----------------------------------------------------------------------
+
+
+def transpose_block_index(idx: torch.Tensor, counts: torch.Tensor, num_kv_blocks: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR of the transposed pattern: for row r = (b * H + h) * nKb + kb, the query blocks of head
+    h that list key block kb are ``rev_q[rev_off[r]:rev_off[r + 1]]``, ascending.
+
+    One sort of the listed (row, query block) keys (unique: no duplicates within a list, so the
+    order is fully determined) and one bincount; no host sync. int32 outputs."""
+    b, h, nqb, m = idx.shape
+    dev = idx.device
+    listed = torch.arange(m, device=dev) < counts.unsqueeze(-1).long()
+    bh = torch.arange(b * h, device=dev).view(b, h, 1, 1)
+    qb = torch.arange(nqb, device=dev).view(1, 1, nqb, 1)
+    key = ((bh * num_kv_blocks + idx.long()) * nqb + qb)[listed]
+    key = key.sort().values
+    rows = key // max(nqb, 1)
+    rev_q = (key - rows * nqb).to(torch.int32)
+    per_row = torch.bincount(rows, minlength=b * h * num_kv_blocks)
+    rev_off = torch.zeros(b * h * num_kv_blocks + 1, dtype=torch.int64, device=dev)
+    rev_off[1:] = per_row.cumsum(0)
+    return rev_off.to(torch.int32), rev_q
+
+
+def scatter_group_sum(part: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor, seqlen_k: int,
+                      kv_heads: int) -> torch.Tensor:
+    """Per-query-head gradients of listed keys, part (B, H, K, D), summed over each GQA group into
+    (B, Sk, Hkv, D) float. One scatter per head index g: within one scatter every target is
+    distinct (distinct kv heads, no duplicates within a list), so no two writes collide and the
+    result does not depend on scheduling; unlisted slots land in a spare row Sk that is dropped."""
+    b, h, m, d = part.shape
+    g_count = h // kv_heads
+    listed = torch.arange(m, device=idx.device) < counts.unsqueeze(-1).long()
+    target = torch.where(listed, idx.long(), seqlen_k).view(b, kv_heads, g_count, m)
+    part = part.view(b, kv_heads, g_count, m, d)
+    acc = torch.zeros((b, kv_heads, seqlen_k + 1, d), dtype=part.dtype, device=part.device)
+    for g in range(g_count):
+        acc.scatter_add_(2, target[:, :, g, :, None].expand(b, kv_heads, m, d), part[:, :, g])
+    return acc[:, :, :seqlen_k].transpose(1, 2)
+
+
+# -- torch backend ------------------------------------------------------------------------------
+
+
+def _blocks(x: torch.Tensor, bs: int, n_blocks: int, dtype) -> torch.Tensor:
+    """(B, S, Hx, D) -> (B, Hx, n_blocks, bs, D) in ``dtype``, zero-padded past S."""
+    b, s, hx, d = x.shape
+    x = F.pad(x.to(dtype), (0, 0, 0, 0, 0, n_blocks * bs - s))
+    return x.view(b, n_blocks, bs, hx, d).permute(0, 3, 1, 2, 4)
+
+
+def _unblock(x: torch.Tensor, s: int) -> torch.Tensor:
+    """(B, Hx, n_blocks, bs, D) -> (B, s, Hx, D)."""
+    b, hx, nb, bs, d = x.shape
+    return x.reshape(b, hx, nb * bs, d)[:, :, :s].transpose(1, 2)
+
+
+def _chunk(total: int, per_item: int) -> int:
+    return max(1, min(total, _CHUNK_ELEMENTS // max(per_item, 1)))
+
+
+class TorchSparseBackend(SparseBackend):
+    """Gathers the listed key blocks (or columns) of every query block into dense batched matmuls,
+    chunked so that no score tensor exceeds _CHUNK_ELEMENTS; the CPU path and the reference-like
+    fallback everywhere. Accumulates in float32 (float64 for float64 inputs)."""
+
+    name = "torch"
+    priority = 0
+    capabilities = Capabilities(
+        device_types=None,
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+        max_head_dim=256, head_dim_multiple=8, features=frozenset({GQA}))
+
+    @staticmethod
+    def _acc(q):
+        return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    def _block_gather(self, q, k, v, idx, counts, bsq, bsk):
+        """Blocked q (B, H, nQb, bsq, D), the listed K and V blocks of every query block
+        (B, H, nQb, M * bsk, D) and which of those columns are real keys (B, H, nQb, 1, M * bsk)."""
+        acc = self._acc(q)
+        b, sq, h, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        nqb, m = idx.shape[2], idx.shape[3]
+        nkb = -(-sk // bsk)
+        listed = torch.arange(m, device=q.device) < counts.unsqueeze(-1).long()
+        safe = torch.where(listed, idx.long(), 0)
+        bi = torch.arange(b, device=q.device).view(b, 1, 1, 1)
+        hi = (torch.arange(h, device=q.device) // (h // hkv)).view(1, h, 1, 1)
+        kb, vb = _blocks(k, bsk, nkb, acc), _blocks(v, bsk, nkb, acc)
+        ks = kb[bi, hi, safe].flatten(3, 4)  # (B, H, nQb, M * bsk, D)
+        vs = vb[bi, hi, safe].flatten(3, 4)
+        pos = safe.unsqueeze(-1) * bsk + torch.arange(bsk, device=q.device)
+        real = (listed.unsqueeze(-1) & (pos < sk)).flatten(3, 4).unsqueeze(3)
+        return _blocks(q, bsq, nqb, acc), ks, vs, real
+
+    def block_fwd(self, q, k, v, idx, counts, bsq, bsk, scale):
+        b, sq, h, d = q.shape
+        qb, ks, vs, real = self._block_gather(q, k, v, idx, counts, bsq, bsk)
+        out = new_output(q, q.shape)
+        lse = new_output(q, (b, h, sq), lse_dtype(q.dtype))
+        o, l = _masked_softmax_attn(qb, ks, vs, real, scale)
+        out.copy_(_unblock(o, sq))
+        lse.copy_(l.flatten(2, 4)[:, :, :sq])
+        return out, lse
+
+    def block_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, bsq, bsk, scale):
+        acc = self._acc(q)
+        b, sq, h, d = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        nqb, nkb = idx.shape[2], -(-sk // bsk)
+        delta, lse_inf = _row_stats(dout, out, lse, dlse, acc)
+
+        # dQ: gather side, like the forward.
+        qb, ks, vs, real = self._block_gather(q, k, v, idx, counts, bsq, bsk)
+        dob = _blocks(dout, bsq, nqb, acc)
+        stat = lambda x: F.pad(x, (0, nqb * bsq - sq)).view(b, h, nqb, bsq, 1)
+        # where, not a product: an unlisted column's exp may overflow, and inf * 0 is NaN.
+        p = torch.where(real, torch.exp((qb @ ks.transpose(-1, -2)) * scale - stat(lse_inf)), 0.0)
+        ds = p * (dob @ vs.transpose(-1, -2) - stat(delta))
+        dq = _unblock((ds @ ks) * scale, sq)
+
+        # dK, dV: per key block over the query blocks that list it (transposed index, padded to
+        # the longest list on the host: this backend runs where a sync is cheap).
+        rev_off, rev_q = transpose_block_index(idx, counts, nkb)
+        lens = (rev_off[1:] - rev_off[:-1]).long()
+        t = max(int(lens.max()) if lens.numel() else 0, 1)
+        slot = torch.arange(rev_q.numel(), device=q.device) - rev_off[:-1].long().repeat_interleave(lens)
+        rev = torch.zeros(b * h * nkb, t, dtype=torch.long, device=q.device)
+        rev[torch.arange(b * h * nkb, device=q.device).repeat_interleave(lens), slot] = rev_q.long()
+        rev = rev.view(b, h, nkb, t)
+        real_rows = (torch.arange(t, device=q.device) < lens.view(b, h, nkb, 1)).unsqueeze(-1)
+        rows = rev.unsqueeze(-1) * bsq + torch.arange(bsq, device=q.device)
+        real_rows = (real_rows & (rows < sq)).flatten(3, 4)  # (B, H, nKb, T * bsq)
+        bi = torch.arange(b, device=q.device).view(b, 1, 1, 1)
+        hi = torch.arange(h, device=q.device).view(1, h, 1, 1)
+        qs = qb[bi, hi, rev].flatten(3, 4)  # (B, H, nKb, T * bsq, D)
+        dos = dob[bi, hi, rev].flatten(3, 4)
+        lse_s = stat(lse_inf)[bi, hi, rev].flatten(3, 5)  # (B, H, nKb, T * bsq)
+        lse_s = lse_s.masked_fill(~real_rows, float("inf"))
+        delta_s = stat(delta)[bi, hi, rev].flatten(3, 5)
+        kh = _blocks(k, bsk, nkb, acc).repeat_interleave(h // hkv, dim=1)  # (B, H, nKb, bsk, D)
+        vh = _blocks(v, bsk, nkb, acc).repeat_interleave(h // hkv, dim=1)
+        pt = torch.exp((kh @ qs.transpose(-1, -2)) * scale - lse_s.unsqueeze(-2))  # (.., bsk, T*bsq)
+        dv = pt @ dos
+        dst = pt * (vh @ dos.transpose(-1, -2) - delta_s.unsqueeze(-2))
+        dk = (dst @ qs) * scale
+        group = lambda x: x.view(b, hkv, h // hkv, nkb, bsk, d).sum(2)
+        grads = (new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape))
+        for g, x in zip(grads, (dq, _unblock(group(dk), sk), _unblock(group(dv), sk))):
+            g.copy_(x)
+        return grads
+
+    def column_fwd(self, q, k, v, idx, counts, scale):
+        acc = self._acc(q)
+        b, sq, h, d = q.shape
+        ks, vs, real = self._column_gather(k, v, idx, counts, h, acc)
+        out = new_output(q, q.shape)
+        lse = new_output(q, (b, h, sq), lse_dtype(q.dtype))
+        step = _chunk(sq, b * h * idx.shape[2])
+        for r0 in range(0, sq, step):
+            qt = q[:, r0:r0 + step].to(acc).transpose(1, 2)  # (B, H, rows, D)
+            o, l = _masked_softmax_attn(qt, ks, vs, real, scale)
+            out[:, r0:r0 + step] = o.transpose(1, 2)
+            lse[:, :, r0:r0 + step] = l.squeeze(-1)
+        return out, lse
+
+    @staticmethod
+    def _column_gather(k, v, idx, counts, h, acc):
+        b, m = idx.shape[0], idx.shape[2]
+        listed = torch.arange(m, device=k.device) < counts.unsqueeze(-1).long()  # (B, H, K)
+        safe = torch.where(listed, idx.long(), 0)
+        bi = torch.arange(b, device=k.device).view(b, 1, 1)
+        hi = (torch.arange(h, device=k.device) // (h // k.shape[2])).view(1, h, 1)
+        ks = k.to(acc).transpose(1, 2)[bi, hi, safe]  # (B, H, K, D)
+        vs = v.to(acc).transpose(1, 2)[bi, hi, safe]
+        return ks, vs, listed.unsqueeze(-2)
+
+    def column_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, scale):
+        acc = self._acc(q)
+        b, sq, h, d = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        delta, lse_inf = _row_stats(dout, out, lse, dlse, acc)
+        ks, vs, real = self._column_gather(k, v, idx, counts, h, acc)
+        dq = new_output(q, q.shape)
+        dks = torch.zeros_like(ks)
+        dvs = torch.zeros_like(vs)
+        step = _chunk(sq, b * h * idx.shape[2])
+        for r0 in range(0, sq, step):
+            r1 = min(sq, r0 + step)
+            qt = q[:, r0:r1].to(acc).transpose(1, 2)
+            dot = dout[:, r0:r1].to(acc).transpose(1, 2)
+            p = torch.where(real, torch.exp((qt @ ks.transpose(-1, -2)) * scale
+                                            - lse_inf[:, :, r0:r1, None]), 0.0)
+            ds = p * (dot @ vs.transpose(-1, -2) - delta[:, :, r0:r1, None])
+            dq[:, r0:r1] = ((ds @ ks) * scale).transpose(1, 2)
+            dvs += p.transpose(-1, -2) @ dot
+            dks += (ds.transpose(-1, -2) @ qt) * scale
+        dk, dv = new_output(k, k.shape), new_output(v, v.shape)
+        dk.copy_(scatter_group_sum(dks, idx, counts, sk, hkv))
+        dv.copy_(scatter_group_sum(dvs, idx, counts, sk, hkv))
+        return dq, dk, dv
+
+
+def _masked_softmax_attn(q, ks, vs, real, scale):
+    """Exact softmax of q (.., M, D) over the columns of ks/vs (.., N, D) where ``real``; rows with
+    no real column get out 0, lse -inf. Returns out (.., M, D), lse (.., M, 1)."""
+    s = (q @ ks.transpose(-1, -2)) * scale
+    s = s.masked_fill(~real, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0))
+    return p @ vs, lse
+
+
+def _row_stats(dout, out, lse, dlse, acc):
+    """delta (B, H, Sq) = rowsum(dO * O) - dlse (FlashAttention's backward constant; an upstream
+    dlse folds in since d lse / d s = P), and lse with -inf (empty rows) replaced by +inf so that
+    their recomputed probabilities are exactly 0."""
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
+    if dlse is not None:
+        delta = delta - dlse.to(acc)
+    lse = lse.to(acc)
+    return delta, lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+# -- Triton backend -----------------------------------------------------------------------------
+
+
+def _s(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _contig_last(*ts):
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
+
+
+class TritonSparseBackend(SparseBackend):
+    name = "triton"
+    priority = 10
+    capabilities = Capabilities(
+        device_types=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        max_head_dim=256, head_dim_multiple=8, features=frozenset({GQA}))
+    auto_device_types = frozenset({"cuda"})
+
+    def __init__(self, tile: tuple[int, int] | None = None):
+        self._tile = tile  # (BLOCK_M, BLOCK_N) forced by tests; None picks per role and head dim
+        self._chosen: dict[tuple, tuple[int, int, int, int]] = {}
+
+    def unavailable_reason(self):
+        return _IMPORT_ERROR
+
+    def not_supported_reasons(self, problem):
+        reasons = super().not_supported_reasons(problem)
+        if problem.device_type == "cpu" and not INTERPRET:
+            reasons.append("TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests")
+        if problem.device_type == "cuda" and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            if (major, minor) < (7, 5):
+                reasons.append(f"Triton needs compute capability >= 7.5, this GPU has {major}.{minor}")
+            elif problem.dtype == torch.bfloat16 and major < 8:
+                reasons.append(f"bfloat16 needs compute capability >= 8.0, this GPU has {major}.{minor}")
+        return reasons
+
+    def _candidates(self, role: str, d: int, bm_cap: int, bn_cap: int):
+        """(BLOCK_M, BLOCK_N, warps, stages), best guess first, capped at the block sizes (powers
+        of two, so a capped tile still divides its block). Not tuned on a GPU yet: these follow the
+        block-diffusion kernels' H200 tuning (64x64 / 4 warps forward, 128x32 dQ at D<=128) with a
+        larger forward row tile, since a sparse query tile re-reads nothing but its own K/V list."""
+        if self._tile:
+            return [(min(self._tile[0], bm_cap), min(self._tile[1], bn_cap), 4, 1)]
+        if INTERPRET:
+            return [(min(32, bm_cap), min(32, bn_cap), 4, 1)]
+        big = d > 128
+        table = {
+            "fwd": [(64, 32, 4, 2)] if big else [(128, 64, 8, 3), (64, 64, 4, 3)],
+            "dq": [(64, 32, 4, 2)] if big else [(128, 32, 8, 3), (64, 32, 4, 3)],
+            "dkdv": [(32, 64, 4, 2)] if big else [(64, 64, 4, 2), (32, 64, 4, 2)],
+        }[role] + [(32, 32, 4, 2), (16, 16, 4, 1)]
+        return [(min(m, bm_cap), min(n, bn_cap), w, s) for m, n, w, s in table]
+
+    def _run(self, role, q, bm_cap, bn_cap, launch):
+        """Launch with the first candidate this GPU can hold (remembered per role, shape class)."""
+        key = (role, q.shape[-1], q.dtype, str(q.device), bm_cap, bn_cap)
+        if key in self._chosen:
+            return launch(*self._chosen[key])
+        for cfg in self._candidates(role, q.shape[-1], bm_cap, bn_cap):
+            try:
+                launch(*cfg)
+            except OutOfResources:
+                continue
+            self._chosen[key] = cfg
+            return
+        raise RuntimeError(f"no Triton tile config for sparse {role} at head_dim {q.shape[-1]} fits")
+
+    @staticmethod
+    def _flags(q):
+        d = q.shape[-1]
+        return dict(D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), IEEE=q.dtype == torch.float32)
+
+    def _delta(self, out, dout, lse, dlse):
+        b, s, h, d = out.shape
+        delta = torch.empty((b, h, s), dtype=torch.float32, device=out.device)
+        if b * h * s:
+            dense_kernels.bwd_delta_kernel[(b * h, triton.cdiv(s, 64))](
+                out, dout, lse if dlse is None else dlse, delta, *_s(out), *_s(dout), s, h,
+                D=d, BLOCK_M=64, BLOCK_D=self._flags(out)["BLOCK_D"], HAS_DLSE=dlse is not None)
+        return delta
+
+    # -- block-sparse ---------------------------------------------------------------------------
+
+    def block_fwd(self, q, k, v, idx, counts, bsq, bsk, scale):
+        q, k, v = _contig_last(q, k, v)
+        idx, counts = idx.contiguous(), counts.contiguous()
+        b, sq, h, d = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        nqb, m = idx.shape[2], idx.shape[3]
+        out = new_output(q, q.shape)
+        lse = new_output(q, (b, h, sq), torch.float32)
+
+        def launch(bm, bn, warps, stages):
+            if b * h * nqb:
+                kernels.block_sparse_fwd_kernel[(b * h, nqb * (bsq // bm))](
+                    q, k, v, out, lse, idx, counts, *_s(q), *_s(k), *_s(v), *_s(out),
+                    h, h // hkv, sq, sk, nqb, m, scale, BSQ=bsq, BSK=bsk, BLOCK_M=bm, BLOCK_N=bn,
+                    num_warps=warps, num_stages=stages, **self._flags(q))
+
+        self._run("fwd", q, bsq, bsk, launch)
+        return out, lse
+
+    def block_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, bsq, bsk, scale):
+        dout, q, k, v, out = _contig_last(dout, q, k, v, out)
+        idx, counts = idx.contiguous(), counts.contiguous()
+        b, sq, h, d = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        nqb, m, nkb = idx.shape[2], idx.shape[3], -(-sk // bsk)
+        lse = lse.float().contiguous()
+        dlse = None if dlse is None else dlse.float().contiguous()
+        delta = self._delta(out, dout, lse, dlse)
+        dq, dk, dv = new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape)
+        rev_off, rev_q = transpose_block_index(idx, counts, nkb)
+        flags = self._flags(q)
+
+        def launch_dq(bm, bn, warps, stages):
+            if b * h * nqb:
+                kernels.block_sparse_dq_kernel[(b * h, nqb * (bsq // bm))](
+                    q, k, v, dout, lse, delta, dq, idx, counts, *_s(q), *_s(k), *_s(v),
+                    *_s(dout), *_s(dq), h, h // hkv, sq, sk, nqb, m, scale, BSQ=bsq, BSK=bsk,
+                    BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags)
+
+        def launch_dkdv(bm, bn, warps, stages):  # bn keys owned, bm query rows visited
+            if b * hkv * nkb:
+                kernels.block_sparse_dkdv_kernel[(b * hkv, nkb * (bsk // bn))](
+                    q, k, v, dout, lse, delta, dk, dv, rev_off, rev_q, *_s(q), *_s(k), *_s(v),
+                    *_s(dout), *_s(dk), *_s(dv), h, hkv, h // hkv, sq, sk, nkb, scale, BSQ=bsq,
+                    BSK=bsk, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags)
+
+        self._run("dq", q, bsq, bsk, launch_dq)
+        self._run("dkdv", q, bsq, bsk, launch_dkdv)
+        return dq, dk, dv
+
+    # -- column-sparse --------------------------------------------------------------------------
+
+    def column_fwd(self, q, k, v, idx, counts, scale):
+        q, k, v = _contig_last(q, k, v)
+        idx, counts = idx.contiguous(), counts.contiguous()
+        b, sq, h, d = q.shape
+        m = idx.shape[2]
+        out = new_output(q, q.shape)
+        lse = new_output(q, (b, h, sq), torch.float32)
+
+        def launch(bm, bn, warps, stages):
+            if b * h * sq:
+                kernels.column_sparse_fwd_kernel[(b * h, triton.cdiv(sq, bm))](
+                    q, k, v, out, lse, idx, counts, *_s(q), *_s(k), *_s(v), *_s(out),
+                    h, h // k.shape[2], sq, m, scale, BLOCK_M=bm, BLOCK_N=bn,
+                    num_warps=warps, num_stages=stages, **self._flags(q))
+
+        self._run("fwd", q, 128, 128, launch)
+        return out, lse
+
+    def column_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, scale):
+        dout, q, k, v, out = _contig_last(dout, q, k, v, out)
+        idx, counts = idx.contiguous(), counts.contiguous()
+        b, sq, h, d = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        m = idx.shape[2]
+        lse = lse.float().contiguous()
+        dlse = None if dlse is None else dlse.float().contiguous()
+        delta = self._delta(out, dout, lse, dlse)
+        dq = new_output(q, q.shape)
+        # Compact per-query-head gradients of the listed keys; slots past a count stay unwritten
+        # and scatter_group_sum drops them.
+        dkp = torch.empty((b, h, m, d), dtype=torch.float32, device=q.device)
+        dvp = torch.empty_like(dkp)
+        flags = self._flags(q)
+
+        def launch_dq(bm, bn, warps, stages):
+            if b * h * sq:
+                kernels.column_sparse_dq_kernel[(b * h, triton.cdiv(sq, bm))](
+                    q, k, v, dout, lse, delta, dq, idx, counts, *_s(q), *_s(k), *_s(v),
+                    *_s(dout), *_s(dq), h, h // hkv, sq, m, scale, BLOCK_M=bm, BLOCK_N=bn,
+                    num_warps=warps, num_stages=stages, **flags)
+
+        def launch_dkdv(bm, bn, warps, stages):
+            if b * h * m:
+                kernels.column_sparse_dkdv_kernel[(b * h, triton.cdiv(m, bn))](
+                    q, k, v, dout, lse, delta, dkp, dvp, idx, counts, *_s(q), *_s(k), *_s(v),
+                    *_s(dout), h, h // hkv, sq, m, scale, BLOCK_M=bm, BLOCK_N=bn,
+                    num_warps=warps, num_stages=stages, **flags)
+
+        self._run("dq", q, 128, 128, launch_dq)
+        self._run("dkdv", q, 128, 128, launch_dkdv)
+        dk, dv = new_output(k, k.shape), new_output(v, v.shape)
+        dk.copy_(scatter_group_sum(dkp, idx, counts, sk, hkv))
+        dv.copy_(scatter_group_sum(dvp, idx, counts, sk, hkv))
+        return dq, dk, dv
+
+
+for _b in (TritonSparseBackend(), TorchSparseBackend()):
+    register(_b)
