@@ -364,3 +364,143 @@ def test_triton_tiles_smaller_than_blocks(bsq, bsk):
     gb = torch_be.block_bwd(dout, q, k, v, *b, None, idx, cnt, bsq, bsk, 0.3)
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y, atol=5e-5, rtol=0)
+
+
+# -- benchmark plumbing (CPU-checkable parts) -----------------------------------------------------
+
+
+def test_benchmark_cases_and_table():
+    from benchmarks import sparse as bench
+
+    a = bench.parse_args(["--seqlens", "16384,65536", "--densities", "0.1,0.5", "--no-flex"])
+    assert a.seqlens == [16384, 65536] and a.densities == [0.1, 0.5] and a.no_flex
+    grid = bench.cases()
+    assert {c.seqlen for c in grid} == {16384, 32768, 65536}
+    assert all(c.heads == 32 and c.kv_heads == 8 and c.head_dim == 128 for c in grid)
+    case = bench.SparseCase(16384, 0.1)
+    idx, cnt = bench.block_pattern(case, device="cpu")
+    assert idx.shape == (1, 32, 128, 128) and int(cnt[0, 0, 0]) == case.listed == 13
+    first = idx[..., : case.listed]
+    assert (first[..., 1:] > first[..., :-1]).all()  # ascending, hence distinct
+    assert torch.equal(idx.sort(-1).values[0, 0, 0], torch.arange(128, dtype=torch.int32))
+    rows = [dict(seqlen=16384, density=1.0, contender="dense cudnn", ms=10.0),
+            dict(seqlen=16384, density=0.1, true_density=0.1, contender="dlm_ops", ms=1.1,
+                 ratio=0.11, ratio_over_density=1.1),
+            dict(seqlen=16384, density=0.1, true_density=0.1, contender="flex", ms=1.5,
+                 ratio=0.15, ratio_over_density=1.5)]
+    table = bench.markdown(rows)
+    assert "| 16K | 0.100 | 10.00 | 1.10 | 0.110 | 1.10 | 1.50 | 0.150 | 1.50 | 1.36x | yes |" in table
+
+
+# -- GPU (-m gpu) ---------------------------------------------------------------------------------
+
+
+def _gpu_qkv(b, sq, sk, h, hkv, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, h, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(b, sk, hkv, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(b, sk, hkv, d, device="cuda", generator=g).to(dtype)
+    return q, k, v
+
+
+def _gpu_block_pattern(b, h, sq, sk, bsq, bsk, density, seed):
+    """Random sets of about density * nKb key blocks per query block, some query blocks empty."""
+    nqb, nkb = -(-sq // bsq), -(-sk // bsk)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    order = torch.rand(b, h, nqb, nkb, device="cuda", generator=g).argsort(-1).int()
+    counts = torch.randint(0, max(2, int(2 * density * nkb)), (b, h, nqb), device="cuda",
+                           generator=g).clamp(max=nkb).int()
+    counts[:, 0, 0] = 0
+    return order, counts
+
+
+@pytest.mark.gpu
+def test_gpu_default_backend_is_triton():
+    from dlm_ops.backends import select
+
+    q, k, _ = _gpu_qkv(1, 8, 8, 2, 2, 64, torch.bfloat16)
+    assert select(ops._problem(q, k), family="sparse").name == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sq,sk,h,hkv,d,bsq,bsk", [
+    (1000, 1500, 8, 2, 128, 64, 128), (2048, 2048, 4, 4, 64, 128, 128), (777, 300, 4, 1, 128, 16, 32),
+    (1024, 4096, 4, 2, 256, 128, 64),
+])
+def test_gpu_block_sparse_accuracy(dtype, sq, sk, h, hkv, d, bsq, bsk):
+    q, k, v = _gpu_qkv(1, sq, sk, h, hkv, d, dtype, seed=sq)
+    idx, cnt = _gpu_block_pattern(1, h, sq, sk, bsq, bsk, 0.3, sq)
+    check_sparse(
+        lambda q, k, v: dlm_ops.block_sparse_attn(q, k, v, idx, cnt, block_size_q=bsq,
+                                                  block_size_k=bsk, return_lse=True),
+        lambda q, k, v, **kw: block_sparse_attn_ref(q, k, v, idx, cnt, bsq, bsk, **kw),
+        (q, k, v), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sq,sk,h,hkv,d,kmax", [(1000, 3000, 8, 2, 128, 700), (512, 512, 4, 4, 64, 512)])
+def test_gpu_column_sparse_accuracy(dtype, sq, sk, h, hkv, d, kmax):
+    q, k, v = _gpu_qkv(2, sq, sk, h, hkv, d, dtype, seed=sk)
+    g = torch.Generator(device="cuda").manual_seed(sk)
+    idx = torch.rand(2, h, sk, device="cuda", generator=g).argsort(-1)[..., :kmax].int().contiguous()
+    cnt = torch.randint(1, kmax + 1, (2, h), device="cuda", generator=g).int()
+    cnt[0, 0] = 0
+    check_sparse(
+        lambda q, k, v: dlm_ops.column_sparse_attn(q, k, v, idx, cnt, return_lse=True),
+        lambda q, k, v, **kw: column_sparse_attn_ref(q, k, v, idx, cnt, **kw),
+        (q, k, v), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_agrees_with_torch_backend():
+    q, k, v = _gpu_qkv(2, 700, 900, 8, 2, 128, torch.float32, seed=5)
+    idx, cnt = _gpu_block_pattern(2, 8, 700, 900, 64, 64, 0.4, 5)
+    dout = torch.randn_like(q)
+    res = {}
+    for be in ("triton", "torch"):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = dlm_ops.block_sparse_attn(*inputs, idx, cnt, block_size_q=64, block_size_k=64,
+                                        backend=be)
+        res[be] = (out, *torch.autograd.grad(out, inputs, dout))
+    for a, b in zip(res["triton"], res["torch"]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_is_bitwise_reproducible():
+    q, k, v = _gpu_qkv(1, 2048, 2048, 8, 2, 128, torch.bfloat16, seed=3)
+    idx, cnt = _gpu_block_pattern(1, 8, 2048, 2048, 64, 64, 0.3, 3)
+    cidx = torch.arange(0, 2048, 3, device="cuda", dtype=torch.int32).expand(1, 8, -1).contiguous()
+    ccnt = torch.full((1, 8), cidx.shape[-1], device="cuda", dtype=torch.int32)
+    dout = torch.randn_like(q)
+    runs = []
+    for _ in range(5):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = dlm_ops.block_sparse_attn(*inputs, idx, cnt, block_size_q=64, block_size_k=64)
+        o = o + dlm_ops.column_sparse_attn(*inputs, cidx, ccnt)
+        runs.append((o, *torch.autograd.grad(o, inputs, dout)))
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph():
+    torch._dynamo.reset()
+    q, k, v = _gpu_qkv(1, 1024, 1024, 8, 2, 64, torch.bfloat16, seed=1)
+    idx, cnt = _gpu_block_pattern(1, 8, 1024, 1024, 64, 64, 0.3, 1)
+
+    def step(q, k, v):
+        return dlm_ops.block_sparse_attn(q * 1.5, k, v, idx, cnt, block_size_q=64,
+                                         block_size_k=64).float().pow(2).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    res = []
+    for fn in (step, compiled):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        loss = fn(*inputs)
+        res.append((loss, *torch.autograd.grad(loss, inputs)))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-5)
+    torch._dynamo.reset()
