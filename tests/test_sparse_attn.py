@@ -153,6 +153,16 @@ def test_all_selected_equals_dense_attention():
     torch.testing.assert_close(out, sdpa, atol=1e-12, rtol=0)
 
 
+def test_torch_backend_chunks(monkeypatch):
+    """Tiny score chunks (one query / key block or a few rows per step) give the same results."""
+    from dlm_ops.backends import sparse as backend_module
+
+    monkeypatch.setattr(backend_module, "_CHUNK_ELEMENTS", 64)
+    p = dict(b=2, sq=70, sk=90, h=4, hkv=2, d=16, bsq=16, bsk=32, mode="random", seed=3)
+    _block_case(p, torch.float32, "torch")
+    _column_case(p, torch.float32, "torch")
+
+
 def test_gradcheck_float64():
     """Both outputs (lse with its -inf rows zeroed) against finite differences, torch backend."""
     q, k, v = (t.requires_grad_() for t in make_qkv((1, 20, 2, 8), (1, 40, 1, 8), torch.float64, 1))

@@ -72,7 +72,7 @@ def transpose_block_index(idx: torch.Tensor, counts: torch.Tensor, num_kv_blocks
 def scatter_group_sum(part: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor, seqlen_k: int,
                       kv_heads: int) -> torch.Tensor:
     """Per-query-head gradients of listed keys, part (B, H, K, D), summed over each GQA group into
-    (B, Sk, Hkv, D) float. One scatter per head index g: within one scatter every target is
+    (B, Sk, Hkv, D) float. One read-add-write per head index g: within one, every target is
     distinct (distinct kv heads, no duplicates within a list), so no two writes collide and the
     result does not depend on scheduling; unlisted slots land in a spare row Sk that is dropped."""
     b, h, m, d = part.shape
@@ -81,8 +81,11 @@ def scatter_group_sum(part: torch.Tensor, idx: torch.Tensor, counts: torch.Tenso
     target = torch.where(listed, idx.long(), seqlen_k).view(b, kv_heads, g_count, m)
     part = part.view(b, kv_heads, g_count, m, d)
     acc = torch.zeros((b, kv_heads, seqlen_k + 1, d), dtype=part.dtype, device=part.device)
-    for g in range(g_count):
-        acc.scatter_add_(2, target[:, :, g, :, None].expand(b, kv_heads, m, d), part[:, :, g])
+    bi = torch.arange(b, device=part.device).view(b, 1, 1)
+    hi = torch.arange(kv_heads, device=part.device).view(1, kv_heads, 1)
+    for g in range(g_count):  # a gather and a plain index_put: no accumulate, no atomics
+        t = target[:, :, g]
+        acc[bi, hi, t] = acc[bi, hi, t] + part[:, :, g]
     return acc[:, :, :seqlen_k].transpose(1, 2)
 
 
@@ -122,79 +125,105 @@ class TorchSparseBackend(SparseBackend):
     def _acc(q):
         return torch.float64 if q.dtype == torch.float64 else torch.float32
 
-    def _block_gather(self, q, k, v, idx, counts, bsq, bsk):
-        """Blocked q (B, H, nQb, bsq, D), the listed K and V blocks of every query block
-        (B, H, nQb, M * bsk, D) and which of those columns are real keys (B, H, nQb, 1, M * bsk)."""
-        acc = self._acc(q)
-        b, sq, h, _ = q.shape
-        sk, hkv = k.shape[1], k.shape[2]
-        nqb, m = idx.shape[2], idx.shape[3]
-        nkb = -(-sk // bsk)
-        listed = torch.arange(m, device=q.device) < counts.unsqueeze(-1).long()
+    @staticmethod
+    def _gather_kv(kb, vb, idx, counts, bsk, sk):
+        """The listed K and V blocks of query blocks idx (B, H, c, M) out of kb, vb (B, H, nKb,
+        bsk, D) (already expanded to query heads), flattened to (B, H, c, M * bsk, D), and which
+        of those columns are real keys (B, H, c, 1, M * bsk)."""
+        b, h, _, m = idx.shape
+        listed = torch.arange(m, device=idx.device) < counts.unsqueeze(-1).long()
         safe = torch.where(listed, idx.long(), 0)
-        bi = torch.arange(b, device=q.device).view(b, 1, 1, 1)
-        hi = (torch.arange(h, device=q.device) // (h // hkv)).view(1, h, 1, 1)
-        kb, vb = _blocks(k, bsk, nkb, acc), _blocks(v, bsk, nkb, acc)
-        ks = kb[bi, hi, safe].flatten(3, 4)  # (B, H, nQb, M * bsk, D)
-        vs = vb[bi, hi, safe].flatten(3, 4)
-        pos = safe.unsqueeze(-1) * bsk + torch.arange(bsk, device=q.device)
+        bi = torch.arange(b, device=idx.device).view(b, 1, 1, 1)
+        hi = torch.arange(h, device=idx.device).view(1, h, 1, 1)
+        ks, vs = kb[bi, hi, safe].flatten(3, 4), vb[bi, hi, safe].flatten(3, 4)
+        pos = safe.unsqueeze(-1) * bsk + torch.arange(bsk, device=idx.device)
         real = (listed.unsqueeze(-1) & (pos < sk)).flatten(3, 4).unsqueeze(3)
-        return _blocks(q, bsq, nqb, acc), ks, vs, real
+        return ks, vs, real
+
+    def _prepare(self, q, k, v, bsq, bsk, nqb):
+        """Blocked q (B, H, nQb, bsq, D) and K, V (B, H, nKb, bsk, D) expanded to the query heads
+        (an expand, no copy), in the accumulation dtype."""
+        acc = self._acc(q)
+        h, hkv = q.shape[2], k.shape[2]
+        nkb = -(-k.shape[1] // bsk)
+        expand = lambda x: x.unsqueeze(2).expand(-1, -1, h // hkv, -1, -1, -1).flatten(1, 2)
+        return (_blocks(q, bsq, nqb, acc), expand(_blocks(k, bsk, nkb, acc)),
+                expand(_blocks(v, bsk, nkb, acc)))
 
     def block_fwd(self, q, k, v, idx, counts, bsq, bsk, scale):
         b, sq, h, d = q.shape
-        qb, ks, vs, real = self._block_gather(q, k, v, idx, counts, bsq, bsk)
+        nqb, m = idx.shape[2], idx.shape[3]
+        qb, kb, vb = self._prepare(q, k, v, bsq, bsk, nqb)
+        o = torch.empty_like(qb)
+        l = qb.new_empty((b, h, nqb, bsq))
+        step = _chunk(nqb, b * h * bsq * m * bsk)
+        for c0 in range(0, nqb, step):
+            c = slice(c0, c0 + step)
+            ks, vs, real = self._gather_kv(kb, vb, idx[:, :, c], counts[:, :, c], bsk, k.shape[1])
+            o[:, :, c], lc = _masked_softmax_attn(qb[:, :, c], ks, vs, real, scale)
+            l[:, :, c] = lc.squeeze(-1)
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, sq), lse_dtype(q.dtype))
-        o, l = _masked_softmax_attn(qb, ks, vs, real, scale)
         out.copy_(_unblock(o, sq))
-        lse.copy_(l.flatten(2, 4)[:, :, :sq])
+        lse.copy_(l.flatten(2, 3)[:, :, :sq])
         return out, lse
 
     def block_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, bsq, bsk, scale):
         acc = self._acc(q)
         b, sq, h, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
-        nqb, nkb = idx.shape[2], -(-sk // bsk)
+        nqb, m, nkb = idx.shape[2], idx.shape[3], -(-sk // bsk)
         delta, lse_inf = _row_stats(dout, out, lse, dlse, acc)
+        qb, kb, vb = self._prepare(q, k, v, bsq, bsk, nqb)
+        dob = _blocks(dout, bsq, nqb, acc)
+        stat = lambda x: F.pad(x, (0, nqb * bsq - sq)).view(b, h, nqb, bsq)
+        lse_b, delta_b = stat(lse_inf), stat(delta)
 
         # dQ: gather side, like the forward.
-        qb, ks, vs, real = self._block_gather(q, k, v, idx, counts, bsq, bsk)
-        dob = _blocks(dout, bsq, nqb, acc)
-        stat = lambda x: F.pad(x, (0, nqb * bsq - sq)).view(b, h, nqb, bsq, 1)
-        # where, not a product: an unlisted column's exp may overflow, and inf * 0 is NaN.
-        p = torch.where(real, torch.exp((qb @ ks.transpose(-1, -2)) * scale - stat(lse_inf)), 0.0)
-        ds = p * (dob @ vs.transpose(-1, -2) - stat(delta))
-        dq = _unblock((ds @ ks) * scale, sq)
+        dqb = torch.empty_like(qb)
+        step = _chunk(nqb, b * h * bsq * m * bsk)
+        for c0 in range(0, nqb, step):
+            c = slice(c0, c0 + step)
+            ks, vs, real = self._gather_kv(kb, vb, idx[:, :, c], counts[:, :, c], bsk, sk)
+            # where, not a product: an unlisted column's exp may overflow, and inf * 0 is NaN.
+            s = (qb[:, :, c] @ ks.transpose(-1, -2)) * scale
+            p = torch.where(real, torch.exp(s - lse_b[:, :, c, :, None]), 0.0)
+            ds = p * (dob[:, :, c] @ vs.transpose(-1, -2) - delta_b[:, :, c, :, None])
+            dqb[:, :, c] = (ds @ ks) * scale
 
         # dK, dV: per key block over the query blocks that list it (transposed index, padded to
-        # the longest list on the host: this backend runs where a sync is cheap).
+        # the longest list on the host: this backend runs where a sync is cheap), then summed
+        # over the G query heads of each kv head.
         rev_off, rev_q = transpose_block_index(idx, counts, nkb)
         lens = (rev_off[1:] - rev_off[:-1]).long()
         t = max(int(lens.max()) if lens.numel() else 0, 1)
-        slot = torch.arange(rev_q.numel(), device=q.device) - rev_off[:-1].long().repeat_interleave(lens)
+        row_of = torch.arange(b * h * nkb, device=q.device).repeat_interleave(lens)
+        slot = torch.arange(rev_q.numel(), device=q.device) - rev_off[:-1].long()[row_of]
         rev = torch.zeros(b * h * nkb, t, dtype=torch.long, device=q.device)
-        rev[torch.arange(b * h * nkb, device=q.device).repeat_interleave(lens), slot] = rev_q.long()
-        rev = rev.view(b, h, nkb, t)
-        real_rows = (torch.arange(t, device=q.device) < lens.view(b, h, nkb, 1)).unsqueeze(-1)
-        rows = rev.unsqueeze(-1) * bsq + torch.arange(bsq, device=q.device)
-        real_rows = (real_rows & (rows < sq)).flatten(3, 4)  # (B, H, nKb, T * bsq)
-        bi = torch.arange(b, device=q.device).view(b, 1, 1, 1)
-        hi = torch.arange(h, device=q.device).view(1, h, 1, 1)
-        qs = qb[bi, hi, rev].flatten(3, 4)  # (B, H, nKb, T * bsq, D)
-        dos = dob[bi, hi, rev].flatten(3, 4)
-        lse_s = stat(lse_inf)[bi, hi, rev].flatten(3, 5)  # (B, H, nKb, T * bsq)
-        lse_s = lse_s.masked_fill(~real_rows, float("inf"))
-        delta_s = stat(delta)[bi, hi, rev].flatten(3, 5)
-        kh = _blocks(k, bsk, nkb, acc).repeat_interleave(h // hkv, dim=1)  # (B, H, nKb, bsk, D)
-        vh = _blocks(v, bsk, nkb, acc).repeat_interleave(h // hkv, dim=1)
-        pt = torch.exp((kh @ qs.transpose(-1, -2)) * scale - lse_s.unsqueeze(-2))  # (.., bsk, T*bsq)
-        dv = pt @ dos
-        dst = pt * (vh @ dos.transpose(-1, -2) - delta_s.unsqueeze(-2))
-        dk = (dst @ qs) * scale
+        rev[row_of, slot] = rev_q.long()
+        rev, lens = rev.view(b, h, nkb, t), lens.view(b, h, nkb)
+        dkb = torch.empty_like(kb)
+        dvb = torch.empty_like(vb)
+        step = _chunk(nkb, b * h * bsk * t * bsq)
+        for c0 in range(0, nkb, step):
+            c = slice(c0, c0 + step)
+            r = rev[:, :, c]
+            real = (torch.arange(t, device=q.device) < lens[:, :, c, None]).unsqueeze(-1)
+            rows = r.unsqueeze(-1) * bsq + torch.arange(bsq, device=q.device)
+            real = (real & (rows < sq)).flatten(3, 4)  # (B, H, c, T * bsq)
+            bi = torch.arange(b, device=q.device).view(b, 1, 1, 1)
+            hi = torch.arange(h, device=q.device).view(1, h, 1, 1)
+            qs, dos = qb[bi, hi, r].flatten(3, 4), dob[bi, hi, r].flatten(3, 4)
+            lse_s = lse_b[bi, hi, r].flatten(3, 4).masked_fill(~real, float("inf"))
+            delta_s = delta_b[bi, hi, r].flatten(3, 4)
+            pt = torch.exp((kb[:, :, c] @ qs.transpose(-1, -2)) * scale - lse_s.unsqueeze(-2))
+            dvb[:, :, c] = pt @ dos
+            dst = pt * (vb[:, :, c] @ dos.transpose(-1, -2) - delta_s.unsqueeze(-2))
+            dkb[:, :, c] = (dst @ qs) * scale
         group = lambda x: x.view(b, hkv, h // hkv, nkb, bsk, d).sum(2)
         grads = (new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape))
-        for g, x in zip(grads, (dq, _unblock(group(dk), sk), _unblock(group(dv), sk))):
+        for g, x in zip(grads, (_unblock(dqb, sq), _unblock(group(dkb), sk),
+                                _unblock(group(dvb), sk))):
             g.copy_(x)
         return grads
 
@@ -323,8 +352,10 @@ class TritonSparseBackend(SparseBackend):
             "fwd": [(64, 32, 4, 2)] if big else [(128, 64, 8, 3), (64, 64, 4, 3)],
             "dq": [(64, 32, 4, 2)] if big else [(128, 32, 8, 3), (64, 32, 4, 3)],
             "dkdv": [(32, 64, 4, 2)] if big else [(64, 64, 4, 2), (32, 64, 4, 2)],
-        }[role] + [(32, 32, 4, 2), (16, 16, 4, 1)]
-        return [(min(m, bm_cap), min(n, bn_cap), w, s) for m, n, w, s in table]
+        }[role.removeprefix("column ")] + [(32, 32, 4, 2), (16, 16, 4, 1)]
+        # 8 warps only for a full 128-row tile (a tile capped at a small block gets 4).
+        return [(min(m, bm_cap), min(n, bn_cap), w if min(m, bm_cap) >= 128 else min(w, 4), s)
+                for m, n, w, s in table]
 
     def _run(self, role, q, bm_cap, bn_cap, launch):
         """Launch with the first candidate this GPU can hold (remembered per role, shape class)."""
@@ -423,7 +454,7 @@ class TritonSparseBackend(SparseBackend):
                     h, h // k.shape[2], sq, m, scale, BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=warps, num_stages=stages, **self._flags(q))
 
-        self._run("fwd", q, 128, 128, launch)
+        self._run("column fwd", q, 128, 128, launch)
         return out, lse
 
     def column_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, scale):
@@ -456,8 +487,8 @@ class TritonSparseBackend(SparseBackend):
                     *_s(dout), h, h // hkv, sq, m, scale, BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=warps, num_stages=stages, **flags)
 
-        self._run("dq", q, 128, 128, launch_dq)
-        self._run("dkdv", q, 128, 128, launch_dkdv)
+        self._run("column dq", q, 128, 128, launch_dq)
+        self._run("column dkdv", q, 128, 128, launch_dkdv)
         dk, dv = new_output(k, k.shape), new_output(v, v.shape)
         dk.copy_(scatter_group_sum(dkp, idx, counts, sk, hkv))
         dv.copy_(scatter_group_sum(dvp, idx, counts, sk, hkv))
