@@ -173,6 +173,8 @@ class TorchSparseBackend(SparseBackend):
         b, sq, h, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         nqb, m, nkb = idx.shape[2], idx.shape[3], -(-sk // bsk)
+        if sq == 0:  # no query: every gradient is 0 (and the gathers below need a block)
+            return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
         delta, lse_inf = _row_stats(dout, out, lse, dlse, acc)
         qb, kb, vb = self._prepare(q, k, v, bsq, bsk, nqb)
         dob = _blocks(dout, bsq, nqb, acc)

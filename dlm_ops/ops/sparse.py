@@ -69,6 +69,9 @@ def _check_qkv(q, k, v) -> None:
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise ValueError(f"k must have shape ({q.shape[0]}, Sk, Hkv, {q.shape[3]}) to match q, got "
                          f"{tuple(k.shape)}")
+    if k.shape[1] < 1:
+        raise ValueError("k must hold at least one key (seqlen >= 1), got shape "
+                         f"{tuple(k.shape)}")
     h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
     if hkv < 1 or h % hkv:
         raise ValueError(f"q's head count ({h}) must be a multiple of k's ({hkv}) (GQA/MQA), with "
