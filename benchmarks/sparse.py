@@ -93,15 +93,33 @@ def make_ours(case: SparseCase, q, k, v, idx, counts):
                                              block_size_k=bs, check_indices=False)
 
 
+def block_table(idx, counts, num_kv_blocks: int) -> torch.Tensor:
+    """Boolean (B, H, nQb, nKb): key block listed for the query block (what SparseD builds)."""
+    b, h, nqb, m = idx.shape
+    listed = torch.arange(m, device=idx.device) < counts.unsqueeze(-1)
+    table = torch.zeros((b, h, nqb, num_kv_blocks + 1), dtype=torch.bool, device=idx.device)
+    table.scatter_(-1, torch.where(listed, idx.long(), num_kv_blocks), True)  # spare column: unlisted
+    return table[..., :num_kv_blocks]
+
+
 def make_flex(case: SparseCase, q, k, v, idx, counts):
     """Compiled flex_attention, (B, H, S, D) layout prepared up front, the same blocks as full
-    blocks (no partial blocks: none of ours needs an element mask either)."""
+    blocks (no partial blocks: none of ours needs an element mask either).
+
+    The mask_mod looks the same table up: compiled flex visits only the listed (full) blocks and
+    never calls it there, but eager flex evaluates the mask_mod alone (with the default no-op
+    mask_mod, eager flex is dense attention: checked on CPU), so the BlockMask stays one mask."""
     import dlm_ops
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     dlm_ops.compile.disable()  # measure flex itself, never our rewrite
+    table, bs = block_table(idx, counts, case.num_blocks), case.block_size
+
+    def listed(b, h, q_idx, kv_idx):
+        return table[b, h, q_idx // bs, kv_idx // bs]
+
     empty = torch.zeros_like(counts)
-    mask = BlockMask.from_kv_blocks(empty, idx, counts, idx, BLOCK_SIZE=case.block_size,
+    mask = BlockMask.from_kv_blocks(empty, idx, counts, idx, BLOCK_SIZE=bs, mask_mod=listed,
                                     seq_lengths=(case.seqlen, case.seqlen))
     fn = torch.compile(flex_attention, dynamic=False)
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
