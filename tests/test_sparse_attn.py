@@ -314,26 +314,30 @@ def test_opcheck():
                            torch.randn_like(lse), cidx, ccnt, 0.3, "torch"))
 
 
-def test_compile_fullgraph_cpu():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_cpu(dynamic):
+    """Forward and backward of both ops under torch.compile(fullgraph=True) match eager; with
+    dynamic=True, a new query length (and so a new number of query blocks) runs too."""
     torch._dynamo.reset()
-    q, k, v = make_qkv((1, 48, 4, 16), (1, 40, 2, 16), torch.float32, 4)
-    idx, cnt = block_pattern(1, 4, 48, 40, 16, 16, "random", 4)
-    cidx, ccnt = random_lists((1, 4), 40, 16, "random", 4)
 
-    def step(q, k, v):
+    def step(q, k, v, idx, cnt, cidx, ccnt):
         o1, l1 = dlm_ops.block_sparse_attn(q * 2.0, k, v, idx, cnt, block_size_q=16,
                                            block_size_k=16, return_lse=True, backend="torch")
         o2 = dlm_ops.column_sparse_attn(q, k, v, cidx, ccnt, backend="torch")
         return (o1 * o2).sum() + torch.where(torch.isinf(l1), 0.0, l1).sum()
 
-    compiled = torch.compile(step, fullgraph=True)
-    results = []
-    for fn in (step, compiled):
-        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        loss = fn(*inputs)
-        results.append((loss, *torch.autograd.grad(loss, inputs)))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+    for sq in ([48, 70] if dynamic else [48]):
+        q, k, v = make_qkv((1, sq, 4, 16), (1, 40, 2, 16), torch.float32, sq)
+        pattern = (*block_pattern(1, 4, sq, 40, 16, 16, "random", sq),
+                   *random_lists((1, 4), 40, 16, "random", sq))
+        results = []
+        for fn in (step, compiled):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            loss = fn(*inputs, *pattern)
+            results.append((loss, *torch.autograd.grad(loss, inputs)))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
 
 
