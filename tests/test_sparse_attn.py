@@ -413,9 +413,6 @@ def test_benchmark_cases_and_table():
     first = idx[..., : case.listed]
     assert (first[..., 1:] > first[..., :-1]).all()  # ascending, hence distinct
     assert torch.equal(idx.sort(-1).values[0, 0, 0], torch.arange(128, dtype=torch.int32))
-    table = bench.block_table(idx, cnt, case.num_blocks)
-    assert table.sum(-1).eq(case.listed).all()
-    assert table[0, 0, 0, idx[0, 0, 0, : case.listed].long()].all()
     rows = [dict(seqlen=16384, density=1.0, contender="dense cudnn", ms=10.0),
             dict(seqlen=16384, density=0.1, true_density=0.1, contender="dlm_ops", ms=1.1,
                  ratio=0.11, ratio_over_density=1.1),
