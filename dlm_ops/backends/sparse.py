@@ -105,6 +105,13 @@ def _unblock(x: torch.Tensor, s: int) -> torch.Tensor:
     return x.reshape(b, hx, nb * bs, d)[:, :, :s].transpose(1, 2)
 
 
+def _trim(idx: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """idx cut to the longest list (one host sync): the gathers then cost what is listed, not
+    max_blocks (callers often pass nKb-wide tables)."""
+    longest = int(counts.max()) if counts.numel() else 0
+    return idx[..., :longest]
+
+
 def _chunk(total: int, per_item: int) -> int:
     return max(1, min(total, _CHUNK_ELEMENTS // max(per_item, 1)))
 
@@ -152,6 +159,7 @@ class TorchSparseBackend(SparseBackend):
 
     def block_fwd(self, q, k, v, idx, counts, bsq, bsk, scale):
         b, sq, h, d = q.shape
+        idx = _trim(idx, counts)
         nqb, m = idx.shape[2], idx.shape[3]
         qb, kb, vb = self._prepare(q, k, v, bsq, bsk, nqb)
         o = torch.empty_like(qb)
@@ -170,6 +178,7 @@ class TorchSparseBackend(SparseBackend):
 
     def block_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, bsq, bsk, scale):
         acc = self._acc(q)
+        idx = _trim(idx, counts)
         b, sq, h, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         nqb, m, nkb = idx.shape[2], idx.shape[3], -(-sk // bsk)
@@ -231,6 +240,7 @@ class TorchSparseBackend(SparseBackend):
 
     def column_fwd(self, q, k, v, idx, counts, scale):
         acc = self._acc(q)
+        idx = _trim(idx, counts)
         b, sq, h, d = q.shape
         ks, vs, real = self._column_gather(k, v, idx, counts, h, acc)
         out = new_output(q, q.shape)
@@ -256,6 +266,7 @@ class TorchSparseBackend(SparseBackend):
 
     def column_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, scale):
         acc = self._acc(q)
+        idx = _trim(idx, counts)
         b, sq, h, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         delta, lse_inf = _row_stats(dout, out, lse, dlse, acc)
