@@ -4,7 +4,7 @@ Triton kernels of templates/sparse_attn.py on CUDA (on CPU only forced, under TR
 Both are deterministic: neither sums with atomics. The block-sparse backward of both walks the
 transposed index (``transpose_block_index``: per key block, the query blocks that list it), built
 with torch ops once per call; the column-sparse backward sums the G query heads of a kv head into
-dK/dV with one scatter per head index g (``scatter_group_sum``).
+dK/dV with one collision-free read-add-write per head index g (``scatter_group_sum``).
 """
 
 from __future__ import annotations
@@ -148,8 +148,9 @@ class TorchSparseBackend(SparseBackend):
         return ks, vs, real
 
     def _prepare(self, q, k, v, bsq, bsk, nqb):
-        """Blocked q (B, H, nQb, bsq, D) and K, V (B, H, nKb, bsk, D) expanded to the query heads
-        (an expand, no copy), in the accumulation dtype."""
+        """Blocked q (B, H, nQb, bsq, D) and K, V (B, H, nKb, bsk, D) repeated for the G query
+        heads of each kv head (a copy: the gathers then index one head axis), in the accumulation
+        dtype."""
         acc = self._acc(q)
         h, hkv = q.shape[2], k.shape[2]
         nkb = -(-k.shape[1] // bsk)
