@@ -354,22 +354,30 @@ class TritonSparseBackend(SparseBackend):
 
     def _candidates(self, role: str, d: int, bm_cap: int, bn_cap: int):
         """(BLOCK_M, BLOCK_N, warps, stages), best guess first, capped at the block sizes (powers
-        of two, so a capped tile still divides its block). Not tuned on a GPU yet: these follow the
-        block-diffusion kernels' H200 tuning (64x64 / 4 warps forward, 128x32 dQ at D<=128) with a
-        larger forward row tile, since a sparse query tile re-reads nothing but its own K/V list."""
+        of two, so a capped tile still divides its block; a capped tile gets at most 4 warps).
+        dkdv: BLOCK_M query rows visited, BLOCK_N keys owned.
+
+        Not timed on a GPU yet. Chosen by compiling for sm90 (Triton 3.9, strides divisible by
+        16 as the launcher specialises them) and reading the cubin's resource usage: every first
+        choice pipelines K/V (cp.async, 2-3 stages), feeds wgmma and spills nothing; e.g. D=128
+        forward 128x64 / 8 warps: 180 registers, 128 KiB shared. The dK/dV kernel spills at
+        64x64 / 4 warps (255 registers + 56 B stack; the block-diffusion kernels' choice) but not
+        with 8 warps (220), and at D=256 only 32x32 / 8 warps stays spill-free."""
         if self._tile:
             return [(min(self._tile[0], bm_cap), min(self._tile[1], bn_cap), 4, 1)]
         if INTERPRET:
             return [(min(32, bm_cap), min(32, bn_cap), 4, 1)]
         big = d > 128
         table = {
-            "fwd": [(64, 32, 4, 2)] if big else [(128, 64, 8, 3), (64, 64, 4, 3)],
-            "dq": [(64, 32, 4, 2)] if big else [(128, 32, 8, 3), (64, 32, 4, 3)],
-            "dkdv": [(32, 64, 4, 2)] if big else [(64, 64, 4, 2), (32, 64, 4, 2)],
+            "fwd": [(64, 64, 8, 2), (64, 32, 8, 2)] if big else [(128, 64, 8, 3), (64, 64, 4, 3)],
+            "dq": [(64, 32, 8, 2)] if big else [(128, 32, 8, 3), (64, 32, 4, 3)],
+            "dkdv": [(32, 32, 8, 2)] if big else [(64, 64, 8, 2), (32, 64, 4, 2)],
         }[role.removeprefix("column ")] + [(32, 32, 4, 2), (16, 16, 4, 1)]
-        # 8 warps only for a full 128-row tile (a tile capped at a small block gets 4).
-        return [(min(m, bm_cap), min(n, bn_cap), w if min(m, bm_cap) >= 128 else min(w, 4), s)
-                for m, n, w, s in table]
+        out = []
+        for m, n, w, st in table:
+            mc, nc = min(m, bm_cap), min(n, bn_cap)
+            out.append((mc, nc, w if (mc, nc) == (m, n) else min(w, 4), st))
+        return out
 
     def _run(self, role, q, bm_cap, bn_cap, launch):
         """Launch with the first candidate this GPU can hold (remembered per role, shape class)."""
