@@ -6,9 +6,12 @@ Notation
     Sq, Sk            query and key lengths (may differ; only the last block of each is partial)
     D, BLOCK_D        head dim, and its power-of-two padding (loads mask the padding)
     BSQ, BSK          selection block sizes (powers of two, 16..256; dlm_ops/ops/sparse.py)
-    BLOCK_M, BLOCK_N  kernel tile: rows (queries) and columns (keys), powers of two dividing BSQ and
-                      BSK, so SUB_M = BSQ // BLOCK_M row tiles make one query block and SUB_N =
-                      BSK // BLOCK_N column tiles one key block; a tile never straddles two blocks
+    BLOCK_M, BLOCK_N  kernel tile: rows (queries) and columns (keys), powers of two. BLOCK_M divides
+                      BSQ: SUB_M = BSQ // BLOCK_M row tiles make one query block (a row tile never
+                      straddles two blocks, whose lists differ). Columns of the gather-side kernels
+                      (forward, dQ): BLOCK_N <= BSK gives SUB_N = BSK // BLOCK_N contiguous tiles
+                      per listed block; BLOCK_N > BSK gathers BLOCK_N // BSK listed blocks into one
+                      tile (_key_tile). dK/dV owns BLOCK_N <= BSK keys of one block
     IDX, CNT          block-sparse: int32 (B, H, nQb, max_blocks) key blocks listed per query block,
                       and their counts (B, H, nQb). Column-sparse: int32 (B, H, K) keys listed per
                       head, and their counts (B, H)
@@ -39,6 +42,40 @@ from .diffusion_attn import _dot
 
 
 @triton.jit
+def _num_key_tiles(count, BSK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles over ``count`` listed blocks: SUB_N per block, or gathered tiles of BLOCK_N keys
+    spanning BLOCK_N // BSK blocks when the blocks are smaller than the tile."""
+    if BSK >= BLOCK_N:
+        return count * (BSK // BLOCK_N)
+    else:
+        return (count * BSK + BLOCK_N - 1) // BLOCK_N
+
+
+@triton.jit
+def _key_tile(idx_row, it, count, Sk, BSK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key positions of key tile ``it`` of a list, which of them are real keys, and whether any
+    is not (the element mask is then needed).
+
+    BSK >= BLOCK_N: one block index (a scalar load), contiguous columns; only the last block of
+    the sequence can be partial. BSK < BLOCK_N (small selection blocks): the tile gathers its
+    columns from BLOCK_N // BSK consecutive list entries, like the column-sparse kernels, so a
+    16-key block does not force 16-column dots."""
+    if BSK >= BLOCK_N:
+        SUB_N: tl.constexpr = BSK // BLOCK_N
+        kb = tl.load(idx_row + it // SUB_N)
+        c0 = kb * BSK + (it % SUB_N) * BLOCK_N
+        cols = c0 + tl.arange(0, BLOCK_N)
+        return cols, cols < Sk, c0 + BLOCK_N > Sk
+    else:
+        slots = it * BLOCK_N + tl.arange(0, BLOCK_N)
+        entry = slots // BSK
+        listed = entry < count
+        kb = tl.load(idx_row + entry, mask=listed, other=0)
+        cols = kb * BSK + slots % BSK
+        return cols, listed & (cols < Sk), it >= 0  # always masked (a runtime true)
+
+
+@triton.jit
 def block_sparse_fwd_kernel(
     Q, K, V, O, LSE, IDX, CNT,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
@@ -47,7 +84,6 @@ def block_sparse_fwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):
     SUB_M: tl.constexpr = BSQ // BLOCK_M
-    SUB_N: tl.constexpr = BSK // BLOCK_N
     bh, t = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     kvh = h // G
@@ -66,15 +102,13 @@ def block_sparse_fwd_kernel(
     k_base = K + b * skb + kvh * skh
     v_base = V + b * svb + kvh * svh
     qk_scale = scale * 1.4426950408889634
-    for it in range(0, count * SUB_N):
-        kb = tl.load(idx_row + it // SUB_N)
-        c0 = kb * BSK + (it % SUB_N) * BLOCK_N
-        cols = c0 + tl.arange(0, BLOCK_N)
-        kv_mask = (cols < Sk)[:, None] & dim_ok[None, :]
+    for it in range(0, _num_key_tiles(count, BSK, BLOCK_N)):
+        cols, real, partial = _key_tile(idx_row, it, count, Sk, BSK, BLOCK_N)
+        kv_mask = real[:, None] & dim_ok[None, :]
         k = tl.load(k_base + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0)
         s2 = _dot(q, tl.trans(k), IEEE) * qk_scale
-        if c0 + BLOCK_N > Sk:  # the last key block may be partial
-            s2 = tl.where((cols < Sk)[None, :], s2, float("-inf"))
+        if partial:  # the last key block may be partial
+            s2 = tl.where(real[None, :], s2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s2, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked first tile
         p = tl.exp2(s2 - m_use[:, None])
@@ -101,7 +135,6 @@ def block_sparse_dq_kernel(
 ):
     """One query tile of one head: dQ over its listed key tiles (count 0: dQ = 0)."""
     SUB_M: tl.constexpr = BSQ // BLOCK_M
-    SUB_N: tl.constexpr = BSK // BLOCK_N
     bh, t = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     kvh = h // G
@@ -122,16 +155,14 @@ def block_sparse_dq_kernel(
     k_base = K + b * skb + kvh * skh
     v_base = V + b * svb + kvh * svh
     qk_scale = scale * 1.4426950408889634
-    for it in range(0, count * SUB_N):
-        kb = tl.load(idx_row + it // SUB_N)
-        c0 = kb * BSK + (it % SUB_N) * BLOCK_N
-        cols = c0 + tl.arange(0, BLOCK_N)
-        kv_mask = (cols < Sk)[:, None] & dim_ok[None, :]
+    for it in range(0, _num_key_tiles(count, BSK, BLOCK_N)):
+        cols, real, partial = _key_tile(idx_row, it, count, Sk, BSK, BLOCK_N)
+        kv_mask = real[:, None] & dim_ok[None, :]
         k = tl.load(k_base + cols[:, None] * sks + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * svs + dims[None, :], mask=kv_mask, other=0.0)
         p = tl.exp2(_dot(q, tl.trans(k), IEEE) * qk_scale - lse2[:, None])
-        if c0 + BLOCK_N > Sk:
-            p = tl.where((cols < Sk)[None, :], p, 0.0)
+        if partial:
+            p = tl.where(real[None, :], p, 0.0)
         ds = p * (_dot(do, tl.trans(v), IEEE) - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, IEEE)
 

@@ -377,11 +377,13 @@ def test_triton_fixed_cases(case, dtype):
 
 
 @triton_only
-@pytest.mark.parametrize("bsq,bsk", [(32, 64), (64, 32)])
-def test_triton_tiles_smaller_than_blocks(bsq, bsk):
-    """16 x 16 kernel tiles inside 32/64 selection blocks (SUB_M, SUB_N > 1), partial last blocks,
-    GQA: the kernels against the torch backend, forward and backward."""
-    be = TritonSparseBackend(tile=(16, 16))
+@pytest.mark.parametrize("tile,bsq,bsk", [((16, 16), 32, 64), ((16, 16), 64, 32), ((16, 64), 16, 16),
+                                          ((32, 32), 64, 16)])
+def test_triton_tiles_and_blocks(tile, bsq, bsk):
+    """Kernel tiles smaller than the selection blocks (SUB_M, SUB_N > 1) and key tiles gathered
+    from several small blocks (BLOCK_N > block_size_k), partial last blocks, GQA: the kernels
+    against the torch backend, forward and backward."""
+    be = TritonSparseBackend(tile=tile)
     torch_be = dlm_ops.backends.REGISTRIES["sparse"]["torch"]
     q, k, v = (t.to(DEVICE) for t in make_qkv((1, 75, 4, 16), (1, 90, 2, 16), torch.float32, 9))
     idx, cnt = block_pattern(1, 4, 75, 90, bsq, bsk, "random", 9, DEVICE)

@@ -22,6 +22,7 @@ if _IMPORT_ERROR is None:
     from ..templates import diffusion_attn as dense_kernels
     from ..templates import sparse_attn as kernels
 
+MAX_TILE = 256  # no cap: a key tile of the gather-side kernels may span several small blocks
 # Elements of the largest score tensor the torch backend forms per chunk (float32: 64 MiB).
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -353,9 +354,9 @@ class TritonSparseBackend(SparseBackend):
         return reasons
 
     def _candidates(self, role: str, d: int, bm_cap: int, bn_cap: int):
-        """(BLOCK_M, BLOCK_N, warps, stages), best guess first, capped at the block sizes (powers
-        of two, so a capped tile still divides its block; a capped tile gets at most 4 warps).
-        dkdv: BLOCK_M query rows visited, BLOCK_N keys owned.
+        """(BLOCK_M, BLOCK_N, warps, stages), best guess first, capped at bm_cap, bn_cap (block
+        sizes, powers of two, so a capped tile still divides its block; a capped tile gets at
+        most 4 warps). dkdv: BLOCK_M query rows visited, BLOCK_N keys owned.
 
         Not timed on a GPU yet. Chosen by compiling for sm90 (Triton 3.9, strides divisible by
         16 as the launcher specialises them) and reading the cubin's resource usage: every first
@@ -425,7 +426,7 @@ class TritonSparseBackend(SparseBackend):
                     h, h // hkv, sq, sk, nqb, m, scale, BSQ=bsq, BSK=bsk, BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=warps, num_stages=stages, **self._flags(q))
 
-        self._run("fwd", q, bsq, bsk, launch)
+        self._run("fwd", q, bsq, MAX_TILE, launch)  # BLOCK_N > bsk: gathered key tiles
         return out, lse
 
     def block_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, bsq, bsk, scale):
@@ -455,7 +456,7 @@ class TritonSparseBackend(SparseBackend):
                     *_s(dout), *_s(dk), *_s(dv), h, hkv, h // hkv, sq, sk, nkb, scale, BSQ=bsq,
                     BSK=bsk, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags)
 
-        self._run("dq", q, bsq, bsk, launch_dq)
+        self._run("dq", q, bsq, MAX_TILE, launch_dq)
         self._run("dkdv", q, bsq, bsk, launch_dkdv)
         return dq, dk, dv
 
