@@ -15,6 +15,8 @@ Notation
     IDX, CNT          block-sparse: int32 (B, H, nQb, max_blocks) key blocks listed per query block,
                       and their counts (B, H, nQb). Column-sparse: int32 (B, H, K) keys listed per
                       head, and their counts (B, H)
+    ORDER             int32 (B, H, nQb): each head's query blocks by decreasing count (a stable
+                      argsort), so the longest lists start first and do not finish last
     REV_OFF, REV_Q    block-sparse backward, the transposed index in CSR form: the query blocks of
                       head h that list key block kb are REV_Q[REV_OFF[i] : REV_OFF[i + 1]] with
                       i = (b * H + h) * nKb + kb (built with torch ops by the backend, sorted, so
@@ -77,7 +79,7 @@ def _key_tile(idx_row, it, count, Sk, BSK: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def block_sparse_fwd_kernel(
-    Q, K, V, O, LSE, IDX, CNT,
+    Q, K, V, O, LSE, IDX, CNT, ORDER,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
     H, G, Sq, Sk, nQb, max_blocks, scale,
     D: tl.constexpr, BSQ: tl.constexpr, BSK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -87,7 +89,7 @@ def block_sparse_fwd_kernel(
     bh, t = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     kvh = h // G
-    qb = t // SUB_M
+    qb = tl.load(ORDER + bh * nQb + t // SUB_M)  # longest lists first
     rows = qb * BSQ + (t % SUB_M) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     row_ok, dim_ok = rows < Sq, dims < D
@@ -127,7 +129,7 @@ def block_sparse_fwd_kernel(
 
 @triton.jit
 def block_sparse_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, IDX, CNT,
+    Q, K, V, DO, LSE, DELTA, DQ, IDX, CNT, ORDER,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
     H, G, Sq, Sk, nQb, max_blocks, scale,
     D: tl.constexpr, BSQ: tl.constexpr, BSK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -138,7 +140,7 @@ def block_sparse_dq_kernel(
     bh, t = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     kvh = h // G
-    qb = t // SUB_M
+    qb = tl.load(ORDER + bh * nQb + t // SUB_M)  # longest lists first
     rows = qb * BSQ + (t % SUB_M) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     row_ok, dim_ok = rows < Sq, dims < D

@@ -321,6 +321,13 @@ def _s(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _longest_first(counts: torch.Tensor) -> torch.Tensor:
+    """int32 (B, H, nQb): each head's query blocks by decreasing count (stable: deterministic).
+    The grid runs a head's tiles in this order, so the longest lists start in the first wave
+    (one small argsort per call, no sync)."""
+    return torch.argsort(counts, dim=-1, descending=True, stable=True).to(torch.int32).contiguous()
+
+
 def _contig_last(*ts):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
@@ -418,11 +425,12 @@ class TritonSparseBackend(SparseBackend):
         nqb, m = idx.shape[2], idx.shape[3]
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, sq), torch.float32)
+        order = _longest_first(counts)
 
         def launch(bm, bn, warps, stages):
             if b * h * nqb:
                 kernels.block_sparse_fwd_kernel[(b * h, nqb * (bsq // bm))](
-                    q, k, v, out, lse, idx, counts, *_s(q), *_s(k), *_s(v), *_s(out),
+                    q, k, v, out, lse, idx, counts, order, *_s(q), *_s(k), *_s(v), *_s(out),
                     h, h // hkv, sq, sk, nqb, m, scale, BSQ=bsq, BSK=bsk, BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=warps, num_stages=stages, **self._flags(q))
 
@@ -440,12 +448,13 @@ class TritonSparseBackend(SparseBackend):
         delta = self._delta(out, dout, lse, dlse)
         dq, dk, dv = new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape)
         rev_off, rev_q = transpose_block_index(idx, counts, nkb)
+        order = _longest_first(counts)
         flags = self._flags(q)
 
         def launch_dq(bm, bn, warps, stages):
             if b * h * nqb:
                 kernels.block_sparse_dq_kernel[(b * h, nqb * (bsq // bm))](
-                    q, k, v, dout, lse, delta, dq, idx, counts, *_s(q), *_s(k), *_s(v),
+                    q, k, v, dout, lse, delta, dq, idx, counts, order, *_s(q), *_s(k), *_s(v),
                     *_s(dout), *_s(dq), h, h // hkv, sq, sk, nqb, m, scale, BSQ=bsq, BSK=bsk,
                     BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **flags)
 
