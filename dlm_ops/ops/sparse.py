@@ -10,10 +10,13 @@ over the listed keys; a list with count 0 gives out 0 and lse -inf (and zero gra
 ops return (out, lse), lse float32 (float64 for float64 inputs) natural log (B, H, Sq); backward ops
 take the upstream gradient of lse too.
 
-Selection block sizes are powers of two in [16, 256]: the kernels tile a query block into BLOCK_M
-rows and a key block into BLOCK_N columns (both powers of two <= the block size), so a tile never
-straddles two blocks. Only the last block of each side may be partial (Sq, Sk need not be
-multiples).
+Selection block sizes are powers of two in [16, 256], independent of the kernels' tiles: a query
+block splits into row tiles of BLOCK_M (a power of two <= block_size_q, so a row tile never mixes
+two lists); the forward and dQ kernels split each listed key block into BLOCK_N-column tiles, or,
+for blocks smaller than BLOCK_N, gather several listed blocks into one tile
+(templates/sparse_attn.py). Only the last block of each side may be partial (Sq, Sk need not be
+multiples). Powers of two keep every tile inside one block without per-element block arithmetic;
+16 is the smallest tile tl.dot takes, 256 the largest block a tile table was checked for.
 
 Checks. Shapes, dtypes and devices are checked everywhere (also in the fake functions, so compiled
 graphs fail at trace time). The index VALUES (in range, counts in [0, max], no duplicate among the
