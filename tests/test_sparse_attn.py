@@ -398,6 +398,24 @@ def test_triton_tiles_and_blocks(tile, bsq, bsk):
         torch.testing.assert_close(x, y, atol=5e-5, rtol=0)
 
 
+@triton_only
+def test_triton_non_contiguous_inputs():
+    """(B, H, S, D) tensors viewed as (B, S, H, D) and index lists sliced out of a wider table."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, s, 32, generator=g).transpose(1, 2).to(DEVICE)
+               for h, s in ((4, 50), (2, 70), (2, 70)))
+    wide, cnt = block_pattern(1, 4, 50, 70, 16, 16, "random", 0, DEVICE, extra=3)
+    idx = wide[..., :5]  # counts <= 5 key blocks: the listed entries survive the slice
+    cidx_wide, ccnt = random_lists((1, 4), 70, 40, "random", 0, DEVICE)
+    cidx, ccnt = cidx_wide[..., :20], ccnt.clamp(max=20)
+    for fn in (lambda be: dlm_ops.block_sparse_attn(q, k, v, idx, cnt, block_size_q=16,
+                                                    block_size_k=16, return_lse=True, backend=be),
+               lambda be: dlm_ops.column_sparse_attn(q, k, v, cidx, ccnt, return_lse=True,
+                                                     backend=be)):
+        for x, y in zip(fn("triton"), fn("torch")):
+            torch.testing.assert_close(x, y, atol=2e-5, rtol=0)
+
+
 @pytest.mark.skipif(CUDA, reason="on a GPU the kernels compile natively in the tests above")
 def test_kernels_compile_for_sm90_without_spills():
     """The interpreter never lowers a kernel: compile the backend's first-choice configs for sm90
