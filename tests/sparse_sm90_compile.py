@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import dlm_ops.backends.sparse as backend
+import dlm_ops.backends.sparse_triton as backend
 from dlm_ops.templates import sparse_attn as kernels
 
 INT = {"IDX", "CNT", "ORDER", "REV_OFF", "REV_Q"}

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dlm_ops
-from dlm_ops.backends.sparse import TritonSparseBackend, transpose_block_index
+from dlm_ops.backends.sparse import transpose_block_index
+from dlm_ops.backends.sparse_triton import TritonSparseBackend
 from dlm_ops.backends.triton_backend import INTERPRET
 from dlm_ops.ops import sparse as ops
 from dlm_ops.reference import block_sparse_attn_ref, column_sparse_attn_ref

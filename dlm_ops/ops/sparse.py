@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from ..backends import select
-from ..backends import sparse as _sparse_backends  # noqa: F401  (registers the "sparse" family)
+from ..backends import sparse as _sparse_torch  # noqa: F401  (register the "sparse" family)
+from ..backends import sparse_triton as _sparse_triton  # noqa: F401
 from ..backends.base import GQA, Problem, lse_dtype
 from .validation import DTYPES, MAX_HEAD_DIM
 
