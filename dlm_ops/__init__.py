@@ -43,6 +43,7 @@ from .ops.cached import (
     merge_attn_states,
 )
 from .ops.hybrid import block_hybrid_attn, block_hybrid_train_attn, hybrid_state_update
+from .ops.sparse import block_sparse_attn, column_sparse_attn
 from . import sparsity  # pattern selection, step caches, FlashBlockCache
 
 from . import compile  # noqa: E402  (after the ops: the rewrite pass emits them)
@@ -69,6 +70,9 @@ __all__ = [
     "block_hybrid_attn",
     "block_hybrid_train_attn",
     "hybrid_state_update",
+    # sparse attention
+    "block_sparse_attn",
+    "column_sparse_attn",
     # modules
     "compile",
     "geometry",

@@ -20,6 +20,21 @@ __all__ = [
     "diffusion_attn_ref",
     "block_causal_attn_ref",
     "diffusion_attn_varlen_ref",
+    "HYBRID_EPS",
+    "hybrid_feature_map_ref",
+    "block_hybrid_attn_ref",
+    "hybrid_state_update_ref",
+    "block_hybrid_train_attn_ref",
+    "block_decode_attn_ref",
+    "merge_attn_states_ref",
+    "flashblock_attn_ref",
+    "flashblock_refresh_ref",
+    "block_sparse_mask",
+    "column_sparse_mask",
+    "block_sparse_attn_ref",
+    "column_sparse_attn_ref",
+    "attention_mass_ref",
+    "column_mass_ref",
 ]
 
 
@@ -123,8 +138,6 @@ def column_mass_ref(q, k, rows=None, softmax_scale=None):
 # HYBRID_EPS. Everything runs in ``compute_dtype`` (states included), like the references above.
 
 HYBRID_EPS = 1e-6
-__all__ += ["HYBRID_EPS", "hybrid_feature_map_ref", "block_hybrid_attn_ref",
-            "hybrid_state_update_ref", "block_hybrid_train_attn_ref"]
 
 
 def hybrid_feature_map_ref(x, feature_weight, compute_dtype=torch.float32):
@@ -193,8 +206,6 @@ def block_hybrid_train_attn_ref(q, k, v, feature_weight, gate, block_size, *, so
 # Written from the definitions: attention over an explicit key set given as a per-sample boolean
 # validity mask, and the merge as logaddexp plus softmax-weighted outputs.
 
-__all__ += ["block_decode_attn_ref", "merge_attn_states_ref", "flashblock_attn_ref",
-            "flashblock_refresh_ref"]
 
 
 def _keyset_attention(q, k, v, valid, softmax_scale, compute_dtype):
@@ -256,3 +267,46 @@ def flashblock_refresh_ref(q, k_cache, v_cache, k_block, v_block, cache_seqlens=
     full = block_decode_attn_ref(q, k_cache, v_cache, cache_seqlens, k_block, v_block, **kw)
     ext = block_decode_attn_ref(q, k_cache, v_cache, cache_seqlens, **kw)
     return (*full, *ext)
+
+# -- sparse attention (dlm_ops/ops/sparse.py) ------------------------------------------------------
+# The masks are rebuilt from the index lists as the op definitions read: query i of head h sees key
+# j iff j's block (j // block_size_k) is among the first count entries listed for i's block
+# (i // block_size_q); for column sparsity, iff j is among the first count keys listed for head h.
+
+
+def block_sparse_mask(kv_block_indices, kv_block_counts, seqlen_q, seqlen_k, block_size_q,
+                      block_size_k) -> torch.Tensor:
+    """Boolean (B, H, Sq, Sk) from the block lists."""
+    b, h, nqb, m = kv_block_indices.shape
+    nkb = -(-seqlen_k // block_size_k)
+    listed = torch.arange(m, device=kv_block_indices.device) < kv_block_counts[..., None]
+    table = torch.zeros((b, h, nqb, nkb + 1), dtype=torch.bool, device=kv_block_indices.device)
+    table.scatter_(-1, torch.where(listed, kv_block_indices.long(), nkb), True)  # nkb: unlisted
+    rows = torch.arange(seqlen_q, device=table.device) // block_size_q
+    cols = torch.arange(seqlen_k, device=table.device) // block_size_k
+    return table[:, :, rows][..., cols]
+
+
+def column_sparse_mask(kv_indices, kv_counts, seqlen_q, seqlen_k) -> torch.Tensor:
+    """Boolean (B, H, Sq, Sk) from the column lists (every query of a head sees the same keys)."""
+    b, h, m = kv_indices.shape
+    listed = torch.arange(m, device=kv_indices.device) < kv_counts[..., None]
+    table = torch.zeros((b, h, seqlen_k + 1), dtype=torch.bool, device=kv_indices.device)
+    table.scatter_(-1, torch.where(listed, kv_indices.long(), seqlen_k), True)
+    return table[:, :, None, :seqlen_k].expand(b, h, seqlen_q, seqlen_k)
+
+
+def block_sparse_attn_ref(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k,
+                          **kw):
+    """Block-sparse attention: q (B, Sq, H, D), k/v (B, Sk, Hkv, D); dense with the explicit mask."""
+    mask = block_sparse_mask(kv_block_indices, kv_block_counts, q.shape[1], k.shape[1],
+                             block_size_q, block_size_k)
+    return masked_attention_ref(q, k, v, mask, **kw)
+
+
+def column_sparse_attn_ref(q, k, v, kv_indices, kv_counts, **kw):
+    """Column-sparse attention: q (B, Sq, H, D), k/v (B, Sk, Hkv, D); dense with the explicit mask."""
+    return masked_attention_ref(q, k, v, column_sparse_mask(kv_indices, kv_counts, q.shape[1],
+                                                            k.shape[1]), **kw)
+
+

@@ -1,0 +1,77 @@
+"""Compile the sparse Triton kernels for sm90 without a GPU and report their resource usage.
+
+Run by tests/test_sparse_attn.py in a subprocess without TRITON_INTERPRET (the interpreter never
+lowers a kernel, so it cannot catch a GPU compile error). Prints one line per kernel:
+``name smem_bytes registers stack_bytes``. The tile configs are the backend's first choices, with
+the strides marked divisible by 16 as Triton's launcher specialises them.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import dlm_ops.backends.sparse_triton as backend
+from dlm_ops.templates import sparse_attn as kernels
+
+INT = {"IDX", "CNT", "ORDER", "REV_OFF", "REV_Q"}
+FLOAT32 = {"LSE", "DELTA", "DKP", "DVP"}
+TENSORS = INT | FLOAT32 | {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+
+
+def compile_sm90(fn, constexprs, warps, stages, dtype="bf16"):
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in TENSORS:
+            sig[name] = "*" + ("i32" if name in INT else "fp32" if name in FLOAT32 else dtype)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("s"):  # strides
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def resources(compiled):
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S).groups()
+    return compiled.metadata.shared, int(regs), int(stack)
+
+
+def main():
+    be = backend.TritonSparseBackend()
+    cases = [  # (label, kernel, role, caps, block sizes)
+        ("fwd bs128", kernels.block_sparse_fwd_kernel, "fwd", (128, backend.MAX_TILE), (128, 128)),
+        ("fwd bs16 gathered", kernels.block_sparse_fwd_kernel, "fwd", (16, backend.MAX_TILE), (16, 16)),
+        ("dq bs128", kernels.block_sparse_dq_kernel, "dq", (128, backend.MAX_TILE), (128, 128)),
+        ("dkdv bs128", kernels.block_sparse_dkdv_kernel, "dkdv", (128, 128), (128, 128)),
+        ("column fwd", kernels.column_sparse_fwd_kernel, "column fwd", (128, 128), None),
+        ("column dkdv", kernels.column_sparse_dkdv_kernel, "column dkdv", (128, 128), None),
+    ]
+    for label, fn, role, caps, blocks in cases:
+        bm, bn, warps, stages = be._candidates(role, 128, *caps)[0]
+        consts = dict(D=128, BLOCK_D=128, IEEE=False, BLOCK_M=bm, BLOCK_N=bn)
+        if blocks:
+            consts.update(BSQ=blocks[0], BSK=blocks[1])
+        smem, regs, stack = resources(compile_sm90(fn, consts, warps, stages))
+        print(f"{label.replace(' ', '_')} {smem} {regs} {stack}", flush=True)
+
+
+if __name__ == "__main__":
+    backend.INTERPRET = False  # the backend's GPU tile choices, not the interpreter's
+    sys.exit(main())
