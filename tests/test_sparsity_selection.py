@@ -390,19 +390,15 @@ def test_cache_is_batch_aware():
         SparseDCache(num_steps=4, skip=0.5, rho=0.3, block_size=8, refresh_steps=(4,))
 
 
-@pytest.mark.skipif(not hasattr(dlm_ops, "block_sparse_attn"),
-                    reason="dlm_ops.block_sparse_attn is built on another branch (issue #5 item 1)")
 def test_cache_calls_block_sparse_attn():
-    q, k, v = _qkv()
-    cache = SparseDCache(num_steps=2, skip=0.0, rho=0.3, block_size=8, prompt_len=12)
+    q, k, v = _qkv(s=80)  # 5 blocks of 16 (the op's smallest block), prompt ends mid-block
+    cache = SparseDCache(num_steps=2, skip=0.0, rho=0.3, block_size=16, prompt_len=24)
     out = cache.attend(0, 0, q, k, v)
     idx, cnt = cache.patterns[0]
-    torch.testing.assert_close(out, block_sparse_ref(q, k, v, idx, cnt, block_size_q=8, block_size_k=8),
+    torch.testing.assert_close(out, block_sparse_ref(q, k, v, idx, cnt, block_size_q=16, block_size_k=16),
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not hasattr(dlm_ops, "column_sparse_attn"),
-                    reason="dlm_ops.column_sparse_attn is built on another branch (issue #5 item 2)")
 def test_cache_calls_column_sparse_attn():
     q, k, v = _qkv()
     cache = PulseColCache(num_steps=2, skip=0.0, keep=0.4)
@@ -522,7 +518,6 @@ def test_gpu_caches_full_steps_and_selection():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not hasattr(dlm_ops, "block_sparse_attn"), reason="needs dlm_ops.block_sparse_attn")
 def test_gpu_cache_with_block_sparse_attn():
     q, k, v = (t.cuda().to(torch.bfloat16) for t in _qkv(b=2, s=1024, h=8, hkv=2, d=64))
     cache = SparseDCache(num_steps=2, skip=0.0, rho=0.2, block_size=64, prompt_len=300)
