@@ -136,6 +136,18 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def run_meta(**extra) -> dict:
+    """What every result row carries: GPU, torch, triton and the commit. The device machine may
+    get a copy of the tree whose .git is missing or stale: DLM_COMMIT names the commit there."""
+    import triton
+
+    commit = os.environ.get("DLM_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+                commit=commit or "unknown", **extra)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="main", choices=["quick", "main", "sweep", "exact"],
@@ -149,13 +161,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("the benchmarks need a CUDA GPU")
         return 1
-    import triton
-
-    # The device machine gets a copy of the tree without .git: DLM_COMMIT names the commit there.
-    commit = os.environ.get("DLM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=commit or "unknown")
+    meta = run_meta()
     cases, modes = _preset(a.preset), a.modes.split(",")
     table_of = EXACT_CONTENDERS if a.preset == "exact" else CONTENDERS
     refs = ("sdpa cudnn", "sdpa flash") if a.preset == "exact" else (YARDSTICK, "flex BD3")

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from .__main__ import run_meta
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
@@ -225,12 +225,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("the benchmark needs a CUDA GPU")
         return 1
-    import triton
-
-    commit = os.environ.get("DLM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, commit=commit or "unknown", dtype="bfloat16")
+    meta = run_meta(dtype="bfloat16")
     rows = []
     for case in cases(a.preset):
         print(case.label, flush=True)

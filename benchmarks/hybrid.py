@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from .__main__ import run_meta
 import torch.nn.functional as F
 
 TOKENS = 16 * 1024  # training tokens per batch, as in DESIGN.md section 5
@@ -294,12 +294,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("the benchmark needs a CUDA GPU")
         return 1
-    import triton
-
-    commit = os.environ.get("DLM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=commit or "unknown")
+    meta = run_meta()
     torch.manual_seed(0)
     rows = []
     for case in decode_cases(a):

@@ -5,7 +5,6 @@ and ``benchmarks.sparse_quality`` wrote into DIR (default benchmarks/results). N
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path

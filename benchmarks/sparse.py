@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from .__main__ import run_meta
 
 SEQLENS = (16384, 32768, 65536)
 DENSITIES = (0.1, 0.2, 0.3, 0.5)
@@ -252,12 +252,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("the benchmark needs a CUDA GPU")
         return 1
-    import triton
-
-    commit = os.environ.get("DLM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, commit=commit or "unknown")
+    meta = run_meta()
     rows = []
     for s in a.seqlens:
         print(f"S={s}", flush=True)

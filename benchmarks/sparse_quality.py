@@ -23,16 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from .__main__ import run_meta
+
 from dlm_ops.sparsity import ba_att_select, pulsecol_select, sparsed_select
-from dlm_ops.sparsity.pulsecol import keep_count
 from dlm_ops.sparsity.tables import indices_to_block_table, indices_to_column_mask, mask_to_indices
 
 DENSITIES = (0.1, 0.2, 0.3, 0.5)
@@ -300,10 +299,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     seqlen = a.seqlen or (4096 if a.device == "cuda" else 1024)
-    commit = os.environ.get("DLM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = dict(device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
-                torch=torch.__version__, commit=commit or "unknown")
+    meta = run_meta()
+    meta["device"] = meta.pop("gpu") if a.device == "cuda" else "cpu"
     rows = [dict(meta, kind="quality", **r) for r in quality_rows(
         seqlen, a.heads, a.heads, 64, a.block, tuple(range(a.seeds)), a.device)]
     text = (f"{meta['device']}, torch {meta['torch']}, commit {meta['commit']}. Planted structure, "

@@ -6,7 +6,6 @@ geomean of their times), to update ``dlm_ops.backends.triton_backend._configs`` 
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 

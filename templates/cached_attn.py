@@ -28,17 +28,12 @@ so reuse on an unchanged block reproduces the refresh bit for bit by constructio
 import triton
 import triton.language as tl
 
+from .diffusion_attn import _dot
+
 # For the host side; kernels spell the constants out: compiled Triton code may not read
 # non-constexpr globals (the interpreter would not notice).
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:  # fp32 inputs: exact fp32 products instead of Triton's default tf32
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit

@@ -24,12 +24,7 @@ that read the same kv head run side by side and share its K tiles in L2.
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:  # fp32 inputs: exact fp32 products instead of Triton's default tf32
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+from .diffusion_attn import _dot
 
 
 @triton.jit

@@ -24,7 +24,8 @@ import torch
 from . import register
 from .base import GQA, Backend, Capabilities, lse_dtype, new_output
 from .torch_tiled import _group_rows, _ungroup_rows
-from .triton_backend import _IMPORT_ERROR, INTERPRET
+from .triton_backend import (_IMPORT_ERROR, INTERPRET, TRITON_DEVICES, TRITON_DTYPES,
+                             TritonEligibility, _s)
 
 if _IMPORT_ERROR is None:
     import triton
@@ -202,39 +203,20 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _s(t):
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def _contig(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-class TritonCachedBackend(CachedBackend):
+class TritonCachedBackend(TritonEligibility, CachedBackend):
     name = "triton"
-    priority = 10
     capabilities = Capabilities(
-        device_types=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        device_types=TRITON_DEVICES,
+        dtypes=TRITON_DTYPES,
         max_head_dim=256, head_dim_multiple=8, features=frozenset({GQA}))
-    auto_device_types = frozenset({"cuda"})
 
     def __init__(self, splits: int | None = None, min_keys: int | None = None):
         self._splits = splits  # forced by tests; None chooses with num_splits
         self._min_keys = min_keys if min_keys is not None else (16 if INTERPRET else 512)
-
-    def unavailable_reason(self):
-        return _IMPORT_ERROR
-
-    def not_supported_reasons(self, problem):
-        reasons = super().not_supported_reasons(problem)
-        if problem.device_type == "cpu" and not INTERPRET:
-            reasons.append("TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests")
-        if problem.device_type == "cuda" and torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            if (major, minor) < (7, 5) or (problem.dtype == torch.bfloat16 and major < 8):
-                reasons.append(f"compute capability {major}.{minor} is too old for {problem.dtype}")
-        return reasons
 
     @staticmethod
     def _flags(q):

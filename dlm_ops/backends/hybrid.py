@@ -34,7 +34,7 @@ import torch
 
 from . import register
 from .base import GQA, Backend, Capabilities, Problem, new_output
-from .triton_backend import _IMPORT_ERROR, INTERPRET
+from .triton_backend import _IMPORT_ERROR, TRITON_DEVICES, TRITON_DTYPES, TritonEligibility
 
 try:
     import triton
@@ -271,25 +271,21 @@ def decode_dot_bytes(block: int, head_dim: int, features: int) -> int:
     return 4 * max((s + f) * d, f * (s + d), s * (s + d), s * (f + d))
 
 
-class HybridTritonBackend(HybridTorchBackend):
+class HybridTritonBackend(TritonEligibility, HybridTorchBackend):
     name = "triton"
-    priority = 10
     capabilities = Capabilities(
-        device_types=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        device_types=TRITON_DEVICES,
+        dtypes=TRITON_DTYPES,
         max_head_dim=256,
         head_dim_multiple=8,
         features=frozenset({GQA}),
     )
-    auto_device_types = frozenset({"cuda"})
 
     def unavailable_reason(self) -> str | None:
         return _KERNEL_ERROR
 
     def not_supported_reasons(self, problem):
-        reasons = super().not_supported_reasons(problem)
-        if problem.device_type == "cpu" and not INTERPRET:
-            reasons.append("TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests")
+        reasons = super().not_supported_reasons(problem)  # TritonEligibility's, then the family's
         if isinstance(problem, HybridProblem) and problem.block:  # a decode call
             if problem.block > MAX_TRITON_BLOCK:
                 reasons.append(f"active block of {problem.block} tokens > {MAX_TRITON_BLOCK}")

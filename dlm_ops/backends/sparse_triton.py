@@ -10,7 +10,8 @@ import torch
 from . import register
 from .base import GQA, Capabilities, new_output
 from .sparse import MAX_TILE, SparseBackend, scatter_group_sum, transpose_block_index
-from .triton_backend import _IMPORT_ERROR, INTERPRET, OutOfResources
+from .triton_backend import (_IMPORT_ERROR, INTERPRET, TRITON_DEVICES, TRITON_DTYPES, OutOfResources,
+                             TritonEligibility, _last_dim_contiguous)
 
 if _IMPORT_ERROR is None:
     import triton
@@ -30,37 +31,16 @@ def _longest_first(counts: torch.Tensor) -> torch.Tensor:
     return torch.argsort(counts, dim=-1, descending=True, stable=True).to(torch.int32).contiguous()
 
 
-def _contig_last(*ts):
-    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
-
-
-class TritonSparseBackend(SparseBackend):
+class TritonSparseBackend(TritonEligibility, SparseBackend):
     name = "triton"
-    priority = 10
     capabilities = Capabilities(
-        device_types=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        device_types=TRITON_DEVICES,
+        dtypes=TRITON_DTYPES,
         max_head_dim=256, head_dim_multiple=8, features=frozenset({GQA}))
-    auto_device_types = frozenset({"cuda"})
 
     def __init__(self, tile: tuple[int, int] | None = None):
         self._tile = tile  # (BLOCK_M, BLOCK_N) forced by tests; None picks per role and head dim
         self._chosen: dict[tuple, tuple[int, int, int, int]] = {}
-
-    def unavailable_reason(self):
-        return _IMPORT_ERROR
-
-    def not_supported_reasons(self, problem):
-        reasons = super().not_supported_reasons(problem)
-        if problem.device_type == "cpu" and not INTERPRET:
-            reasons.append("TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests")
-        if problem.device_type == "cuda" and torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            if (major, minor) < (7, 5):
-                reasons.append(f"Triton needs compute capability >= 7.5, this GPU has {major}.{minor}")
-            elif problem.dtype == torch.bfloat16 and major < 8:
-                reasons.append(f"bfloat16 needs compute capability >= 8.0, this GPU has {major}.{minor}")
-        return reasons
 
     def _candidates(self, role: str, d: int, bm_cap: int, bn_cap: int):
         """(BLOCK_M, BLOCK_N, warps, stages), best guess first, capped at bm_cap, bn_cap (block
@@ -120,7 +100,7 @@ class TritonSparseBackend(SparseBackend):
     # -- block-sparse ---------------------------------------------------------------------------
 
     def block_fwd(self, q, k, v, idx, counts, bsq, bsk, scale):
-        q, k, v = _contig_last(q, k, v)
+        q, k, v = _last_dim_contiguous(q, k, v)
         idx, counts = idx.contiguous(), counts.contiguous()
         b, sq, h, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
@@ -140,7 +120,7 @@ class TritonSparseBackend(SparseBackend):
         return out, lse
 
     def block_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, bsq, bsk, scale):
-        dout, q, k, v, out = _contig_last(dout, q, k, v, out)
+        dout, q, k, v, out = _last_dim_contiguous(dout, q, k, v, out)
         idx, counts = idx.contiguous(), counts.contiguous()
         b, sq, h, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
@@ -174,7 +154,7 @@ class TritonSparseBackend(SparseBackend):
     # -- column-sparse --------------------------------------------------------------------------
 
     def column_fwd(self, q, k, v, idx, counts, scale):
-        q, k, v = _contig_last(q, k, v)
+        q, k, v = _last_dim_contiguous(q, k, v)
         idx, counts = idx.contiguous(), counts.contiguous()
         b, sq, h, d = q.shape
         m = idx.shape[2]
@@ -192,7 +172,7 @@ class TritonSparseBackend(SparseBackend):
         return out, lse
 
     def column_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, scale):
-        dout, q, k, v, out = _contig_last(dout, q, k, v, out)
+        dout, q, k, v, out = _last_dim_contiguous(dout, q, k, v, out)
         idx, counts = idx.contiguous(), counts.contiguous()
         b, sq, h, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]

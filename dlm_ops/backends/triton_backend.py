@@ -108,20 +108,17 @@ def _s(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-class TritonBackend(DiffusionBackend):
-    name = "triton"
-    priority = 10
-    capabilities = Capabilities(
-        device_types=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        max_head_dim=256,
-        head_dim_multiple=8,
-        features=frozenset({SOFTCAP, GQA, VARLEN, DETERMINISTIC}),
-    )
-    auto_device_types = frozenset({"cuda"})
+TRITON_DEVICES = frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"})
+TRITON_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
-    def __init__(self, configs=None):
-        self._configs = configs  # (fwd, dkdv, dq) forced by tests; None picks per GPU and head dim
+
+class TritonEligibility:
+    """What every Triton backend refuses, whatever its family: CPU tensors unless the interpreter
+    is on (and then only when forced: ``auto_device_types``), GPUs older than sm75, bf16 before
+    sm80. Mixed in before the family's Backend class."""
+
+    priority = 10
+    auto_device_types = frozenset({"cuda"})
 
     def unavailable_reason(self) -> str | None:
         return _IMPORT_ERROR
@@ -137,6 +134,20 @@ class TritonBackend(DiffusionBackend):
             elif problem.dtype == torch.bfloat16 and major < 8:
                 reasons.append(f"bfloat16 needs compute capability >= 8.0, this GPU has {major}.{minor}")
         return reasons
+
+
+class TritonBackend(TritonEligibility, DiffusionBackend):
+    name = "triton"
+    capabilities = Capabilities(
+        device_types=TRITON_DEVICES,
+        dtypes=TRITON_DTYPES,
+        max_head_dim=256,
+        head_dim_multiple=8,
+        features=frozenset({SOFTCAP, GQA, VARLEN, DETERMINISTIC}),
+    )
+
+    def __init__(self, configs=None):
+        self._configs = configs  # (fwd, dkdv, dq) forced by tests; None picks per GPU and head dim
 
     def _run(self, role: str, q: torch.Tensor, seqlen: int, launch) -> None:
         """Call ``launch(config)`` with the config for ``role``: the first candidate that fits this

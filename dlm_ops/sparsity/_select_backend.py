@@ -15,16 +15,15 @@ attention forwards (~0.05 s). benchmarks/sparse_quality.py measures both against
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from ..backends import register, select
 from ..backends.base import GQA, Backend, Capabilities, Problem, new_output
+from ..backends.triton_backend import TRITON_DEVICES, TRITON_DTYPES, TritonEligibility
 from ._pooling import pooled_mass
 
 FAMILY = "sparse_select"
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # A feature a call needs when its selection blocks are not powers of two in [16, 128]: the
 # kernel makes one selection block one tile (tl.dot needs >= 16 and power-of-two shapes, and
 # 128 x 128 fp32 tiles are the most a program holds in registers).
@@ -63,23 +62,13 @@ class TorchSelectBackend(SelectBackend):
         return pooled_mass(q, k, block_q, block_k, scale, split, chunk_q, chunk_k)
 
 
-class TritonSelectBackend(SelectBackend):
+class TritonSelectBackend(TritonEligibility, SelectBackend):
     name = "triton"
-    priority = 10
-    capabilities = Capabilities(
-        device_types=frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        max_head_dim=256, head_dim_multiple=8, features=frozenset({GQA}))
-    auto_device_types = frozenset({"cuda"})
+    capabilities = Capabilities(device_types=TRITON_DEVICES, dtypes=TRITON_DTYPES, max_head_dim=256,
+                                head_dim_multiple=8, features=frozenset({GQA}))
 
     def unavailable_reason(self):
         return _IMPORT_ERROR
-
-    def not_supported_reasons(self, problem):
-        reasons = super().not_supported_reasons(problem)
-        if problem.device_type == "cpu" and not INTERPRET:
-            reasons.append("TRITON_INTERPRET=1 runs the kernel on CPU, slowly, for tests")
-        return reasons
 
     def block_mass(self, q, k, block_q, block_k, split, scale, chunk_q, chunk_k):
         b, sq, h, d = q.shape
