@@ -148,6 +148,17 @@ def run_meta(**extra) -> dict:
                 commit=commit or "unknown", **extra)
 
 
+def write_results(folder, tag: str, rows: list[dict], meta: dict, what: str, table: str) -> None:
+    """``tag``.json (the rows) and ``tag``.md (a header line naming the machine, then ``what``,
+    then the table) into ``folder``; the table is printed last."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{tag}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{tag}.md").write_text(f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
+                                   f"commit {meta['commit']}; {what}\n\n{table}\n")
+    print("\n" + table)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="main", choices=["quick", "main", "sweep", "exact"],

@@ -29,15 +29,13 @@ at L in {1K, 4K, 8K} (128 x 64K would hold 34 GB of K/V and 137 GB expanded), ea
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from .__main__ import run_meta
+from .__main__ import run_meta, write_results
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
@@ -235,15 +233,10 @@ def main(argv=None) -> int:
         except torch.cuda.OutOfMemoryError as e:
             print(f"  skipped: {e}", flush=True)
         torch.cuda.empty_cache()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.tag}.json").write_text(json.dumps(rows, indent=1))
-    table = markdown(rows)
-    (out / f"{a.tag}.md").write_text(
-        f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}; "
-        f"bf16, H={HEADS}, Hkv={KV_HEADS}, D={HEAD_DIM}; median of {a.rounds} interleaved rounds "
-        f"of {a.iters} calls; microseconds per call (graph: CUDA-graph replays).\n\n{table}\n")
-    print("\n" + table)
+    write_results(a.out, a.tag, rows, meta,
+                  f"bf16, H={HEADS}, Hkv={KV_HEADS}, D={HEAD_DIM}; median of {a.rounds} interleaved "
+                  f"rounds of {a.iters} calls; microseconds per call (graph: CUDA-graph replays).",
+                  markdown(rows))
     return 0
 
 

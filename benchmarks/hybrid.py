@@ -20,15 +20,13 @@ the report is medians and ratios (SDPA ms / hybrid ms: > 1 means hybrid is faste
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from .__main__ import run_meta
+from .__main__ import run_meta, write_results
 import torch.nn.functional as F
 
 TOKENS = 16 * 1024  # training tokens per batch, as in DESIGN.md section 5
@@ -311,16 +309,10 @@ def main(argv=None) -> int:
             continue
         rows += [dict(meta, **r) for r in train_rows(case, ms)]
         torch.cuda.empty_cache()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.tag}.json").write_text(json.dumps(rows, indent=1))
-    table = markdown(rows)
-    (out / f"{a.tag}.md").write_text(
-        f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}; "
-        f"bf16; median of {a.rounds} interleaved rounds; hybrid step = attn + update / "
-        f"{a.steps_per_block} steps per block; ratios are SDPA ms / hybrid ms (> 1: hybrid "
-        f"faster).\n\n{table}\n")
-    print("\n" + table)
+    write_results(a.out, a.tag, rows, meta,
+                  f"bf16; median of {a.rounds} interleaved rounds; hybrid step = attn + update / "
+                  f"{a.steps_per_block} steps per block; ratios are SDPA ms / hybrid ms (> 1: hybrid "
+                  f"faster).", markdown(rows))
     return 0
 
 

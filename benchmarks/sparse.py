@@ -19,15 +19,13 @@ of medians measured in the same process. Prints the markdown table last.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from .__main__ import run_meta
+from .__main__ import run_meta, write_results
 
 SEQLENS = (16384, 32768, 65536)
 DENSITIES = (0.1, 0.2, 0.3, 0.5)
@@ -260,15 +258,9 @@ def main(argv=None) -> int:
         rows += [dict(meta, **r) for r in bench_seqlen(s, a.densities, a.rounds, a.block_size,
                                                        not a.no_flex)]
         torch.cuda.empty_cache()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.tag}.json").write_text(json.dumps(rows, indent=1))
-    table = markdown(rows)
-    (out / f"{a.tag}.md").write_text(
-        f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}; "
-        f"bf16, B=1, H=32, Hkv=8, D=128, selection blocks {a.block_size}; forward; median of "
-        f"{a.rounds} interleaved rounds of 3 calls.\n\n{table}\n")
-    print("\n" + table)
+    write_results(a.out, a.tag, rows, meta,
+                  f"bf16, B=1, H=32, Hkv=8, D=128, selection blocks {a.block_size}; forward; median "
+                  f"of {a.rounds} interleaved rounds of 3 calls.", markdown(rows))
     return 0
 
 
