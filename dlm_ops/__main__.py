@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import dlm_ops
-from dlm_ops.backends import report, select
+from dlm_ops.backends import REGISTRIES, report, select
+from dlm_ops.backends.base import Problem
+from dlm_ops.errors import UnsupportedConfig
 from dlm_ops.ops.diffusion import _problem
 from dlm_ops.reference import block_diffusion_mask, diffusion_attn_ref
 
@@ -76,6 +78,14 @@ def main(argv=None) -> int:
             for _ in range(2))
     problem = _problem(q, k, softcap=0.0, deterministic=False, varlen=False)
     print(f"backends for {a.dtype} head_dim {a.head_dim} on {device.type}:\n{report(problem)}")
+    # The other op families dispatch through their own tables; which backend each would take.
+    chosen = []
+    for family in sorted(set(REGISTRIES) - {"diffusion"}):
+        try:
+            chosen.append(f"{family}: {select(Problem(device.type, dtype, a.head_dim), family=family).name}")
+        except UnsupportedConfig as e:
+            chosen.append(f"{family}: none ({e})")
+    print("other op families: " + ", ".join(chosen))
     rewrite = "on" if dlm_ops.compile.is_enabled() else "off"
     print(f"torch.compile flex_attention rewrite: {rewrite} (DLM_OPS_REWRITE_FLEX=0 turns it off)")
     backend = select(problem, a.backend).name
