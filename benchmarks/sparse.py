@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .__main__ import run_meta, write_results
+from .__main__ import _time_once, run_meta, write_results
 
 SEQLENS = (16384, 32768, 65536)
 DENSITIES = (0.1, 0.2, 0.3, 0.5)
@@ -129,16 +129,6 @@ def make_dense(case: SparseCase, q, k, v):
     return run
 
 
-def _time_once(fn, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def check_accuracy(case: SparseCase, out_ours, out_flex, q, k, v, idx, counts) -> dict:
     """Max abs difference of ours and flex against the fp32 torch backend on the first 1024
     queries of head group 0 (small enough to run at 64K)."""
@@ -188,12 +178,12 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
         meta[d] = check_accuracy(case, fns[("dlm_ops", d)](), out_flex, q, k, v, idx, counts)
         check = lambda: dlm_ops.block_sparse_attn(q, k, v, idx, counts, block_size_q=block_size,
                                                   block_size_k=block_size, check_indices=True)
-        meta[d]["check_ms"] = statistics.median(_time_once(check, 1) for _ in range(3)) - \
-            statistics.median(_time_once(fns[("dlm_ops", d)], 1) for _ in range(3))
+        meta[d]["check_ms"] = statistics.median(_time_once(None, check, 1) for _ in range(3)) - \
+            statistics.median(_time_once(None, fns[("dlm_ops", d)], 1) for _ in range(3))
     times = {key: [] for key in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
-            times[key].append(_time_once(fn, 3))
+            times[key].append(_time_once(None, fn, 3))
     dense_ms = statistics.median(times[("dense cudnn", None)])
     rows = [dict(asdict(base), density=1.0, contender="dense cudnn", ms=dense_ms, ratio=1.0,
                  ratio_over_density=1.0)]
