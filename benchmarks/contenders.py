@@ -77,26 +77,6 @@ def ours(case: Case, backend: str | None = None):
                                                               backend=backend), (q, k, v))
 
 
-def ours_portable(case: Case):
-    """Our op with the sm90 warp-specialized forward switched off (DLM_OPS_SM90_WS=0 for one
-    call): the portable Triton forward, timed beside the default in the same process. Identical
-    to "dlm_ops" on GPUs other than sm90."""
-    from dlm_ops.backends import triton_backend as tb
-
-    modes = ours(case)
-
-    def portable(fn):
-        def run():
-            prev, tb.SM90_WS = tb.SM90_WS, False
-            try:
-                return fn()
-            finally:
-                tb.SM90_WS = prev
-        return run if fn else None
-
-    return {m: (portable(setup), portable(fn)) for m, (setup, fn) in modes.items()}
-
-
 def causal_halves(case: Case, sdp_backend: SDPBackend):
     """SDPA causal over the 2B halves of n tokens (GQA expanded up front, not timed)."""
     shape = (2 * case.batch, case.heads, case.n, case.head_dim)
@@ -212,7 +192,6 @@ EXACT_CONTENDERS = {
 
 CONTENDERS = {
     "dlm_ops": ours,
-    "dlm_ops portable": ours_portable,
     "cudnn causal halves": lambda c: causal_halves(c, SDPBackend.CUDNN_ATTENTION),
     "flash causal halves": lambda c: causal_halves(c, SDPBackend.FLASH_ATTENTION),
     "flex BD3": flex,

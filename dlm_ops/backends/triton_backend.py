@@ -29,12 +29,6 @@ try:
     from ..templates import diffusion_attn as kernels
 
     _IMPORT_ERROR = None
-    try:  # the sm90 warp-specialized forward: TMA descriptors and Hopper warp specialization
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        from ..templates import diffusion_attn_ws as ws_kernels
-    except Exception:  # older triton: the portable kernel serves sm90 too
-        TensorDescriptor = ws_kernels = None
 except Exception as e:  # triton missing or broken: the backend reports why and stays out of the way
     triton = kernels = None
     OutOfResources = RuntimeError  # never raised: the backend reports itself unavailable
@@ -67,18 +61,9 @@ _CANDIDATES = {
     ("dq", 64): [_T(64, 32, 4, 3), _T(64, 64, 4, 2), _T(64, 32, 4, 2)],
     ("dq", 128): [_T(128, 32, 4, 3), _T(128, 64, 8, 3), _T(64, 32, 4, 3), _T(64, 32, 4, 2)],
     ("dq", 256): [_T(128, 32, 8, 2), _T(64, 32, 4, 3), _T(64, 32, 4, 2)],
-    # sm90 warp-specialized forward (templates/diffusion_attn_ws.py): 128 query rows, split by the
-    # compiler between two consumer warpgroups of 4 warps each; num_warps is one warpgroup's.
-    # 128x128 at D=128 spills (88 B of stack, compiled for sm90), D=256 spills at any BLOCK_N.
-    ("fwd_ws", 64): [_T(128, 128, 4, 3), _T(128, 64, 4, 3)],
-    ("fwd_ws", 128): [_T(128, 64, 4, 3), _T(128, 64, 4, 2)],
 }
 ROLES = ("fwd", "dkdv", "dq")
 AUTOTUNE = os.environ.get("DLM_OPS_AUTOTUNE") == "1"
-# DLM_OPS_SM90_WS=0 keeps sm90 on the portable forward (A/B timing, or a Triton that miscompiles).
-SM90_WS = os.environ.get("DLM_OPS_SM90_WS", "1") != "0"
-_WS_FAILED: set = set()  # (head_dim, dtype, device) whose warp-specialized compile failed
-STATS = {"fwd_ws": 0}  # warp-specialized forward launches (tests check the path ran)
 
 
 def candidates(role: str, head_dim: int) -> list[TileConfig]:
@@ -87,7 +72,7 @@ def candidates(role: str, head_dim: int) -> list[TileConfig]:
         return [_T(32, 32)]
     dims = sorted(d for r, d in _CANDIDATES if r == role)
     d = next((x for x in dims if head_dim <= x), dims[-1])
-    return _CANDIDATES[(role, d)] + ([] if role == "fwd_ws" else _SMALL)
+    return _CANDIDATES[(role, d)] + _SMALL
 
 
 _CHOSEN: dict[tuple, TileConfig] = {}  # (role, head_dim, dtype, device[, shape class]) -> config
@@ -168,7 +153,7 @@ class TritonBackend(TritonEligibility, DiffusionBackend):
         """Call ``launch(config)`` with the config for ``role``: the first candidate that fits this
         GPU (remembered), or with DLM_OPS_AUTOTUNE=1 the fastest per power-of-two seqlen class."""
         if self._configs:
-            return launch(self._configs[ROLES.index(role)])  # never "fwd_ws": see _ws_eligible
+            return launch(self._configs[ROLES.index(role)])
         d = q.shape[-1]
         key = (role, d, q.dtype, str(q.device)) + ((triton.next_power_of_2(seqlen),) if AUTOTUNE else ())
         if key in _CHOSEN:
@@ -196,53 +181,6 @@ class TritonBackend(TritonEligibility, DiffusionBackend):
         return dict(D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), SOFTCAP=softcap > 0,
                     IEEE=q.dtype == torch.float32)
 
-    def _ws_eligible(self, q, k, v) -> bool:
-        """The sm90 warp-specialized forward takes this call: Hopper, fp16/bf16, head dim 64 or
-        128, and q, k, v viewable as 2D (B*S, H*D) TMA tensors (16-byte aligned rows)."""
-        if not (SM90_WS and ws_kernels is not None and self._configs is None and not INTERPRET):
-            return False
-        if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-            return False
-        d = q.shape[-1]
-        if q.dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128):
-            return False
-        if (d, q.dtype, str(q.device)) in _WS_FAILED:
-            return False
-        return all(t.stride(3) == 1 and t.stride(2) == d and t.stride(0) == t.shape[1] * t.stride(1)
-                   and (t.stride(1) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-                   for t in (q, k, v))
-
-    def _fwd_ws(self, q, k, v, out, lse, masks, scale, softcap, bs) -> bool:
-        """Launch the warp-specialized forward; False (and never again for this head dim, dtype
-        and device) if Triton cannot compile it here, so the portable kernel takes over."""
-        b, s, h, d = q.shape
-        hkv, sk = k.shape[2], k.shape[1]
-
-        def desc(t, rows, block):
-            return TensorDescriptor(t, [t.shape[0] * rows, t.shape[2] * d], [t.stride(1), 1], [block, d])
-
-        def launch(cfg):
-            tiles, visits = tile_tables(masks, cfg.block_m, cfg.block_n, False, str(q.device))
-            if len(tiles) and b * h:
-                ws_kernels.diffusion_fwd_ws_kernel[(b * h, len(tiles))](
-                    desc(q, s, cfg.block_m), desc(k, sk, cfg.block_n), desc(v, sk, cfg.block_n),
-                    out, lse, tiles, visits, *_s(out), lse.stride(0), lse.stride(1),
-                    s, h, h // hkv, bs, scale, softcap, D=d, BLOCK_M=cfg.block_m,
-                    BLOCK_N=cfg.block_n, SOFTCAP=softcap > 0, num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages)
-
-        try:
-            self._run("fwd_ws", q, s, launch)
-        except (OutOfResources, UnsupportedConfig, RuntimeError) as e:  # compile failures
-            import warnings
-
-            warnings.warn(f"dlm_ops: the sm90 warp-specialized forward did not compile here "
-                          f"({type(e).__name__}: {str(e)[:200]}); using the portable kernel")
-            _WS_FAILED.add((d, q.dtype, str(q.device)))
-            return False
-        STATS["fwd_ws"] += 1
-        return True
-
     def _fwd(self, q, k, v, masks, scale, softcap, out=None):
         """``out``: a preallocated (B, S, H, D) view to write (any strides, last dim contiguous)."""
         q, k, v = _last_dim_contiguous(q, k, v)
@@ -251,8 +189,6 @@ class TritonBackend(TritonEligibility, DiffusionBackend):
         out = new_output(q, (b, s, h, d)) if out is None else out
         lse = new_output(q, (b, h, s), torch.float32)
         bs = masks[0][1].block_size if masks else 1
-        if self._ws_eligible(q, k, v) and self._fwd_ws(q, k, v, out, lse, masks, scale, softcap, bs):
-            return out, lse
 
         def launch(cfg):
             tiles, visits = tile_tables(masks, cfg.block_m, cfg.block_n, False, str(q.device))
