@@ -100,11 +100,17 @@ def _check_seqlens(cache_seqlens, q):
 
 
 def _check_seqlen_values(cache_seqlens, smax):
-    """Values in [0, Smax]: a host read (one sync), so the public functions do it eagerly only;
-    the kernels clamp to [0, Smax] anyway, so a bad value can never read out of bounds."""
+    """Values in [0, Smax]. On CPU a plain check. On a GPU reading them on the host would cost a
+    sync per decode step (measured on the H200 at B=1: 450 vs 310 us per eager call), so there the
+    check is a device-side assert queued on the stream (``torch._assert_async``): a bad value
+    stops the program at the next sync instead of raising here. The kernels clamp to [0, Smax]
+    either way, so a bad value can never read out of bounds."""
     if cache_seqlens is None or cache_seqlens.numel() == 0 or torch.compiler.is_compiling():
         return
-    if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+    if cache_seqlens.is_cuda:
+        if not torch.cuda.is_current_stream_capturing():
+            torch._assert_async(((cache_seqlens >= 0) & (cache_seqlens <= smax)).all(),
+                                f"cache_seqlens must lie in [0, k_cache.shape[1]] = [0, {smax}]")
         return
     lo, hi = (int(x) for x in torch.aminmax(cache_seqlens))
     if lo < 0 or hi > smax:
