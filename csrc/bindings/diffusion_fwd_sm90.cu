@@ -1,0 +1,76 @@
+// torch binding of the sm90 block-diffusion forward (csrc/hopper/diffusion_fwd.cuh), JIT-built by
+// dlm_ops.backends.cutlass_diffusion. The checks here are the kernel's own preconditions; the
+// Python backend declines every call that would fail them, so a failure here is a bug.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "hopper/diffusion_fwd.cuh"
+
+namespace {
+
+using dlm::sm90::kFwdBlockM;
+using dlm::sm90::kFwdBlockN;
+
+// Query tiles of the forward, most expensive first (the CTA schedule), as a CPU int32 tensor.
+torch::Tensor tile_order(int64_t n_noisy, int64_t n_clean, int64_t block_size) {
+  const dlm::SequenceMask mask{static_cast<int>(n_noisy), static_cast<int>(n_clean),
+                               static_cast<int>(block_size)};
+  const dlm::TilePlans plans = mask.fwd_tiles(kFwdBlockM, kFwdBlockN);
+  const int count = plans.count();
+  std::vector<int64_t> area(count);
+  for (int t = 0; t < count; ++t) area[t] = plans.area(t);
+  auto order = torch::empty({count}, torch::dtype(torch::kInt32));
+  dlm::most_expensive_first(area.data(), count, order.data_ptr<int32_t>());
+  return order;
+}
+
+void strides3(const torch::Tensor& t, int64_t* out) {
+  for (int i = 0; i < 3; ++i) out[i] = t.stride(i);
+}
+
+// Writes out (B, S, H, D) and lse (B, H, S) fp32; q (B, S, H, D), k/v (B, S, Hkv, D).
+void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
+         torch::Tensor order, int64_t block_size, double scale) {
+  TORCH_CHECK(q.is_cuda() && k.device() == q.device() && v.device() == q.device() &&
+                  out.device() == q.device() && lse.device() == q.device() &&
+                  order.device() == q.device(), "all tensors on one CUDA device");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  out.scalar_type() == q.scalar_type() && lse.scalar_type() == torch::kFloat32 &&
+                  order.scalar_type() == torch::kInt32, "dtypes");
+  TORCH_CHECK(q.size(1) % (2 * kFwdBlockM) == 0, "seqlen must be a multiple of ", 2 * kFwdBlockM);
+  for (const auto& t : {q, k, v, out}) TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "layout");
+  TORCH_CHECK(lse.dim() == 3 && lse.stride(2) == 1, "lse layout");
+  const c10::cuda::CUDAGuard guard(q.device());
+  dlm::sm90::FwdArgs a{};
+  a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr(), a.o = out.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  strides3(q, a.q_stride), strides3(k, a.k_stride), strides3(v, a.v_stride), strides3(out, a.o_stride);
+  a.lse_stride[0] = lse.stride(0), a.lse_stride[1] = lse.stride(1);
+  a.batch = q.size(0), a.seqlen = q.size(1), a.heads = q.size(2), a.kv_heads = k.size(2);
+  a.block_size = static_cast<int>(block_size), a.scale = static_cast<float>(scale);
+  a.tile_order = order.data_ptr<int32_t>(), a.num_tiles = order.size(0);
+  a.stream = c10::cuda::getCurrentCUDAStream();
+  if (a.batch * a.heads == 0 || a.num_tiles == 0) return;
+  const int d = q.size(3);
+  const bool bf16 = q.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || q.scalar_type() == torch::kHalf, "bf16 or fp16");
+  TORCH_CHECK(d == 64 || d == 128, "head dim 64 or 128, got ", d);
+  cudaError_t err;
+  if (d == 128)
+    err = bf16 ? dlm::sm90::launch_fwd<cutlass::bfloat16_t, 128>(a)
+               : dlm::sm90::launch_fwd<cutlass::half_t, 128>(a);
+  else
+    err = bf16 ? dlm::sm90::launch_fwd<cutlass::bfloat16_t, 64>(a)
+               : dlm::sm90::launch_fwd<cutlass::half_t, 64>(a);
+  C10_CUDA_CHECK(err);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("tile_order", &tile_order);
+  m.def("fwd", &fwd);
+}

@@ -1,0 +1,373 @@
+// Block-diffusion attention forward for Hopper (sm_90a), written with CuTe from the nvidia-cutlass
+// wheel: TMA loads, wgmma, one producer warpgroup and two consumer warpgroups.
+//
+// Shape of the work. One CTA owns one query tile of BM = 128 rows of one (batch, head) and walks the
+// key tiles it sees (dlm/geometry.h: at most two runs of consecutive tiles; FULL tiles run without
+// the element mask, PARTIAL ones take it). Warpgroup 0 is the producer: one thread issues the TMA
+// copies of Q once and of K and V per visited tile into a ring of STAGES buffers, each guarded by a
+// "full" mbarrier (TMA transaction bytes) and an "empty" one (the consumers' release). Warpgroups 1
+// and 2 are consumers, each owning 64 of the 128 rows: S = Q K^T (wgmma from shared memory), the
+// online softmax in registers, O += P V (wgmma with P from registers, V^T read MN-major from shared
+// memory). The two consumers run independently, so one's softmax overlaps the other's matmuls; the
+// producer gives most of its registers to them (setmaxnreg 24 / 240).
+//
+// What this first version leaves to the Triton kernel (the dispatcher checks): n must be a multiple
+// of 128 (every tile starts on a tile boundary, so TMA addresses whole tiles), batched layout only
+// (no varlen), head dim 128, bf16/fp16, no softcap. Tiles that run past a half's end are masked by
+// column, so the next half's rows they load get probability 0.
+//
+// Notation as in templates/diffusion_attn.py: logits in base 2 (s2 = q.k * scale * log2 e), lse
+// stored in natural log, (B, H, S) fp32.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+#include <cmath>
+
+#include "dlm/geometry.h"
+
+namespace dlm::sm90 {
+
+using namespace cute;
+
+template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2>
+struct FwdConfig {
+  using Elem = Elem_;
+  static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
+  static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
+  static constexpr int kConsumers = BM / kConsumerRows;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static_assert(kConsumers == 2, "the register split below assumes two consumer warpgroups");
+
+  // 128-byte swizzled, K-major (head dim contiguous), the layout TMA writes and wgmma reads.
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                             Shape<Int<BM>, Int<D>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                              Shape<Int<BN>, Int<D>, Int<STAGES>>{}));
+  // V^T as the B operand of O = P V: (D, BN, STAGES) over the same bytes, D contiguous (MN-major).
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<D>, Int<BN>, Int<STAGES>>{}, Step<_2, _1, _3>{})));
+
+  using MmaS = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<BN>, Int<D>>>()));
+  using MmaO = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<D>, Int<BN>>,
+                                 GMMA::Major::K, GMMA::Major::MN>()));
+
+  struct SharedStorage {
+    alignas(1024) Elem q[cosize_v<SmemLayoutQ>];
+    alignas(1024) Elem k[cosize_v<SmemLayoutKV>];
+    alignas(1024) Elem v[cosize_v<SmemLayoutKV>];
+    alignas(8) uint64_t q_full;
+    uint64_t k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
+  };
+  static constexpr int kTileBytesQ = BM * D * sizeof(Elem);
+  static constexpr int kTileBytesKV = BN * D * sizeof(Elem);
+};
+
+// A (seqlen, D, heads, batch) view of a (B, S, H, D) tensor, the shape TMA descriptors are made of.
+template <class Elem>
+CUTE_HOST_DEVICE auto bshd_tensor(Elem const* ptr, int seqlen, int d, int heads, int batch,
+                                  int64_t stride_s, int64_t stride_h, int64_t stride_b) {
+  return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, d, heads, batch),
+                     make_stride(stride_s, _1{}, stride_h, stride_b));
+}
+
+template <class Cfg>
+auto make_tma_q(typename Cfg::Elem const* p, int s, int h, int b, int64_t ss, int64_t sh, int64_t sb) {
+  return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor(p, s, Cfg::D, h, b, ss, sh, sb),
+                       typename Cfg::SmemLayoutQ{});
+}
+
+template <class Cfg>
+auto make_tma_kv(typename Cfg::Elem const* p, int s, int h, int b, int64_t ss, int64_t sh, int64_t sb) {
+  return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor(p, s, Cfg::D, h, b, ss, sh, sb),
+                       take<0, 2>(typename Cfg::SmemLayoutKV{}));
+}
+
+template <class Cfg>
+struct FwdParams {
+  using TmaQ = decltype(make_tma_q<Cfg>(nullptr, 1, 1, 1, 1, 1, 1));
+  using TmaKV = decltype(make_tma_kv<Cfg>(nullptr, 1, 1, 1, 1, 1, 1));
+  TmaQ tma_q;
+  TmaKV tma_k, tma_v;
+  typename Cfg::Elem* o;
+  float* lse;
+  int64_t o_stride_s, o_stride_h, o_stride_b, lse_stride_h, lse_stride_b;
+  int seqlen, heads, kv_heads, batch;
+  SequenceMask mask;
+  float scale_log2;           // softmax scale * log2(e)
+  const int32_t* tile_order;  // query tiles, most expensive first (geometry most_expensive_first)
+};
+
+// The accumulator of a 64 x N wgmma holds, per thread, values (c, r, v) at column 2*(lane%4) + c +
+// 8*v and row 16*warp + lane/4 + 8*r. Viewed as (rows, columns) for the row-wise softmax:
+template <class Layout>
+CUTE_DEVICE auto acc_rowcol(Layout l) {  // ((2, 2, V), M, N) -> ((2, M), (2, V, N))
+  static_assert(rank_v<decltype(get<0>(l))> == 3);
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// ... and the same registers as the A operand of the next wgmma (K = 16 per instruction): column
+// blocks 2j and 2j+1 of 8 form k-block j, so the scores become P without moving between threads.
+template <class Layout>
+CUTE_DEVICE auto acc_as_operand_a(Layout l) {  // ((2, 2, V), M, N) -> ((2, 2, 2), M, (V / 2, N))
+  auto v = logical_divide(get<0>(l), Shape<_2, _2, _2>{});  // ((2, 1), (2, 1), (2, V / 2))
+  return make_layout(make_layout(get<0, 0>(v), get<1, 0>(v), get<2, 0>(v)), get<1>(l),
+                     make_layout(get<2, 1>(v), get<2>(l)));
+}
+
+// Max / sum over the 4 threads of a quad, which together hold a row.
+CUTE_DEVICE float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+CUTE_DEVICE float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    diffusion_fwd_kernel(__grid_constant__ const FwdParams<Cfg> p) {
+  using Elem = typename Cfg::Elem;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutVt{});
+
+  const int bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads;
+  const int kvh = h / (p.heads / p.kv_heads);
+  const TilePlans plans = p.mask.fwd_tiles(BM, BN);
+  const int qt = p.tile_order[blockIdx.y];
+  const Interval q_tile = plans.tile(qt);
+  const TileRuns runs = plans.runs(qt);
+  const int warp_group = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    Barrier::init(&ss.q_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      Barrier::init(&ss.k_full[s], 1);
+      Barrier::init(&ss.v_full[s], 1);
+      Barrier::init(&ss.k_empty[s], 128 * Cfg::kConsumers);
+      Barrier::init(&ss.v_empty[s], 128 * Cfg::kConsumers);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp_group == 0) {  // ---------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (threadIdx.x == 0) {
+      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
+      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(q_tile.lo / BM, 0));
+      auto tma_q = p.tma_q.get_slice(0);
+      TxBarrier::arrive_and_expect_tx(&ss.q_full, Cfg::kTileBytesQ);
+      copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
+
+      Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
+      Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
+      Tensor gK = local_tile(mK(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0));
+      Tensor gV = local_tile(mV(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0));
+      auto tma_k = p.tma_k.get_slice(0);
+      auto tma_v = p.tma_v.get_slice(0);
+      Tensor tKgK = tma_k.partition_S(gK);  // (TMA, 1, 1, key tiles)
+      Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
+      Tensor tVgV = tma_v.partition_S(gV);
+      Tensor tVsV = tma_v.partition_D(sV);
+      int it = 0;
+      for (int r = 0; r < 2; ++r) {
+        for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
+          const int stage = it % STAGES, phase = (it / STAGES) & 1;
+          const int col_tile = plans.other.tile(kt).lo / BN;
+          Barrier::wait(&ss.k_empty[stage], phase ^ 1);
+          TxBarrier::arrive_and_expect_tx(&ss.k_full[stage], Cfg::kTileBytesKV);
+          copy(p.tma_k.with(ss.k_full[stage]), tKgK(_, _, _, col_tile), tKsK(_, _, _, stage));
+          Barrier::wait(&ss.v_empty[stage], phase ^ 1);
+          TxBarrier::arrive_and_expect_tx(&ss.v_full[stage], Cfg::kTileBytesKV);
+          copy(p.tma_v.with(ss.v_full[stage]), tVgV(_, _, _, col_tile), tVsV(_, _, _, stage));
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int consumer = warp_group - 1, tid = threadIdx.x % 128;
+  const int row_base = q_tile.lo + consumer * Cfg::kConsumerRows;  // this warpgroup's first row
+  typename Cfg::MmaS mma_s;
+  typename Cfg::MmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+  Tensor sQc = local_tile(sQ, Shape<Int<Cfg::kConsumerRows>, Int<D>>{}, make_coord(consumer, 0));
+  Tensor tSrQ = thr_s.partition_fragment_A(sQc);  // smem descriptors
+  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, N, K, STAGES)
+  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, N=D, K=BN, STAGES)
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<Cfg::kConsumerRows>, Int<D>>{});
+  clear(acc_o);
+  // (row, column) of every score this thread holds, relative to (row_base, tile start).
+  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<BN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  constexpr int kRows = 2;  // rows per thread (r = 0, 1: lane/4 and lane/4 + 8)
+  float row_max[kRows], row_sum[kRows];
+  Intervals seen[kRows];
+  for (int i = 0; i < kRows; ++i) {
+    row_max[i] = -INFINITY;
+    row_sum[i] = 0.f;
+    seen[i] = p.mask.row_intervals(row_base + get<0>(tScS_rc(i, 0)));
+  }
+  Barrier::wait(&ss.q_full, 0);
+
+  int it = 0;
+  for (int r = 0; r < 2; ++r) {
+    for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
+      const int stage = it % STAGES, phase = (it / STAGES) & 1;
+      const Visit visit = plans.visit(qt, kt);
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<Cfg::kConsumerRows>, Int<BN>>{});
+      Barrier::wait(&ss.k_full[stage], phase);
+      warpgroup_fence_operand(acc_s);
+      warpgroup_arrive();
+      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
+        mma_s.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+      Barrier::arrive(&ss.k_empty[stage]);
+
+      // Online softmax over this tile's columns, in base 2.
+      Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
+      const bool masked = !visit.full || visit.end - visit.start < BN;
+      float scale_row[kRows];
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        float mx = row_max[i];
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          float x = s(i, j) * p.scale_log2;
+          if (masked) {
+            const int col = visit.start + get<1>(tScS_rc(i, j));
+            if (col >= visit.end || !seen[i].contains(col)) x = -INFINITY;
+          }
+          s(i, j) = x;
+          mx = fmaxf(mx, x);
+        }
+        mx = quad_max(mx);
+        const float m_use = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet
+        scale_row[i] = exp2f(row_max[i] - m_use);
+        row_max[i] = mx;
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          s(i, j) = exp2f(s(i, j) - m_use);
+          sum += s(i, j);
+        }
+        row_sum[i] = row_sum[i] * scale_row[i] + sum;  // quad-partial; reduced at the end
+      }
+      Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i)
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(o_rc); ++j) o_rc(i, j) *= scale_row[i];
+
+      Tensor p_elem = make_fragment_like<Elem>(acc_s);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
+      Tensor tOrP = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
+
+      Barrier::wait(&ss.v_full[stage], phase);
+      warpgroup_fence_operand(acc_o);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, stage), acc_o);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      Barrier::arrive(&ss.v_empty[stage]);
+    }
+  }
+
+  // Epilogue: O = acc / l straight from registers, lse = (m + log2 l) * ln 2.
+  Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<D>>{}));
+  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  Elem* o_head = p.o + b * p.o_stride_b + h * p.o_stride_h;
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    const float l = quad_sum(row_sum[i]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int row = row_base + get<0>(tOcO_rc(i, 0));
+    if (row < q_tile.hi) {
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(o_rc); ++j)
+        o_head[row * p.o_stride_s + get<1>(tOcO_rc(i, j))] = Elem(o_rc(i, j) * inv);
+      if (tid % 4 == 0)
+        p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row] =
+            l > 0.f ? (row_max[i] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------- launch
+// Plain arguments (no torch): each (dtype, head dim) instantiation lives in its own translation
+// unit (csrc/hopper/diffusion_fwd_*.cu) so that ninja builds them in parallel; the torch binding
+// (csrc/bindings/diffusion_fwd_sm90.cu) only fills FwdArgs.
+struct FwdArgs {
+  const void *q, *k, *v;
+  void* o;
+  float* lse;
+  int64_t q_stride[3], k_stride[3], v_stride[3], o_stride[3];  // (batch, seq, head), elements
+  int64_t lse_stride[2];                                       // (batch, head)
+  int batch, seqlen, heads, kv_heads, block_size;
+  float scale;
+  const int32_t* tile_order;
+  int num_tiles;
+  cudaStream_t stream;
+};
+
+constexpr int kFwdBlockM = 128, kFwdBlockN = 128, kFwdStages = 2;
+
+template <class Elem, int D>
+cudaError_t launch_fwd(const FwdArgs& a) {
+  using Cfg = FwdConfig<Elem, D, kFwdBlockM, kFwdBlockN, kFwdStages>;
+  auto ptr = [](const void* x) { return static_cast<const Elem*>(x); };
+  const FwdParams<Cfg> p{
+      make_tma_q<Cfg>(ptr(a.q), a.seqlen, a.heads, a.batch, a.q_stride[1], a.q_stride[2], a.q_stride[0]),
+      make_tma_kv<Cfg>(ptr(a.k), a.seqlen, a.kv_heads, a.batch, a.k_stride[1], a.k_stride[2], a.k_stride[0]),
+      make_tma_kv<Cfg>(ptr(a.v), a.seqlen, a.kv_heads, a.batch, a.v_stride[1], a.v_stride[2], a.v_stride[0]),
+      static_cast<Elem*>(a.o), a.lse, a.o_stride[1], a.o_stride[2], a.o_stride[0],
+      a.lse_stride[1], a.lse_stride[0], a.seqlen, a.heads, a.kv_heads, a.batch,
+      block_diffusion(a.seqlen, a.block_size), a.scale * 1.4426950408889634f, a.tile_order};
+  auto kernel = diffusion_fwd_kernel<Cfg>;
+  constexpr int smem = sizeof(typename Cfg::SharedStorage);
+  static const cudaError_t configured =  // once per instantiation: the attribute is per function
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (configured != cudaSuccess) return configured;
+  kernel<<<dim3(a.batch * a.heads, a.num_tiles), Cfg::kThreads, smem, a.stream>>>(p);
+  return cudaGetLastError();
+}
+
+#define DLM_DECLARE_FWD(ELEM, D) extern template cudaError_t launch_fwd<ELEM, D>(const FwdArgs&);
+DLM_DECLARE_FWD(cutlass::bfloat16_t, 64)
+DLM_DECLARE_FWD(cutlass::bfloat16_t, 128)
+DLM_DECLARE_FWD(cutlass::half_t, 64)
+DLM_DECLARE_FWD(cutlass::half_t, 128)
+#undef DLM_DECLARE_FWD
+
+}  // namespace dlm::sm90
