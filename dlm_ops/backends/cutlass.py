@@ -41,8 +41,10 @@ log = logging.getLogger("dlm_ops.cutlass")
 # form, because with nvcc 13.0 the -arch=sm_90a shorthand also ran a plain sm_90 pass that rejects
 # them (device HOPPER.md). A flag containing "arch" also stops torch from adding its own targets.
 ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
+# No -std: torch picks the standard its own headers need (C++20 from torch 2.13; an explicit
+# -std=c++17 then breaks them), and CUTLASS 4 builds with either.
 CUDA_FLAGS = [
-    "-std=c++17", "-O3", "-DNDEBUG", "-lineinfo",
+    "-O3", "-DNDEBUG", "-lineinfo",
     "--expt-relaxed-constexpr", "--expt-extended-lambda",  # CuTe's constexpr layouts and lambdas
     # torch defines these to keep its own half operators unambiguous; CUTLASS needs cuda_fp16's.
     "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
@@ -97,9 +99,9 @@ def nvcc() -> tuple[str, tuple[int, int]] | None:
 def unavailable_reason() -> str | None:
     """Why the CUTLASS sources cannot be built and run here, or None when they can."""
     if torch.version.cuda is None:
-        return f"torch {torch.__version__} is a CPU build: nothing is built"
+        return f"torch {torch.__version__} is a CPU build"
     if not torch.cuda.is_available():
-        return "no CUDA GPU visible: nothing is built"
+        return "no CUDA GPU visible"
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):  # sm_90a code runs on sm90 alone (not on sm100 or later)
         return f"the kernels are sm_90a (H100/H200); this GPU is sm{major}{minor}"
@@ -124,7 +126,7 @@ def availability() -> str:
     """One line for ``python -m dlm_ops``: whether the CUTLASS sources can be built here, or why not."""
     reason = unavailable_reason()
     if reason:
-        return f"not built ({reason})"
+        return f"nothing built: {reason}"
     major, minor = nvcc()[1]
     return (f"buildable with nvcc {major}.{minor} and CUTLASS {cutlass_version(cutlass_include())} "
             f"(no kernels yet: issue #7)")
@@ -178,8 +180,8 @@ def build(name: str, sources: Sequence[str], extra_cuda_cflags: Sequence[str] = 
     module = cpp_extension.load(
         name=module_name,
         sources=[str(csrc_dir() / s) for s in sources],
-        extra_include_paths=[str(csrc_dir() / "include"), str(cutlass_include())],
-        extra_cflags=["-O3", "-std=c++17"],
+        extra_include_paths=[str(csrc_dir()), str(csrc_dir() / "include"), str(cutlass_include())],
+        extra_cflags=["-O3"],
         extra_cuda_cflags=flags,
         build_directory=str(directory),
         verbose=verbose,

@@ -21,8 +21,10 @@
 
 #if defined(__CUDACC__)
 #define DLM_HD __host__ __device__ __forceinline__
+#define DLM_UNROLL _Pragma("unroll")  // the two-run loops: unrolled, their arrays stay in registers
 #else
 #define DLM_HD inline
+#define DLM_UNROLL
 #endif
 
 #if !defined(__CUDA_ARCH__)
@@ -193,6 +195,7 @@ DLM_HD TileRuns TilePlans::runs(int t) const {
   // [lo of the first row, hi of the last row).
   const Interval ranges[2] = {{first.first.lo, last.first.hi}, {first.second.lo, last.second.hi}};
   TileRuns r{};
+  DLM_UNROLL
   for (int i = 0; i < 2; ++i) {
     if (ranges[i].empty()) continue;
     r.begin[i] = other.index_of(ranges[i].lo);
@@ -212,6 +215,7 @@ DLM_HD Visit TilePlans::visit(int t, int other_tile) const {
 DLM_HD int64_t TilePlans::area(int t) const {
   const TileRuns r = runs(t);
   int64_t width = 0;
+  DLM_UNROLL
   for (int i = 0; i < 2; ++i)  // the tiles of a run are contiguous: its width is last end - first start
     if (r.end[i] > r.begin[i]) width += other.tile(r.end[i] - 1).hi - other.tile(r.begin[i]).lo;
   return static_cast<int64_t>(own.tile(t).size()) * width;
