@@ -3,7 +3,8 @@
 // block at the top of geometry.py first; only what differs is noted here.
 //
 // Framework-free: no torch, no CUDA runtime, C++17 standard library only. Under nvcc every function
-// a kernel needs is __host__ __device__; the one helper that sorts (most_expensive_first) is host only.
+// a kernel needs is __host__ __device__; varlen_valid and most_expensive_first (the launch-time
+// checks and schedule) are host only.
 //
 // Integers. Positions and tile indices are int (the kernels' tile tables are int32 too, so a
 // sequence or a packed varlen batch holds < 2^31 tokens); pair counts and tile areas are int64_t
@@ -17,6 +18,7 @@
 // only table is the schedule: the tiles of every sample, most expensive first.
 #pragma once
 
+#include <algorithm>  // std::stable_sort (host only: most_expensive_first)
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -27,14 +29,9 @@
 #define DLM_UNROLL
 #endif
 
-#if !defined(__CUDA_ARCH__)
-#include <algorithm>  // std::stable_sort, host only
-#endif
-
 namespace dlm {
 
 DLM_HD int imin(int a, int b) { return a < b ? a : b; }
-DLM_HD int imax(int a, int b) { return a > b ? a : b; }
 // ceil(a / b) for a >= 0, b >= 1, without the overflow of (a + b - 1) / b near INT_MAX.
 DLM_HD int cdiv(int a, int b) { return a / b + (a % b != 0); }
 
@@ -239,7 +236,7 @@ struct VarlenMask {
   }
 };
 
-#if !defined(__CUDA_ARCH__)
+// Host only (not DLM_HD): the host checks cu_seqlens and builds the schedule before a launch.
 // What dlm_ops/ops/validation.py checks before any kernel runs: starts at 0, non-decreasing, even
 // sample lengths, block_size >= 1.
 inline bool varlen_valid(const VarlenMask& m) {
@@ -258,6 +255,5 @@ inline void most_expensive_first(const int64_t* area, int count, int32_t* order)
   for (int i = 0; i < count; ++i) order[i] = i;
   std::stable_sort(order, order + count, [area](int32_t a, int32_t b) { return area[a] > area[b]; });
 }
-#endif
 
 }  // namespace dlm
