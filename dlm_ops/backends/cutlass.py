@@ -41,8 +41,8 @@ log = logging.getLogger("dlm_ops.cutlass")
 # form, because with nvcc 13.0 the -arch=sm_90a shorthand also ran a plain sm_90 pass that rejects
 # them (device HOPPER.md). A flag containing "arch" also stops torch from adding its own targets.
 ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
-# No -std: torch picks the standard its own headers need (C++20 from torch 2.13; an explicit
-# -std=c++17 then breaks them), and CUTLASS 4 builds with either.
+# No -std: torch picks the standard its own headers are written for (C++20 from torch 2.13, whose
+# headers warn under -std=c++17), and CUTLASS 4 builds with either.
 CUDA_FLAGS = [
     "-O3", "-DNDEBUG", "-lineinfo",
     "--expt-relaxed-constexpr", "--expt-extended-lambda",  # CuTe's constexpr layouts and lambdas
