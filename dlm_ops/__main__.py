@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import dlm_ops
-from dlm_ops.backends import REGISTRIES, report, select
+from dlm_ops.backends import REGISTRIES, cutlass, report, select
 from dlm_ops.backends.base import Problem
 from dlm_ops.errors import UnsupportedConfig
 from dlm_ops.ops.diffusion import _problem
@@ -86,6 +86,8 @@ def main(argv=None) -> int:
         except UnsupportedConfig as e:
             chosen.append(f"{family}: none ({e})")
     print("other op families: " + ", ".join(chosen))
+    # Not a registered backend yet (issue #7): whether its sources could be JIT-built here.
+    print(f"cutlass (Hopper sm_90a kernels): {cutlass.availability()}")
     rewrite = "on" if dlm_ops.compile.is_enabled() else "off"
     print(f"torch.compile flex_attention rewrite: {rewrite} (DLM_OPS_REWRITE_FLEX=0 turns it off)")
     backend = select(problem, a.backend).name

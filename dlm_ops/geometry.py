@@ -30,7 +30,9 @@ PARTIAL when it crosses a block boundary (kernels mask it element-wise). Tiles w
 are never listed.
 
 Every kernel, the CPU path and the flex rewrite read the mask from here; ``dlm_ops.reference``
-alone rebuilds it from the definition above so that a bug here cannot hide behind it.
+alone rebuilds it from the definition above so that a bug here cannot hide behind it. The C++/CUDA
+kernels read its mirror, ``csrc/include/dlm/geometry.h`` (same formulas and names; a change here
+goes there too, and tests/test_csrc_geometry.py proves they agree).
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
-__all__ = ["SequenceMask", "VarlenMask", "Visit", "TilePlan"]
+__all__ = ["SequenceMask", "VarlenMask", "Visit", "TilePlan", "most_expensive_first"]
 
 
 class Visit(NamedTuple):
@@ -219,6 +221,13 @@ def _cached_plan(mask: SequenceMask, own: int, other: int, transpose: bool) -> t
     if own < 1 or other < 1:
         raise ValueError(f"tile sizes must be >= 1, got {own} and {other}")
     return mask._plan(own, other, transpose)
+
+
+def most_expensive_first(areas: Sequence[int]) -> list[int]:
+    """The order work tiles run in: indices of ``areas`` (``TilePlan.area`` of every sample's tiles,
+    sample by sample), largest first, ties in index order, so that the most expensive tiles start
+    in the first wave and do not finish last."""
+    return sorted(range(len(areas)), key=lambda i: -areas[i])  # sorted() is stable
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ def test_main_reports_backends_and_a_checked_table(capsys):
     out = capsys.readouterr().out
     assert "torch: usable" in out
     assert "flex_attention rewrite: on" in out
+    assert "cutlass (Hopper sm_90a kernels): " in out
     assert "dlm_ops (torch) fwd+bwd" in out and "SDPA dense mask fwd" in out
     assert "check: ok" in out
 

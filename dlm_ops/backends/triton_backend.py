@@ -16,7 +16,7 @@ from functools import lru_cache
 import torch
 
 from ..errors import UnsupportedConfig
-from ..geometry import SequenceMask, VarlenMask
+from ..geometry import SequenceMask, VarlenMask, most_expensive_first
 from .base import DETERMINISTIC, GQA, SOFTCAP, VARLEN, Capabilities, DiffusionBackend, new_output
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -93,8 +93,8 @@ def tile_tables(masks: tuple[tuple[int, SequenceMask], ...], own: int, other: in
                 visits.append((off + v.start, off + v.end, full, 0))
             rows.append((plan.area, (off + plan.start, off + plan.end, off, mask.n_noisy,
                                      mask.n_clean, begin, len(visits), 0)))
-    rows.sort(key=lambda r: -r[0])  # longest first: the big tiles do not finish last
-    tiles = torch.tensor([r for _, r in rows] or [[0] * 8], dtype=torch.int32)
+    rows = [rows[i][1] for i in most_expensive_first([area for area, _ in rows])]
+    tiles = torch.tensor(rows or [[0] * 8], dtype=torch.int32)
     visits_t = torch.tensor(visits or [[0] * 4], dtype=torch.int32)
     return tiles[: len(rows)].to(device), visits_t.to(device)
 

@@ -1,0 +1,259 @@
+// The block-diffusion mask for C++ and CUDA: a mirror of dlm_ops/geometry.py (same formulas, same
+// names). tests/test_csrc_geometry.py proves the two agree on random shapes, so read the notation
+// block at the top of geometry.py first; only what differs is noted here.
+//
+// Framework-free: no torch, no CUDA runtime, C++17 standard library only. Under nvcc every function
+// a kernel needs is __host__ __device__; varlen_valid and most_expensive_first (the launch-time
+// checks and schedule) are host only.
+//
+// Integers. Positions and tile indices are int (the kernels' tile tables are int32 too, so a
+// sequence or a packed varlen batch holds < 2^31 tokens); pair counts and tile areas are int64_t
+// (n = 64K already gives 2^32 visible pairs).
+//
+// Tiles. Each half is cut into tiles of `size` positions from its own start (Tiling), so a tile
+// never crosses the noisy/clean boundary. For one tile the visited tiles of the other side form at
+// most two runs of consecutive tile indices (TileRuns): the union over the tile's rows of each of
+// the two monotone key ranges. A kernel walks the runs and asks visit() whether each is FULL (run it
+// unmasked) or PARTIAL (mask it element-wise with row_intervals); no table is needed for that. The
+// only table is the schedule: the tiles of every sample, most expensive first.
+#pragma once
+
+#include <algorithm>  // std::stable_sort (host only: most_expensive_first)
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define DLM_HD __host__ __device__ __forceinline__
+#define DLM_UNROLL _Pragma("unroll")  // the two-run loops: unrolled, their arrays stay in registers
+#else
+#define DLM_HD inline
+#define DLM_UNROLL
+#endif
+
+namespace dlm {
+
+DLM_HD int imin(int a, int b) { return a < b ? a : b; }
+// ceil(a / b) for a >= 0, b >= 1, without the overflow of (a + b - 1) / b near INT_MAX.
+DLM_HD int cdiv(int a, int b) { return a / b + (a % b != 0); }
+
+// Positions [lo, hi); empty when hi <= lo.
+struct Interval {
+  int lo, hi;
+  DLM_HD bool empty() const { return hi <= lo; }
+  DLM_HD int size() const { return hi > lo ? hi - lo : 0; }
+  DLM_HD bool contains(int p) const { return lo <= p && p < hi; }
+};
+
+// geometry.py's [lo1, hi1, lo2, hi2]: `first` is [lo1, hi1), `second` is [lo2, hi2).
+struct Intervals {
+  Interval first, second;
+  DLM_HD bool contains(int p) const { return first.contains(p) || second.contains(p); }
+  DLM_HD int size() const { return first.size() + second.size(); }
+};
+
+enum class TileKind : int { kNone = 0, kPartial = 1, kFull = 2 };
+
+// Tiles of `size` positions cut from each half's own start; the last tile of a half may be short.
+// Tile indices run over the noisy half first, then the clean half.
+struct Tiling {
+  int n_noisy, n_clean, size;
+
+  DLM_HD int num_noisy() const { return cdiv(n_noisy, size); }
+  DLM_HD int count() const { return num_noisy() + cdiv(n_clean, size); }
+  DLM_HD Interval tile(int t) const {
+    const int nt = num_noisy();
+    const int lo = t < nt ? t * size : n_noisy + (t - nt) * size;
+    const int half_end = t < nt ? n_noisy : n_noisy + n_clean;
+    return {lo, lo + imin(size, half_end - lo)};
+  }
+  // The tile holding position p (0 <= p < n_noisy + n_clean).
+  DLM_HD int index_of(int p) const {
+    return p < n_noisy ? p / size : num_noisy() + (p - n_noisy) / size;
+  }
+};
+
+// For one tile: the other side's tiles it meets, as runs [begin[i], end[i]) of tile indices
+// (run 0 before run 1 in position order; an empty run has begin == end).
+struct TileRuns {
+  int begin[2], end[2];
+  DLM_HD int count() const { return (end[0] - begin[0]) + (end[1] - begin[1]); }
+};
+
+// geometry.py's Visit: the visited tile's positions and whether every pair in it is visible.
+struct Visit {
+  int start, end;
+  bool full;
+};
+
+struct SequenceMask;
+
+// geometry.py's fwd_tiles / bwd_tiles, computed per tile instead of listed. Forward: own tiles are
+// query tiles of block_m rows and the other side key tiles of block_n columns; backward
+// (transpose): own tiles are key tiles of block_n, the other side query tiles of block_m.
+struct TilePlans {
+  int n_noisy, n_clean, block_size;
+  Tiling own, other;
+  bool transpose;
+
+  DLM_HD int count() const { return own.count(); }
+  DLM_HD Interval tile(int t) const { return own.tile(t); }
+  DLM_HD TileRuns runs(int t) const;
+  DLM_HD Visit visit(int t, int other_tile) const;
+  // Pairs covered by tile t's visits (geometry.TilePlan.area): the cost used to order the work.
+  DLM_HD int64_t area(int t) const;
+};
+
+struct SequenceMask {
+  int n_noisy, n_clean, block_size;
+
+  DLM_HD int seqlen() const { return n_noisy + n_clean; }
+  DLM_HD bool is_noisy(int p) const { return p < n_noisy; }
+  // Block of position p inside its own half (blocks restart in every half).
+  DLM_HD int block_of(int p) const { return (p < n_noisy ? p : p - n_noisy) / block_size; }
+
+  // The keys query `row` sees.
+  DLM_HD Intervals row_intervals(int row) const {
+    const int nn = n_noisy, nc = n_clean, bs = block_size, b = block_of(row);
+    if (is_noisy(row)) return {{b * bs, imin((b + 1) * bs, nn)}, {nn, nn + imin(b * bs, nc)}};
+    return {{nn, nn + imin((b + 1) * bs, nc)}, {nn, nn}};
+  }
+  // The query rows that see key `col`.
+  DLM_HD Intervals col_intervals(int col) const {
+    const int nn = n_noisy, nc = n_clean, bs = block_size, b = block_of(col);
+    if (is_noisy(col)) return {{b * bs, imin((b + 1) * bs, nn)}, {nn + nc, nn + nc}};
+    return {{imin((b + 1) * bs, nn), nn}, {nn + imin(b * bs, nc), nn + nc}};
+  }
+  DLM_HD bool visible(int row, int col) const { return row_intervals(row).contains(col); }
+
+  // Visible (query, key) pairs, in closed form (geometry.py sums row_intervals; the test proves the
+  // two agree): n^2 + n*bs for the BD3 mask when bs divides n.
+  DLM_HD int64_t num_pairs() const {
+    const int64_t nn = n_noisy, nc = n_clean, bs = block_size;
+    int64_t pairs = 0;
+    if (nn > 0) {  // noisy rows: their own block, plus the clean keys of earlier blocks
+      const int64_t blocks = cdiv(n_noisy, block_size), last = nn - (blocks - 1) * bs;
+      pairs += (blocks - 1) * bs * bs + last * last;
+      // sum over noisy blocks b of rows(b) * min(b*bs, nc): every block has bs rows but the last.
+      const int64_t below = imin(static_cast<int>(blocks), cdiv(n_clean, block_size));  // b*bs < nc
+      const int64_t sum_min = bs * below * (below - 1) / 2 + (blocks - below) * nc;
+      const int64_t last_min = (blocks - 1) * bs < nc ? (blocks - 1) * bs : nc;
+      pairs += bs * sum_min - (bs - last) * last_min;
+    }
+    if (nc > 0) {  // clean rows of block b see (b+1)*bs keys, the last block all nc
+      const int64_t blocks = cdiv(n_clean, block_size), last = nc - (blocks - 1) * bs;
+      pairs += bs * bs * (blocks - 1) * blocks / 2 + last * nc;
+    }
+    return pairs;
+  }
+
+  // Rows [r0, r1) x keys [c0, c1), each inside one half (geometry.py's _tile_full).
+  DLM_HD TileKind tile_kind(int r0, int r1, int c0, int c1) const {
+    const bool q_noisy = r0 < n_noisy, k_noisy = c0 < n_noisy;
+    const int qb0 = block_of(r0), qb1 = block_of(r1 - 1), kb0 = block_of(c0), kb1 = block_of(c1 - 1);
+    bool any, full;
+    if (q_noisy && k_noisy) {  // same block only
+      any = qb0 <= kb1 && kb0 <= qb1;
+      full = qb0 == qb1 && qb1 == kb0 && kb0 == kb1;
+    } else if (q_noisy) {  // noisy query, clean key: strictly earlier blocks
+      any = kb0 < qb1;
+      full = kb1 < qb0;
+    } else if (!k_noisy) {  // clean query, clean key: earlier or same block
+      any = kb0 <= qb1;
+      full = kb1 <= qb0;
+    } else {  // clean queries never see noisy keys
+      any = full = false;
+    }
+    return !any ? TileKind::kNone : full ? TileKind::kFull : TileKind::kPartial;
+  }
+
+  DLM_HD TilePlans fwd_tiles(int block_m, int block_n) const {
+    return {n_noisy, n_clean, block_size, {n_noisy, n_clean, block_m}, {n_noisy, n_clean, block_n},
+            false};
+  }
+  DLM_HD TilePlans bwd_tiles(int block_m, int block_n) const {
+    return {n_noisy, n_clean, block_size, {n_noisy, n_clean, block_n}, {n_noisy, n_clean, block_m},
+            true};
+  }
+};
+
+// The BD3-LM mask over seqlen = 2n tokens (seqlen must be even: see varlen_valid / the Python checks).
+DLM_HD SequenceMask block_diffusion(int seqlen, int block_size) {
+  return {seqlen / 2, seqlen / 2, block_size};
+}
+// Key block <= query block over seqlen tokens (block_size 1 is causal attention).
+DLM_HD SequenceMask block_causal(int seqlen, int block_size) { return {0, seqlen, block_size}; }
+
+DLM_HD TileRuns TilePlans::runs(int t) const {
+  const SequenceMask mask{n_noisy, n_clean, block_size};
+  const Interval own_tile = own.tile(t);
+  const Intervals first = transpose ? mask.col_intervals(own_tile.lo) : mask.row_intervals(own_tile.lo);
+  const Intervals last = transpose ? mask.col_intervals(own_tile.hi - 1)
+                                   : mask.row_intervals(own_tile.hi - 1);
+  // Each range is monotone in the row (column) inside a half, so its union over the tile is
+  // [lo of the first row, hi of the last row).
+  const Interval ranges[2] = {{first.first.lo, last.first.hi}, {first.second.lo, last.second.hi}};
+  TileRuns r{};
+  DLM_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    if (ranges[i].empty()) continue;
+    r.begin[i] = other.index_of(ranges[i].lo);
+    r.end[i] = other.index_of(ranges[i].hi - 1) + 1;
+  }
+  return r;
+}
+
+DLM_HD Visit TilePlans::visit(int t, int other_tile) const {
+  const SequenceMask mask{n_noisy, n_clean, block_size};
+  const Interval a = own.tile(t), b = other.tile(other_tile);
+  const TileKind kind = transpose ? mask.tile_kind(b.lo, b.hi, a.lo, a.hi)
+                                  : mask.tile_kind(a.lo, a.hi, b.lo, b.hi);
+  return {b.lo, b.hi, kind == TileKind::kFull};
+}
+
+DLM_HD int64_t TilePlans::area(int t) const {
+  const TileRuns r = runs(t);
+  int64_t width = 0;
+  DLM_UNROLL
+  for (int i = 0; i < 2; ++i)  // the tiles of a run are contiguous: its width is last end - first start
+    if (r.end[i] > r.begin[i]) width += other.tile(r.end[i] - 1).hi - other.tile(r.begin[i]).lo;
+  return static_cast<int64_t>(own.tile(t).size()) * width;
+}
+
+// Packed samples: sample i occupies [cu_seqlens[i], cu_seqlens[i+1]), an even length 2*m_i laid
+// out [noisy_i | clean_i]. cu_seqlens points to num_samples + 1 offsets (device memory in a kernel).
+struct VarlenMask {
+  const int32_t* cu_seqlens;
+  int num_samples;
+  int block_size;
+
+  DLM_HD int offset(int i) const { return cu_seqlens[i]; }
+  DLM_HD SequenceMask sample(int i) const {
+    return block_diffusion(cu_seqlens[i + 1] - cu_seqlens[i], block_size);
+  }
+  DLM_HD int64_t num_pairs() const {
+    int64_t pairs = 0;
+    for (int i = 0; i < num_samples; ++i) pairs += sample(i).num_pairs();
+    return pairs;
+  }
+};
+
+// Host only (not DLM_HD): the host checks cu_seqlens and builds the schedule before a launch.
+// What dlm_ops/ops/validation.py checks before any kernel runs: starts at 0, non-decreasing, even
+// sample lengths, block_size >= 1.
+inline bool varlen_valid(const VarlenMask& m) {
+  if (m.block_size < 1 || m.num_samples < 0 || m.cu_seqlens[0] != 0) return false;
+  for (int i = 0; i < m.num_samples; ++i) {
+    const int len = m.cu_seqlens[i + 1] - m.cu_seqlens[i];
+    if (len < 0 || len % 2) return false;
+  }
+  return true;
+}
+
+// The schedule: order[] = indices 0..count-1 of `area`, largest area first, ties in index order
+// (a stable sort, as triton_backend.tile_tables does), so the most expensive tiles start in the
+// first wave and do not finish last. Index work tiles sample by sample, tile by tile.
+inline void most_expensive_first(const int64_t* area, int count, int32_t* order) {
+  for (int i = 0; i < count; ++i) order[i] = i;
+  std::stable_sort(order, order + count, [area](int32_t a, int32_t b) { return area[a] > area[b]; });
+}
+
+}  // namespace dlm

@@ -1,0 +1,191 @@
+"""Groundwork for the Hopper CUTLASS backend (issue #7): where the C++/CUDA sources are, how they
+are JIT-built, and why they cannot be built here.
+
+No backend is registered yet: none claims support for anything until a kernel exists.
+
+Sources. csrc/ ships as package data (``dlm_ops/csrc`` in an install; the repository's ``csrc/``
+when dlm_ops is imported from a checkout, like ``templates/``). csrc/include is framework-free;
+csrc/bindings is the only place that includes torch.
+
+Build. ``build(name, sources)`` compiles sources from csrc/ with ``torch.utils.cpp_extension.load``
+for sm_90a only, with csrc/include and the CUTLASS/CuTe headers of the ``nvidia-cutlass`` wheel
+(``cutlass_library/source/include``; DLM_OPS_CUTLASS_INCLUDE overrides). It runs only where
+``unavailable_reason()`` is None: a CUDA build of torch, an sm90 GPU, nvcc >= 12.3 and the headers.
+A CPU-only install builds nothing. Each build gets its own directory, keyed by torch version, CUDA
+version, nvcc release and a hash of every file under csrc/ and the flags, under
+DLM_OPS_BUILD_DIR (default ``~/.cache/dlm_ops/cutlass``): an upgrade or an edited header rebuilds,
+an unchanged tree only loads. torch's build lock in that directory serialises concurrent processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import subprocess
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..errors import UnsupportedConfig
+
+log = logging.getLogger("dlm_ops.cutlass")
+
+# sm_90a, not sm_90: wgmma and setmaxnreg exist only in the arch-specific target. The -gencode
+# form, because with nvcc 13.0 the -arch=sm_90a shorthand also ran a plain sm_90 pass that rejects
+# them (device HOPPER.md). A flag containing "arch" also stops torch from adding its own targets.
+ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
+# No -std: torch picks the standard its own headers are written for (C++20 from torch 2.13, whose
+# headers warn under -std=c++17), and CUTLASS 4 builds with either.
+CUDA_FLAGS = [
+    "-O3", "-DNDEBUG", "-lineinfo",
+    "--expt-relaxed-constexpr", "--expt-extended-lambda",  # CuTe's constexpr layouts and lambdas
+    # torch defines these to keep its own half operators unambiguous; CUTLASS needs cuda_fp16's.
+    "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+]
+MIN_NVCC = (12, 3)  # CUTLASS 4's sm90 kernels (wgmma, TMA) need CUDA 12.3 or newer
+SOURCE_SUFFIXES = {".h", ".hpp", ".cuh", ".cu", ".cpp"}
+
+
+def csrc_dir() -> Path:
+    """The C++/CUDA sources: the checkout's csrc/ beside dlm_ops/, else the installed package data."""
+    package = Path(__file__).resolve().parent.parent
+    beside = package.parent / "csrc"
+    if (package.parent / "pyproject.toml").exists() and beside.is_dir():
+        return beside
+    return package / "csrc"
+
+
+def cutlass_include() -> Path | None:
+    """The CUTLASS/CuTe include directory, or None. The wheel's package is located, not imported:
+    importing cutlass_library pulls in its generator and its dependencies (cuda-python, scipy,
+    networkx, ...), none of which a header-only build needs, so the wheel can travel alone."""
+    env = os.environ.get("DLM_OPS_CUTLASS_INCLUDE")
+    if env:
+        candidates = [Path(env)]
+    else:
+        spec = importlib.util.find_spec("cutlass_library")
+        roots = list(spec.submodule_search_locations or []) if spec else []
+        candidates = [Path(r) / "source" / "include" for r in roots]
+    return next((p for p in candidates if (p / "cute" / "tensor.hpp").is_file()), None)
+
+
+def cutlass_version(include: Path) -> str:
+    text = (include / "cutlass" / "version.h").read_text()
+    parts = [re.search(rf"#define CUTLASS_{k} (\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else "unknown"
+
+
+@lru_cache(maxsize=1)
+def nvcc() -> tuple[str, tuple[int, int]] | None:
+    """(path, (major, minor)) of the nvcc torch would build with, or None."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    path = shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) if CUDA_HOME else shutil.which("nvcc")
+    if path is None:
+        return None
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (path, (int(m.group(1)), int(m.group(2)))) if m else None
+
+
+def unavailable_reason() -> str | None:
+    """Why the CUTLASS sources cannot be built and run here, or None when they can."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):  # sm_90a code runs on sm90 alone (not on sm100 or later)
+        return f"the kernels are sm_90a (H100/H200); this GPU is sm{major}{minor}"
+    found = nvcc()
+    if found is None:
+        return "no CUDA toolkit: nvcc not found (set CUDA_HOME)"
+    if found[1] < MIN_NVCC:
+        return f"nvcc {found[1][0]}.{found[1][1]} at {found[0]} is older than 12.3 (sm90a wgmma/TMA)"
+    if cutlass_include() is None:
+        return ("the CUTLASS headers are missing: pip install nvidia-cutlass (or set "
+                "DLM_OPS_CUTLASS_INCLUDE to a directory holding cute/tensor.hpp)")
+    if not (csrc_dir() / "include" / "dlm" / "geometry.h").is_file():
+        return f"the csrc/ sources are missing from this install ({csrc_dir()})"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "ninja is missing (pip install ninja): torch.utils.cpp_extension builds with it"
+    return None
+
+
+def availability() -> str:
+    """One line for ``python -m dlm_ops``: whether the CUTLASS sources can be built here, or why not."""
+    reason = unavailable_reason()
+    if reason:
+        return f"nothing built: {reason}"
+    major, minor = nvcc()[1]
+    return (f"buildable with nvcc {major}.{minor} and CUTLASS {cutlass_version(cutlass_include())} "
+            f"(no kernels yet: issue #7)")
+
+
+def _source_hash(flags: Sequence[str]) -> str:
+    """Every file under csrc/ (a header edit must rebuild), the CUTLASS version and the flags."""
+    h = hashlib.sha256()
+    root = csrc_dir()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    include = cutlass_include()
+    h.update((cutlass_version(include) if include else "none").encode())
+    h.update("\0".join(flags).encode())
+    return h.hexdigest()[:16]
+
+
+def build_directory(name: str, flags: Sequence[str]) -> Path:
+    """Where ``name`` is built: one directory per torch version, CUDA version and source hash."""
+    root = Path(os.environ.get("DLM_OPS_BUILD_DIR") or
+                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dlm_ops" / "cutlass")
+    found = nvcc()
+    nvcc_tag = f"nvcc{found[1][0]}.{found[1][1]}" if found else "nocuda"
+    tag = f"torch{torch.__version__}-cu{torch.version.cuda}-{nvcc_tag}-{_source_hash(flags)}"
+    return root / re.sub(r"[^A-Za-z0-9_.+-]", "_", f"{name}-{tag}")
+
+
+def build(name: str, sources: Sequence[str], extra_cuda_cflags: Sequence[str] = (),
+          verbose: bool = False):
+    """JIT-build (or load the cached build of) the torch extension ``name`` from ``sources``
+    (paths relative to csrc/) for sm_90a, and return the loaded module. Raises UnsupportedConfig
+    with the reason where nothing can be built (a CPU-only install, no sm90 GPU, no nvcc, no
+    CUTLASS headers)."""
+    reason = unavailable_reason()
+    if reason:
+        raise UnsupportedConfig(f"cannot build the CUTLASS extension {name!r}: {reason}")
+    from torch.utils import cpp_extension
+
+    flags = ARCH_FLAGS + CUDA_FLAGS + list(extra_cuda_cflags)
+    directory = build_directory(name, flags)
+    directory.mkdir(parents=True, exist_ok=True)
+    # The module name carries the hash too: two source versions never share a Python module name.
+    module_name = f"{name}_{directory.name.rsplit('-', 1)[-1]}"
+    cached = (directory / f"{module_name}.so").exists()
+    if not cached:
+        # WARNING, not INFO: with no logging configured this still reaches stderr, and the first
+        # call of a process otherwise stalls for minutes without a word.
+        log.warning("dlm_ops: compiling %s for sm_90a (first use with this torch, CUDA and source "
+                    "version; takes minutes; cached in %s)", name, directory)
+    t0 = time.perf_counter()
+    module = cpp_extension.load(
+        name=module_name,
+        sources=[str(csrc_dir() / s) for s in sources],
+        extra_include_paths=[str(csrc_dir()), str(csrc_dir() / "include"), str(cutlass_include())],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=flags,
+        build_directory=str(directory),
+        verbose=verbose,
+    )
+    if not cached:
+        log.info("dlm_ops: built %s in %.0f s", name, time.perf_counter() - t0)
+    return module

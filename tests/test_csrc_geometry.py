@@ -1,0 +1,161 @@
+"""csrc/include/dlm/geometry.h against dlm_ops/geometry.py, through a ctypes binding.
+
+csrc/bindings/geometry_host.cpp is built once per session with the system C++ compiler (~0.5 s; no
+torch headers) and called through ctypes. geometry.py is itself checked against the definition in
+tests/test_geometry.py, so agreement here means the header is right too.
+"""
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dlm_ops.backends.cutlass import csrc_dir
+from dlm_ops.geometry import SequenceMask, VarlenMask, Visit, most_expensive_first
+
+I32, I64 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int64)
+_INT = ctypes.c_int
+SIGNATURES = {
+    "dlm_intervals": [_INT, _INT, _INT, _INT, _INT, I32, I32],
+    "dlm_visible": [_INT, _INT, _INT, _INT, _INT, ctypes.POINTER(ctypes.c_uint8)],
+    "dlm_num_pairs": [_INT, _INT, _INT, I64],
+    "dlm_plan": [_INT, _INT, _INT, _INT, _INT, _INT, I64, I32, I64, I32],
+    "dlm_varlen_num_pairs": [I32, _INT, _INT, I64],
+    "dlm_varlen_plan": [I32, _INT, _INT, _INT, _INT, _INT, I64, I32, I64, I32],
+}
+
+
+@pytest.fixture(scope="session")
+def lib(tmp_path_factory):
+    cxx = os.environ.get("CXX") or next(filter(None, map(shutil.which, ("g++", "c++", "clang++"))), None)
+    if cxx is None:
+        pytest.skip("no C++ compiler (CXX, g++, c++ or clang++): the geometry header cannot be built here")
+    so = tmp_path_factory.mktemp("csrc") / "dlm_geometry_host.so"
+    src = csrc_dir() / "bindings" / "geometry_host.cpp"
+    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
+           f"-I{csrc_dir() / 'include'}", str(src), "-o", str(so)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"  # a compile error is a bug, not a skip
+    handle = ctypes.CDLL(str(so))
+    for name, args in SIGNATURES.items():
+        getattr(handle, name).argtypes = args
+        getattr(handle, name).restype = ctypes.c_int
+    return handle
+
+
+def _p(t: torch.Tensor):
+    return ctypes.cast(t.data_ptr(), {torch.int32: I32, torch.int64: I64, torch.uint8:
+                                      ctypes.POINTER(ctypes.c_uint8)}[t.dtype])
+
+
+def _call(fn, *args):
+    assert fn(*args) == 0, f"{fn.__name__} rejected valid arguments {args[:6]}"
+
+
+def _plan(lib, mask_args, block_m, block_n, transpose, varlen=False):
+    """The header's schedule: [(start, end, sample, area, (Visit, ...)), ...] most expensive first."""
+    fn = lib.dlm_varlen_plan if varlen else lib.dlm_plan
+    sizes = torch.zeros(2, dtype=torch.int64)
+    _call(fn, *mask_args, block_m, block_n, int(transpose), _p(sizes), None, None, None)
+    n_tiles, n_visits = sizes.tolist()
+    tiles = torch.full((max(n_tiles, 1), 5), -7, dtype=torch.int32)  # poisoned: unwritten fails
+    areas = torch.full((max(n_tiles, 1),), -7, dtype=torch.int64)
+    visits = torch.full((max(n_visits, 1), 3), -7, dtype=torch.int32)
+    _call(fn, *mask_args, block_m, block_n, int(transpose), _p(sizes), _p(tiles), _p(areas), _p(visits))
+    visit_list = [Visit(s, e, bool(f)) for s, e, f in visits[:n_visits].tolist()]
+    assert all(f in (0, 1) for f in visits[:n_visits, 2].tolist())
+    return [(s, e, i, a, tuple(visit_list[b:ve]))
+            for (s, e, i, b, ve), a in zip(tiles[:n_tiles].tolist(), areas[:n_tiles].tolist())]
+
+
+def _expected_plan(samples, block_m, block_n, transpose):
+    """The same schedule from geometry.py: every sample's plans, then most_expensive_first."""
+    rows = []
+    for i, (off, mask) in enumerate(samples):
+        plans = mask.bwd_tiles(block_m, block_n) if transpose else mask.fwd_tiles(block_m, block_n)
+        rows += [(off + p.start, off + p.end, i, p.area,
+                  tuple(Visit(off + v.start, off + v.end, v.full) for v in p.visits)) for p in plans]
+    return [rows[i] for i in most_expensive_first([r[3] for r in rows])]
+
+
+@st.composite
+def sequence_masks(draw):
+    """BD3 (2n tokens), block-causal (n_noisy = 0) and uneven halves, block sizes 1 to > n."""
+    kind = draw(st.sampled_from(["bd3", "causal", "uneven"]))
+    nn = draw(st.integers(0, 50))
+    nc = nn if kind == "bd3" else draw(st.integers(0, 50))
+    nn = 0 if kind == "causal" else nn
+    bs = draw(st.one_of(st.integers(1, max(nn, nc) + 5), st.sampled_from([1, 2, 16, 64])))
+    return SequenceMask(nn, nc, bs)
+
+
+TILE = st.one_of(st.integers(1, 40), st.sampled_from([16, 64, 128]))
+
+
+@given(sequence_masks())
+def test_intervals_visibility_and_pairs(lib, mask):
+    s, args = mask.seqlen, (mask.n_noisy, mask.n_clean, mask.block_size)
+    pos = torch.arange(s, dtype=torch.int32)
+    for transpose, want in ((0, mask.row_intervals(pos)), (1, mask.col_intervals(pos))):
+        got = torch.full((s, 4), -7, dtype=torch.int32)
+        _call(lib.dlm_intervals, *args, transpose, s, _p(pos), _p(got))
+        assert torch.equal(got.long(), want), ("cols" if transpose else "rows", mask)
+    vis = torch.full((s, s), 7, dtype=torch.uint8)
+    _call(lib.dlm_visible, *args, s, s, _p(vis))
+    assert torch.equal(vis, mask.visible(pos, pos).to(torch.uint8))  # 0/1 only: poison was 7
+    pairs = torch.full((1,), -7, dtype=torch.int64)
+    _call(lib.dlm_num_pairs, *args, _p(pairs))
+    assert pairs.item() == mask.num_pairs
+
+
+@given(sequence_masks(), TILE, TILE)
+def test_fwd_and_bwd_tiles_in_schedule_order(lib, mask, block_m, block_n):
+    args = (mask.n_noisy, mask.n_clean, mask.block_size)
+    for transpose in (False, True):
+        got = _plan(lib, args, block_m, block_n, transpose)
+        assert got == _expected_plan([(0, mask)], block_m, block_n, transpose), (mask, transpose)
+
+
+@given(st.lists(st.integers(0, 30), max_size=5), st.integers(1, 40), TILE, TILE)
+def test_varlen_including_empty_samples(lib, halves, block_size, block_m, block_n):
+    cu = [0]
+    for m in halves:
+        cu.append(cu[-1] + 2 * m)
+    mask = VarlenMask(tuple(cu), block_size)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    args = (_p(cu_t), len(halves), block_size)
+    pairs = torch.full((1,), -7, dtype=torch.int64)
+    _call(lib.dlm_varlen_num_pairs, *args, _p(pairs))
+    assert pairs.item() == mask.num_pairs
+    for transpose in (False, True):
+        got = _plan(lib, args, block_m, block_n, transpose, varlen=True)
+        assert got == _expected_plan(mask.samples, block_m, block_n, transpose), (cu, transpose)
+
+
+@given(st.integers(46341, 70000), st.sampled_from([1, 3, 16, 1000, 2**18]))
+def test_pair_counts_past_int32(lib, n, block_size):
+    """n^2 + n*bs passes 2^31 at n = 46341: the closed form must count in int64."""
+    mask = SequenceMask.block_diffusion(2 * n, block_size)
+    pairs = torch.full((1,), -7, dtype=torch.int64)
+    _call(lib.dlm_num_pairs, mask.n_noisy, mask.n_clean, block_size, _p(pairs))
+    assert pairs.item() == mask.num_pairs
+
+
+def test_rejects_what_geometry_py_rejects(lib):
+    out = torch.zeros(16, dtype=torch.int64)
+    for nn, nc, bs in ((4, 4, 0), (-1, 4, 2), (4, -2, 2)):
+        with pytest.raises(ValueError):
+            SequenceMask(nn, nc, bs)
+        assert lib.dlm_num_pairs(nn, nc, bs, _p(out)) == -1
+    for block_m, block_n in ((0, 4), (4, 0)):
+        with pytest.raises(ValueError):
+            SequenceMask(4, 4, 2).fwd_tiles(block_m, block_n)
+        assert lib.dlm_plan(4, 4, 2, block_m, block_n, 0, _p(out), None, None, None) == -1
+    for cu in ([0, 3], [2, 6], [0, 4, 2]):  # odd length, not starting at 0, decreasing
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        assert lib.dlm_varlen_num_pairs(_p(cu_t), len(cu) - 1, 4, _p(out)) == -1
