@@ -38,8 +38,13 @@ def sm90_machine(monkeypatch, tmp_path):
     return include
 
 
-def test_no_backend_claims_anything_yet():
-    assert all("cutlass" not in registry for registry in REGISTRIES.values())
+def test_only_the_diffusion_family_has_a_cutlass_backend_and_cpu_never_selects_it():
+    from dlm_ops.backends import select
+    from dlm_ops.backends.base import Problem
+
+    assert [f for f, registry in REGISTRIES.items() if "cutlass" in registry] == ["diffusion"]
+    for dtype in (torch.float32, torch.bfloat16):
+        assert select(Problem("cpu", dtype, 128)).name != "cutlass"
 
 
 def test_a_cpu_install_builds_nothing_and_says_why(monkeypatch):
@@ -62,7 +67,7 @@ def test_a_cpu_install_builds_nothing_and_says_why(monkeypatch):
 ])
 def test_each_missing_piece_is_named(sm90_machine, monkeypatch, change, reason):
     assert cutlass.unavailable_reason() is None
-    assert cutlass.availability() == "buildable with nvcc 13.0 and CUTLASS 4.2.0 (no kernels yet: issue #7)"
+    assert cutlass.availability() == "buildable with nvcc 13.0 and CUTLASS 4.2.0"
     change(monkeypatch)
     assert reason in cutlass.unavailable_reason()
     with pytest.raises(UnsupportedConfig, match=re.escape(reason)):

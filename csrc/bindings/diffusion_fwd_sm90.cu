@@ -33,14 +33,16 @@ void strides3(const torch::Tensor& t, int64_t* out) {
 
 // Writes out (B, S, H, D) and lse (B, H, S) fp32; q (B, S, H, D), k/v (B, S, Hkv, D).
 void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
-         torch::Tensor order, int64_t block_size, double scale) {
+         torch::Tensor order, int64_t n_noisy, int64_t block_size, double scale) {
   TORCH_CHECK(q.is_cuda() && k.device() == q.device() && v.device() == q.device() &&
                   out.device() == q.device() && lse.device() == q.device() &&
                   order.device() == q.device(), "all tensors on one CUDA device");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
                   out.scalar_type() == q.scalar_type() && lse.scalar_type() == torch::kFloat32 &&
                   order.scalar_type() == torch::kInt32, "dtypes");
-  TORCH_CHECK(q.size(1) % (2 * kFwdBlockM) == 0, "seqlen must be a multiple of ", 2 * kFwdBlockM);
+  TORCH_CHECK(n_noisy % kFwdBlockM == 0 && (q.size(1) - n_noisy) % kFwdBlockM == 0 && n_noisy >= 0 &&
+                  n_noisy <= q.size(1) && block_size >= 1,
+              "both halves must be multiples of ", kFwdBlockM, " long");
   for (const auto& t : {q, k, v, out}) TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "layout");
   TORCH_CHECK(lse.dim() == 3 && lse.stride(2) == 1, "lse layout");
   const c10::cuda::CUDAGuard guard(q.device());
@@ -50,7 +52,8 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   strides3(q, a.q_stride), strides3(k, a.k_stride), strides3(v, a.v_stride), strides3(out, a.o_stride);
   a.lse_stride[0] = lse.stride(0), a.lse_stride[1] = lse.stride(1);
   a.batch = q.size(0), a.seqlen = q.size(1), a.heads = q.size(2), a.kv_heads = k.size(2);
-  a.block_size = static_cast<int>(block_size), a.scale = static_cast<float>(scale);
+  a.n_noisy = static_cast<int>(n_noisy), a.block_size = static_cast<int>(block_size);
+  a.scale = static_cast<float>(scale);
   a.tile_order = order.data_ptr<int32_t>(), a.num_tiles = order.size(0);
   a.stream = c10::cuda::getCurrentCUDAStream();
   if (a.batch * a.heads == 0 || a.num_tiles == 0) return;

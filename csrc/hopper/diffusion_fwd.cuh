@@ -11,9 +11,10 @@
 // memory). The two consumers run independently, so one's softmax overlaps the other's matmuls; the
 // producer gives most of its registers to them (setmaxnreg 24 / 240).
 //
-// What this first version leaves to the Triton kernel (the dispatcher checks): n must be a multiple
-// of 128 (every tile starts on a tile boundary, so TMA addresses whole tiles), batched layout only
-// (no varlen), head dim 128, bf16/fp16, no softcap. Tiles that run past a half's end are masked by
+// What this first version leaves to the Triton kernel (dlm_ops/backends/cutlass_diffusion.py
+// checks): both halves must be multiples of 128 long (every tile starts on a tile boundary, so TMA
+// addresses whole tiles), batched layout only (no varlen), head dim 64 or 128, bf16/fp16, no
+// softcap. The mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy 0). Tiles that run past a half's end are masked by
 // column, so the next half's rows they load get probability 0.
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2 (s2 = q.k * scale * log2 e), lse
@@ -334,7 +335,7 @@ struct FwdArgs {
   float* lse;
   int64_t q_stride[3], k_stride[3], v_stride[3], o_stride[3];  // (batch, seq, head), elements
   int64_t lse_stride[2];                                       // (batch, head)
-  int batch, seqlen, heads, kv_heads, block_size;
+  int batch, seqlen, heads, kv_heads, n_noisy, block_size;  // mask: [n_noisy | seqlen - n_noisy]
   float scale;
   const int32_t* tile_order;
   int num_tiles;
@@ -353,7 +354,8 @@ cudaError_t launch_fwd(const FwdArgs& a) {
       make_tma_kv<Cfg>(ptr(a.v), a.seqlen, a.kv_heads, a.batch, a.v_stride[1], a.v_stride[2], a.v_stride[0]),
       static_cast<Elem*>(a.o), a.lse, a.o_stride[1], a.o_stride[2], a.o_stride[0],
       a.lse_stride[1], a.lse_stride[0], a.seqlen, a.heads, a.kv_heads, a.batch,
-      block_diffusion(a.seqlen, a.block_size), a.scale * 1.4426950408889634f, a.tile_order};
+      SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale * 1.4426950408889634f,
+      a.tile_order};
   auto kernel = diffusion_fwd_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured =  // once per instantiation: the attribute is per function

@@ -26,6 +26,7 @@ def register(backend: Backend) -> Backend:
 for _b in (TritonBackend(), TorchTiledBackend()):
     register(_b)
 BACKENDS = REGISTRIES["diffusion"]  # the block-diffusion family (and exact attention's fallbacks)
+from . import cutlass_diffusion  # noqa: E402,F401  registers "cutlass" (needs register above)
 
 
 def _auto_reasons(b: Backend, problem: Problem) -> list[str]:

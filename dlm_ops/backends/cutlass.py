@@ -1,7 +1,7 @@
 """Groundwork for the Hopper CUTLASS backend (issue #7): where the C++/CUDA sources are, how they
 are JIT-built, and why they cannot be built here.
 
-No backend is registered yet: none claims support for anything until a kernel exists.
+The backends that use it: ``cutlass_diffusion`` (the block-diffusion forward on sm90).
 
 Sources. csrc/ ships as package data (``dlm_ops/csrc`` in an install; the repository's ``csrc/``
 when dlm_ops is imported from a checkout, like ``templates/``). csrc/include is framework-free;
@@ -128,8 +128,7 @@ def availability() -> str:
     if reason:
         return f"nothing built: {reason}"
     major, minor = nvcc()[1]
-    return (f"buildable with nvcc {major}.{minor} and CUTLASS {cutlass_version(cutlass_include())} "
-            f"(no kernels yet: issue #7)")
+    return f"buildable with nvcc {major}.{minor} and CUTLASS {cutlass_version(cutlass_include())}"
 
 
 def _source_hash(flags: Sequence[str]) -> str:

@@ -1,0 +1,95 @@
+"""The ``cutlass`` backend of the block-diffusion family: the Hopper forward kernel of
+csrc/hopper/diffusion_fwd.cuh (TMA, wgmma, a producer and two consumer warpgroups), JIT-built on
+first use by ``cutlass.build``; everything its kernels do not cover runs the Triton kernels.
+
+Coverage of the CUTLASS forward (first version): sm90, fp16/bf16, head dim 64 or 128, batched
+layout, no softcap (both declared as capabilities, so such calls select ``triton``), and at run
+time a noisy length that is a multiple of 128 (every tile starts on a TMA tile boundary) with
+16-byte aligned rows; a call outside that runs Triton's forward, counted in ``STATS``. The backward
+is Triton's (two deterministic kernels): this backend subclasses the Triton one and replaces only
+the forward.
+
+The build happens at the first forward (one WARNING line, minutes: four instantiations compiled in
+parallel by ninja). If it fails, the failure is remembered, reported by ``unavailable_reason`` (so
+``python -m dlm_ops`` shows it and dispatch picks Triton from then on) and warned once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import lru_cache
+
+import torch
+
+from . import cutlass, register
+from .base import DETERMINISTIC, GQA, Capabilities, new_output
+from .triton_backend import TritonBackend
+
+SOURCES = [
+    "bindings/diffusion_fwd_sm90.cu",
+    "hopper/diffusion_fwd_bf16_d64.cu",
+    "hopper/diffusion_fwd_bf16_d128.cu",
+    "hopper/diffusion_fwd_fp16_d64.cu",
+    "hopper/diffusion_fwd_fp16_d128.cu",
+]
+TILE = 128  # BM = BN of the kernel: tiles must start on multiples of it
+STATS = {"fwd": 0, "fwd_fallback": 0}  # CUTLASS forwards run, and forwards handed to Triton
+
+_EXT = None
+_BUILD_ERROR: str | None = None
+
+
+def _extension():
+    """The built extension (built on the first call), or None after a failed build."""
+    global _EXT, _BUILD_ERROR
+    if _EXT is None and _BUILD_ERROR is None:
+        try:
+            _EXT = cutlass.build("dlm_diffusion_fwd_sm90", SOURCES)
+        except Exception as e:  # a compiler error must not take the op down: Triton still runs
+            _BUILD_ERROR = f"the sm90 build failed ({type(e).__name__}: {str(e)[-300:]})"
+            warnings.warn(f"dlm_ops: {_BUILD_ERROR}; the triton backend runs instead")
+    return _EXT
+
+
+@lru_cache(maxsize=64)
+def _tile_order(n_noisy: int, n_clean: int, block_size: int, device: str) -> torch.Tensor:
+    return _EXT.tile_order(n_noisy, n_clean, block_size).to(device)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Viewable as the kernel's (S, D, H, B) TMA tensor: unit stride in D, 16-byte aligned."""
+    size = t.element_size()
+    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
+            and all((t.stride(i) * size) % 16 == 0 for i in range(3)))
+
+
+class CutlassDiffusionBackend(TritonBackend):
+    name = "cutlass"
+    priority = 20  # above triton: preferred where it can run
+    capabilities = Capabilities(
+        device_types=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        max_head_dim=128,
+        head_dim_multiple=64,
+        features=frozenset({GQA, DETERMINISTIC}),
+    )
+
+    def unavailable_reason(self) -> str | None:
+        return super().unavailable_reason() or cutlass.unavailable_reason() or _BUILD_ERROR
+
+    def fwd(self, q, k, v, mask, scale, softcap, deterministic):
+        ext = _extension() if softcap == 0 else None
+        if (ext is None or mask.n_noisy % TILE or mask.n_clean % TILE
+                or not all(_tma_ready(t) for t in (q, k, v))):
+            STATS["fwd_fallback"] += 1
+            return super().fwd(q, k, v, mask, scale, softcap, deterministic)
+        b, s, h, _ = q.shape
+        out = new_output(q, q.shape)
+        lse = new_output(q, (b, h, s), torch.float32)
+        order = _tile_order(mask.n_noisy, mask.n_clean, mask.block_size, str(q.device))
+        ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale)
+        STATS["fwd"] += 1
+        return out, lse
+
+
+register(CutlassDiffusionBackend())
