@@ -2,13 +2,15 @@
 
     dlm::sparse_block_mass(q, k, block_size_q, block_size_k, split, softmax_scale, chunk_q,
                            chunk_k, backend) -> mass fp32 (B, H, ceil(Sq/bq), ceil(Sk/bk))
-    dlm::sparse_column_mass(q, k, sample_rows, softmax_scale, chunk_rows, chunk_k, backend)
-                           -> mass fp32 (B, H, Sk)
+    dlm::sparse_column_mass(q, k, sample_rows, check_rows, softmax_scale, chunk_rows, chunk_k,
+                            backend) -> mass fp32 (B, H, Sk)
 
 Block mass: mass[b, h, I, J] = sum over the tile of p, p the softmax over keys [0, split) or
 [split, Sk) (whichever holds J; split = Sk: one softmax). Column mass: mass[b, h, j] = sum over
 the rows i in ``sample_rows`` (a 1-D int tensor of query rows, repeats counted; None: all rows)
-of p[b, h, i, j], p the softmax over all keys; per query head (GQA heads are not summed). The
+of p[b, h, i, j], p the softmax over all keys; per query head (GQA heads are not summed);
+``check_rows`` range-checks the rows with one host sync (as ``check_indices`` in the sparse ops;
+PulseCol skips it for the rows it generates itself). The
 output shapes depend on shapes only, so both have fake functions and run inside
 torch.compile(fullgraph=True) graphs. No autograd: a selection score is not differentiated (a
 pattern is discrete). The backend (torch chunked / Triton fused) comes from the "sparse_select"
@@ -94,20 +96,21 @@ def check_column_mass_args(q, k, sample_rows, softmax_scale, chunk_rows, chunk_k
 
 
 @torch.library.custom_op("dlm::sparse_column_mass", mutates_args=())
-def sparse_column_mass(q: Tensor, k: Tensor, sample_rows: Optional[Tensor],
+def sparse_column_mass(q: Tensor, k: Tensor, sample_rows: Optional[Tensor], check_rows: bool,
                        softmax_scale: Optional[float], chunk_rows: Optional[int],
                        chunk_k: Optional[int], backend: Optional[str]) -> Tensor:
     check_column_mass_args(q, k, sample_rows, softmax_scale, chunk_rows, chunk_k)
     if sample_rows is not None:
-        lo, hi = sample_rows.aminmax()
-        if int(lo) < 0 or int(hi) >= q.shape[1]:  # one host sync; the kernels read these rows
-            raise ValueError(f"sample_rows must lie in [0, {q.shape[1]}), got [{int(lo)}, {int(hi)}]")
+        if check_rows:
+            lo, hi = (int(x) for x in sample_rows.aminmax())
+            if lo < 0 or hi >= q.shape[1]:
+                raise ValueError(f"sample_rows must lie in [0, {q.shape[1]}), got [{lo}, {hi}]")
         q = q.index_select(1, sample_rows)  # (B, R, H, D): the kernels see only the scored rows
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _select_backend.column_mass(q, k, scale, chunk_rows, chunk_k, backend)
 
 
 @sparse_column_mass.register_fake
-def _(q, k, sample_rows, softmax_scale, chunk_rows, chunk_k, backend):
+def _(q, k, sample_rows, check_rows, softmax_scale, chunk_rows, chunk_k, backend):
     check_column_mass_args(q, k, sample_rows, softmax_scale, chunk_rows, chunk_k)
     return q.new_empty((q.shape[0], q.shape[2], k.shape[1]), dtype=torch.float32)

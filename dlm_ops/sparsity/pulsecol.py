@@ -33,7 +33,7 @@ from .tables import topk_indices
 
 def sample_rows_index(seqlen_q: int, sample_rows, device) -> torch.Tensor | None:
     """The query rows PulseCol scores with (None: all). A tensor's values are range-checked by
-    the op (``dlm::sparse_column_mass``), with one host sync."""
+    the op (``dlm::sparse_column_mass``, one host sync); the rows made from an int need no check."""
     if sample_rows is None:
         return None
     if isinstance(sample_rows, torch.Tensor):
@@ -61,7 +61,8 @@ def pulsecol_column_mass(q, k, *, sample_rows=None, softmax_scale=None, chunk_ro
     (``chunk_rows``/``chunk_k`` apply to it); "torch" / "triton" force one."""
     check_selection_inputs(q, k, 1, 1)
     rows = sample_rows_index(q.shape[1], sample_rows, q.device)
-    return sparse_column_mass(q, k, rows, softmax_scale, chunk_rows, chunk_k, backend)
+    return sparse_column_mass(q, k, rows, isinstance(sample_rows, torch.Tensor), softmax_scale,
+                              chunk_rows, chunk_k, backend)
 
 
 def pulsecol_select(q, k, *, keep: float, sample_rows=None, softmax_scale=None, chunk_rows=None,
