@@ -469,6 +469,28 @@ def test_benchmark_cases_and_table():
     assert "| 16K | 0.100 | 10.00 | 1.10 | 0.110 | 1.10 | 1.50 | 0.150 | 1.50 | 1.36x | yes |" in table
 
 
+def test_benchmark_column_rows_selection_and_quick_preset():
+    from benchmarks import sparse as bench
+
+    quick = bench.parse_args(["--preset", "quick"])
+    assert quick.no_flex and quick.rounds == 3 and quick.tag == "h200_sparse_quick"
+    assert quick.seqlens == [16384, 32768, 65536] and quick.densities == [0.1, 0.3, 0.5]
+    full = bench.parse_args([])
+    assert not full.no_flex and full.rounds == 5 and full.densities == [0.1, 0.2, 0.3, 0.5]
+    case = bench.SparseCase(16384, 0.3)
+    idx, cnt = bench.column_pattern(case, device="cpu")
+    assert idx.shape == (1, 32, case.columns) and case.columns == 4915 and (cnt == 4915).all()
+    assert (idx[..., 1:] > idx[..., :-1]).all() and idx.min() >= 0 and idx.max() < 16384
+    rows = [dict(seqlen=16384, kind="dense", density=1.0, contender="dense cudnn", ms=10.0),
+            dict(seqlen=16384, kind="column", density=0.3, true_density=0.3, contender="dlm_ops column",
+                 ms=3.3, ratio=0.33, ratio_over_density=1.1, err_ours=1e-3),
+            dict(seqlen=16384, kind="select", density=1.0, contender="pulsecol select (S/8 rows)",
+                 ms=2.56, ratio=0.256, amortised_64=0.004, amortised_256=0.001, amortised_1024=0.00025)]
+    table = bench.markdown(rows)
+    assert "| 16K | 0.300 | 10.00 | 3.30 | 0.330 | 1.10 | 1.0e-03 | yes |" in table
+    assert "| 16K | pulsecol select (S/8 rows) | 2.56 | 0.256 | 0.0040 | 0.0010 | 0.0003 |" in table
+
+
 # -- GPU (-m gpu) ---------------------------------------------------------------------------------
 
 
