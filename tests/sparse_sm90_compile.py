@@ -75,18 +75,18 @@ def main():
         smem, regs, stack = resources(compile_sm90(fn, consts, warps, stages))
         print(f"{label.replace(' ', '_')} {smem} {regs} {stack}", flush=True)
     # Selection: SparseD's block mass at 128 x 128 blocks (8 warps, the launcher's choice there),
-    # PulseCol's row LSE and column mass with the backend's tiles, at D = 128 and 256.
+    # PulseCol's row LSE and column mass with the backend's bf16 tiles at D = 128 and 256 (fp32's
+    # FMA dots spill at every tile: see _select_backend.column_tiles).
     consts = dict(D=128, BLOCK_D=128, IEEE=False, BLOCK_M=128, BLOCK_N=128)
     smem, regs, stack = resources(compile_sm90(select_kernels.block_mass_kernel, consts, 8, 3))
     print(f"block_mass_bs128 {smem} {regs} {stack}", flush=True)
     for d in (128, 256):
         for fn, (bm, bn, warps, stages) in zip(
                 (column_kernels.row_lse_kernel, column_kernels.column_mass_kernel),
-                select_backend.column_tiles(d, interpret=False)):
+                select_backend.column_tiles(d, 2, interpret=False)):
             consts = dict(D=d, BLOCK_D=d, IEEE=False, BLOCK_M=bm, BLOCK_N=bn)
             smem, regs, stack = resources(compile_sm90(fn, consts, warps, stages))
             print(f"{fn.__name__.removesuffix('_kernel')}_d{d} {smem} {regs} {stack}", flush=True)
-
 
 if __name__ == "__main__":
     backend.INTERPRET = False  # the backend's GPU tile choices, not the interpreter's

@@ -68,8 +68,9 @@ def test_triton_column_mass_matches_definition(b, sq, sk, heads, d, dtype, rows,
 def test_triton_column_mass_with_the_gpu_tiles(monkeypatch, dtype):
     """The H200's tiles (128-row LSE tiles, 64 x 128 mass tiles) under the interpreter: partial
     tiles both ways, several query tiles per key tile, GQA."""
-    gpu_tiles = _select_backend.column_tiles(128, interpret=False)
-    monkeypatch.setattr(_select_backend, "column_tiles", lambda d, interpret: gpu_tiles)
+    gpu_tiles = _select_backend.column_tiles(128, torch.tensor([], dtype=dtype).element_size(),
+                                             interpret=False)
+    monkeypatch.setattr(_select_backend, "column_tiles", lambda d, itemsize, interpret: gpu_tiles)
     q, k = (t.to(dtype) for t in _qk(1, 200, 300, 4, 2, 32, 3, scale=2.0))
     check_against_definition(q, k, None, None)
     check_against_definition(q, k, 70, sample_rows_index(200, 70, "cpu"))

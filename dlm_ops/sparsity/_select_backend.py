@@ -110,7 +110,7 @@ class TritonSelectBackend(TritonEligibility, SelectBackend):
         mass = new_output(q, (b, h, sk), dtype=torch.float32)
         flags = dict(D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), IEEE=q.dtype == torch.float32)
         common = (r, sk, h, h // hkv, scale * 1.4426950408889634)
-        (lm, ln, lw, ls), (mm, mn, mw, ms) = column_tiles(d, triton_backend.INTERPRET)
+        (lm, ln, lw, ls), (mm, mn, mw, ms) = column_tiles(d, q.element_size(), triton_backend.INTERPRET)
         if b * h * r:  # R = 0 rows: no LSE to compute, and the mass below is an empty sum, 0
             column_kernels.row_lse_kernel[(triton.cdiv(r, lm), b * h)](
                 q, k, lse2, *q.stride()[:3], *k.stride()[:3], *lse2.stride()[:2], *common,
@@ -123,17 +123,25 @@ class TritonSelectBackend(TritonEligibility, SelectBackend):
         return mass
 
 
-def column_tiles(head_dim: int, interpret: bool):
+def column_tiles(head_dim: int, itemsize: int, interpret: bool):
     """(BLOCK_M, BLOCK_N, warps, stages) of the row-LSE and the column-mass kernels.
 
     Not timed on a GPU yet; chosen by compiling for sm90 (tests/sparse_sm90_compile.py, Triton 3.6
-    and 3.9) so that nothing spills. The row-LSE pass is a flash forward without P@V: 128 x 128
-    logits over 8 warps (64 fp32 per thread). The mass pass holds a (BLOCK_M, BLOCK_N) accumulator
-    beside the logits, so it walks 64-row query tiles against 128 resident keys. D > 128 halves the
-    tiles (the Q or K tile doubles). The interpreter runs 16 x 16 tiles so that the tests' short
-    sequences still span several tiles both ways."""
+    and 3.9) so that nothing spills and shared memory stays within 227 KiB. The row-LSE pass is a
+    flash forward without P@V: 128 x 128 logits over 8 warps (64 fp32 per thread), its Q tile
+    resident beside 3 stages of K tiles (128 KiB at D=128, bf16). The mass pass holds a
+    (BLOCK_M, BLOCK_N) accumulator beside the logits, so it walks 64-row query tiles past 128
+    resident keys (80 KiB). D=256 halves the tiles and drops a stage.
+
+    fp32 inputs take IEEE dots, which Triton lowers to FMA loops where each thread holds whole
+    rows of both operands: at D >= 128 the mass kernel spills at every tile tried (16 x 16 to
+    64 x 64: 200 B to 9 KB of stack; the row-LSE kernel is spill-free at 32 x 32), so fp32 gets
+    small tiles that spill least. fp32 on a GPU is for checking results, not for speed. The
+    interpreter runs 16 x 16 tiles so that the tests' short sequences span several tiles."""
     if interpret:
         return (16, 16, 4, 1), (16, 16, 4, 1)
+    if itemsize > 2:
+        return (32, 32, 4, 2), (32, 32, 8, 2)
     if head_dim > 128:
         return (64, 64, 4, 2), (32, 128, 8, 2)
     return (128, 128, 8, 3), (64, 128, 8, 3)
