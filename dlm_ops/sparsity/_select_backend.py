@@ -12,9 +12,10 @@ tensor-core bf16: ~0.35 s) and writes and re-reads every fp32 score and probabil
 pass, several times: ~0.2 s more); the kernel runs bf16 tensor-core dots with fp32 accumulation,
 keeps each tile in registers and writes only (B, H, nQb, nKb) floats, so it should sit near two
 attention forwards (~0.05 s). benchmarks/sparse_quality.py measures both against cuDNN SDPA.
-PulseCol's column mass is the same two QK^T passes over its R scored rows (R = S/8 by default in
-the benchmarks: a quarter of one QK^T of the full matrix); the torch path measured 5.9 dense
-attentions at 32K with R = S/8 (h200 sparse_quality_cuda.md), all of it the fp32 round trips.
+PulseCol's column mass is the same two QK^T passes over its R scored rows (R = S/8 in the
+benchmarks: together a quarter of one QK^T of the full matrix); its torch path measured 5.9 dense
+attentions at 32K with R = S/8 (sparse_quality_cuda.md), the same fp32 upcast and score round
+trips as above, so the kernels should bring it near 2.0 x R / S dense attentions (~0.25).
 """
 
 from __future__ import annotations
