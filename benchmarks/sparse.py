@@ -1,19 +1,34 @@
-"""``python -m benchmarks.sparse --out DIR``: block-sparse attention time against dense attention.
+"""``python -m benchmarks.sparse --out DIR [--preset quick]``: block- and column-sparse attention
+time against dense attention, and what selecting a pattern costs.
 
 Issue #5's yardstick: at S = 16K, 32K, 64K (batch 1, bf16, D=128, GQA 32/8), forward time of
-``dlm_ops.block_sparse_attn`` divided by the forward time of dense non-causal attention (cuDNN
-SDPA), against the density of the block pattern; the goal is time ratio <= 1.15 x density at
-every point. FlexAttention (compiled) with the same block table (``BlockMask.from_kv_blocks``,
-every listed block marked full, so no mask_mod runs) is the contender; both outputs are checked
-against the torch backend in fp32 on a slice (``err_ours``, ``err_flex``).
+``dlm_ops.block_sparse_attn`` and of ``dlm_ops.column_sparse_attn`` divided by the forward time of
+dense non-causal attention (cuDNN SDPA), against the density of the pattern; the goal is time
+ratio <= 1.15 x density at every point. FlexAttention (compiled) with the same block table
+(``BlockMask.from_kv_blocks``, every listed block marked full, so no mask_mod runs) is the
+block-sparse contender; outputs are checked against the torch backend in fp32 on a slice
+(``err_ours``, ``err_flex``). Column-sparse has no contender here (flex would need a per-token
+mask_mod over a column table, evaluated inside every visited block).
 
-Patterns: per (head, query block) a uniformly random set of round(density * nKb) key blocks,
-listed in ascending order (what a table-to-indices conversion produces); selection blocks of 128
-on both sides. Timed calls skip the index check (``check_indices=False``: one host sync, measured
-once per case and reported separately as ``check_ms``). Dense SDPA gets K/V expanded to 32 heads
-up front (not timed). Contenders run interleaved in rounds inside one process (DESIGN.md section
-5, benchmarks/__main__.py's ``_time_once``); the report is the median per contender and the ratios
-of medians measured in the same process. Prints the markdown table last.
+Patterns: block-sparse, per (head, query block) a uniformly random set of round(density * nKb) key
+blocks, listed in ascending order (what a table-to-indices conversion produces), selection blocks
+of 128 on both sides; column-sparse, per head a uniformly random ascending set of
+round(density * S) key columns (what ``pulsecol_select`` returns). Timed calls skip the index
+check (``check_indices=False``: one host sync, measured once per case and reported separately as
+``check_ms``). Dense SDPA gets K/V expanded to 32 heads up front (not timed).
+
+Selection cost, in the same rounds as the dense baseline: ``pulsecol_select`` (the Triton column
+mass: a row-LSE pass and a column-mass pass over the sampled rows) with S/8 sampled rows and with
+all rows, and ``sparsed_select`` (the fused Triton block mass, blocks of 64) for reference; each as
+a multiple of one dense attention and amortised over 64/256/1024 steps: sel_ms / (steps x dense_ms).
+The chunked-PyTorch paths are timed by ``benchmarks.sparse_quality`` (too slow to sit in these
+rounds at 64K).
+
+Contenders run interleaved in rounds inside one process (DESIGN.md section 5,
+benchmarks/__main__.py's ``_time_once``); the report is the median per contender and the ratios
+of medians measured in the same process. ``--preset quick`` (densities 10/30/50%, 3 rounds, no
+flex: no compiles, well under 3 minutes on an H200) writes ``<tag>_quick``. Prints the markdown
+tables last.
 """
 
 from __future__ import annotations
@@ -29,7 +44,10 @@ from .__main__ import _time_once, run_meta, write_results
 
 SEQLENS = (16384, 32768, 65536)
 DENSITIES = (0.1, 0.2, 0.3, 0.5)
+QUICK_DENSITIES = (0.1, 0.3, 0.5)
 GOAL = 1.15  # sparse / dense time <= GOAL * density
+AMORTISE_STEPS = (64, 256, 1024)
+DENSE = "dense cudnn"
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,11 @@ class SparseCase:
         return self.listed / self.num_blocks
 
     @property
+    def columns(self) -> int:
+        """Key columns listed per head (column-sparse; at least one)."""
+        return max(1, round(self.density * self.seqlen))
+
+    @property
     def label(self) -> str:
         return f"S={self.seqlen // 1024}K density={self.density:.0%}"
 
@@ -77,6 +100,16 @@ def block_pattern(case: SparseCase, seed: int = 0, device="cuda"):
     return idx, counts
 
 
+def column_pattern(case: SparseCase, seed: int = 0, device="cuda"):
+    """int32 indices (B, H, columns): per head a random ascending set of distinct key columns,
+    and counts (B, H) (all lists full)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (case.batch, case.heads, case.seqlen)
+    order = torch.rand(shape, generator=g, device=device).argsort(dim=-1)
+    idx = order[..., : case.columns].sort(dim=-1).values.to(torch.int32).contiguous()
+    return idx, torch.full(shape[:2], case.columns, dtype=torch.int32, device=device)
+
+
 def _inputs(case: SparseCase, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     mk = lambda h: torch.randn(case.batch, case.seqlen, h, case.head_dim, device="cuda",
@@ -90,6 +123,26 @@ def make_ours(case: SparseCase, q, k, v, idx, counts):
     bs = case.block_size
     return lambda: dlm_ops.block_sparse_attn(q, k, v, idx, counts, block_size_q=bs,
                                              block_size_k=bs, check_indices=False)
+
+
+def make_column(case: SparseCase, q, k, v, idx, counts):
+    import dlm_ops
+
+    return lambda: dlm_ops.column_sparse_attn(q, k, v, idx, counts, check_indices=False)
+
+
+def make_selections(seqlen: int, q, k) -> dict:
+    """Selection contenders at one length: name -> fn (the pattern's density does not change the
+    cost of scoring; keep / rho 0.3)."""
+    from dlm_ops.sparsity import pulsecol_select, sparsed_select
+
+    return {
+        "pulsecol select (S/8 rows)": lambda: pulsecol_select(q, k, keep=0.3,
+                                                              sample_rows=seqlen // 8),
+        "pulsecol select (all rows)": lambda: pulsecol_select(q, k, keep=0.3),
+        "sparsed select (block 64)": lambda: sparsed_select(q, k, block_size_q=64, block_size_k=64,
+                                                            rho=0.3, prompt_len=seqlen // 2),
+    }
 
 
 def make_flex(case: SparseCase, q, k, v, idx, counts):
@@ -148,17 +201,40 @@ def check_accuracy(case: SparseCase, out_ours, out_flex, q, k, v, idx, counts) -
     return res
 
 
-def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex: bool) -> list[dict]:
-    """All densities of one sequence length and the dense baseline, interleaved in rounds."""
+def check_column_accuracy(case: SparseCase, out, q, k, v, idx, counts) -> dict:
+    """Max abs difference against the fp32 torch backend, first 1024 queries of head group 0."""
+    import dlm_ops
+
+    rows, g = min(case.seqlen, 1024), case.heads // case.kv_heads
+    ref = dlm_ops.column_sparse_attn(q[:, :rows, :g].float(), k[:, :, :1].float(),
+                                     v[:, :, :1].float(), idx[:, :g].contiguous(),
+                                     counts[:, :g].contiguous(), backend="torch")
+    return {"err_ours": (out[:, :rows, :g].float() - ref).abs().max().item()}
+
+
+def _check_ms(checked, unchecked) -> float:
+    """What the index check's host sync adds to one call."""
+    return (statistics.median(_time_once(None, checked, 1) for _ in range(3))
+            - statistics.median(_time_once(None, unchecked, 1) for _ in range(3)))
+
+
+def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex: bool,
+                 with_select: bool = True) -> list[dict]:
+    """All densities of one sequence length, the selections and the dense baseline, interleaved
+    in rounds."""
+    import dlm_ops
+
     base = SparseCase(seqlen, 1.0, block_size=block_size)
     q, k, v = _inputs(base)
-    fns = {("dense cudnn", None): make_dense(base, q, k, v)}
-    meta, patterns = {}, {}
+    fns = {(DENSE, None): make_dense(base, q, k, v)}
+    meta, patterns, columns = {}, {}, {}
     for d in densities:
         case = SparseCase(seqlen, d, block_size=block_size)
         idx, counts = block_pattern(case)
         patterns[d] = (case, idx, counts)
         fns[("dlm_ops", d)] = make_ours(case, q, k, v, idx, counts)
+        columns[d] = column_pattern(case)
+        fns[("dlm_ops column", d)] = make_column(case, q, k, v, *columns[d])
         if with_flex:
             try:
                 fns[("flex", d)] = make_flex(case, q, k, v, idx, counts)
@@ -172,39 +248,101 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
             print(f"  {key}: skipped ({type(e).__name__}: {str(e)[:160]})")
             fns.pop(key)
     for d, (case, idx, counts) in patterns.items():
-        import dlm_ops
-
         out_flex = fns[("flex", d)]() if ("flex", d) in fns else None
-        meta[d] = check_accuracy(case, fns[("dlm_ops", d)](), out_flex, q, k, v, idx, counts)
-        check = lambda: dlm_ops.block_sparse_attn(q, k, v, idx, counts, block_size_q=block_size,
-                                                  block_size_k=block_size, check_indices=True)
-        meta[d]["check_ms"] = statistics.median(_time_once(None, check, 1) for _ in range(3)) - \
-            statistics.median(_time_once(None, fns[("dlm_ops", d)], 1) for _ in range(3))
+        meta[("dlm_ops", d)] = check_accuracy(case, fns[("dlm_ops", d)](), out_flex, q, k, v, idx,
+                                              counts)
+        meta[("flex", d)] = meta[("dlm_ops", d)]  # one row per contender carries both errors
+        meta[("dlm_ops", d)]["check_ms"] = _check_ms(
+            lambda: dlm_ops.block_sparse_attn(q, k, v, idx, counts, block_size_q=block_size,
+                                              block_size_k=block_size, check_indices=True),
+            fns[("dlm_ops", d)])
+        if ("dlm_ops column", d) in fns:
+            cidx, ccounts = columns[d]
+            meta[("dlm_ops column", d)] = dict(
+                check_column_accuracy(case, fns[("dlm_ops column", d)](), q, k, v, cidx, ccounts),
+                check_ms=_check_ms(lambda: dlm_ops.column_sparse_attn(q, k, v, cidx, ccounts),
+                                   fns[("dlm_ops column", d)]))
+    if with_select:
+        for name, fn in make_selections(seqlen, q, k).items():
+            try:
+                fn()  # warm-up (Triton compiles)
+                torch.cuda.synchronize()
+                fns[(name, "select")] = fn
+            except Exception as e:
+                print(f"  {name}: skipped ({type(e).__name__}: {str(e)[:160]})")
     times = {key: [] for key in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
             times[key].append(_time_once(None, fn, 3))
-    dense_ms = statistics.median(times[("dense cudnn", None)])
-    rows = [dict(asdict(base), density=1.0, contender="dense cudnn", ms=dense_ms, ratio=1.0,
+    dense_ms = statistics.median(times[(DENSE, None)])
+    rows = [dict(asdict(base), kind="dense", density=1.0, contender=DENSE, ms=dense_ms, ratio=1.0,
                  ratio_over_density=1.0)]
     for (name, d), ts in times.items():
-        if d is None:
-            continue
-        case = patterns[d][0]
         ms = statistics.median(ts)
-        rows.append(dict(asdict(case), true_density=case.true_density, contender=name, ms=ms,
-                         ratio=ms / dense_ms, ratio_over_density=ms / dense_ms / case.true_density,
-                         **meta[d]))
+        if d == "select":
+            rows.append(dict(asdict(base), kind="select", contender=name, ms=ms,
+                             ratio=ms / dense_ms, **{f"amortised_{n}": ms / (n * dense_ms)
+                                                     for n in AMORTISE_STEPS}))
+        elif d is not None:
+            case = patterns[d][0]
+            column = name == "dlm_ops column"
+            density = case.columns / seqlen if column else case.true_density
+            rows.append(dict(asdict(case), kind="column" if column else "block",
+                             true_density=density, contender=name, ms=ms, ratio=ms / dense_ms,
+                             ratio_over_density=ms / dense_ms / density, **meta.get((name, d), {})))
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
+    """The block-sparse table, then the column-sparse one, then the selection costs."""
+    parts = [block_table(rows)]
+    if any(r.get("kind") == "column" for r in rows):
+        parts.append(column_table(rows))
+    if any(r.get("kind") == "select" for r in rows):
+        parts.append(select_table(rows))
+    return "\n\n".join(parts)
+
+
+def _dense_ms(rows: list[dict]) -> dict:
+    return {r["seqlen"]: r["ms"] for r in rows if r["contender"] == DENSE}
+
+
+def column_table(rows: list[dict]) -> str:
+    head = ["S", "density (columns)", "dense cuDNN ms", "column ms", "column / dense",
+            "/ density", "err vs fp32", f"column / density <= {GOAL}"]
+    lines = ["Column-sparse (`column_sparse_attn`, every query of a head attends to its head's "
+             "columns):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    dense = _dense_ms(rows)
+    for r in sorted((r for r in rows if r.get("kind") == "column"),
+                    key=lambda r: (r["seqlen"], r["density"])):
+        lines.append("| " + " | ".join([
+            f"{r['seqlen'] // 1024}K", f"{r['true_density']:.3f}", f"{dense[r['seqlen']]:.2f}",
+            f"{r['ms']:.2f}", f"{r['ratio']:.3f}", f"{r['ratio_over_density']:.2f}",
+            f"{r.get('err_ours', float('nan')):.1e}",
+            "yes" if r["ratio_over_density"] <= GOAL else "no"]) + " |")
+    return "\n".join(lines)
+
+
+def select_table(rows: list[dict]) -> str:
+    head = ["S", "selection", "ms", "x dense"] + [f"/ {n} steps of dense" for n in AMORTISE_STEPS]
+    lines = ["Selection cost (one call; keep / rho 0.3), in units of one dense cuDNN attention:", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in (r for r in rows if r.get("kind") == "select"):
+        lines.append("| " + " | ".join([f"{r['seqlen'] // 1024}K", r["contender"], f"{r['ms']:.2f}",
+                                        f"{r['ratio']:.3f}",
+                                        *[f"{r[f'amortised_{n}']:.4f}" for n in AMORTISE_STEPS]])
+                     + " |")
+    return "\n".join(lines)
+
+
+def block_table(rows: list[dict]) -> str:
     head = ["S", "density", "dense cuDNN ms", "dlm_ops ms", "dlm_ops / dense", "/ density",
             "flex ms", "flex / dense", "flex / density", "flex ms / dlm_ops ms",
             f"dlm_ops / density <= {GOAL}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    dense = {r["seqlen"]: r["ms"] for r in rows if r["contender"] == "dense cudnn"}
-    keys = sorted({(r["seqlen"], r["density"]) for r in rows if r["contender"] != "dense cudnn"})
+    dense = _dense_ms(rows)
+    keys = sorted({(r["seqlen"], r["density"]) for r in rows
+                   if r["contender"] in ("dlm_ops", "flex")})
     for s, d in keys:
         get = lambda name: next((r for r in rows if r["contender"] == name and r["seqlen"] == s
                                  and r["density"] == d), None)
@@ -223,15 +361,23 @@ def markdown(rows: list[dict]) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.sparse", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--preset", default="full", choices=["full", "quick"],
+                   help="quick: densities 10/30/50%%, 3 rounds, no flex, tag <tag>_quick")
     p.add_argument("--seqlens", default=",".join(str(s) for s in SEQLENS))
-    p.add_argument("--densities", default=",".join(str(d) for d in DENSITIES))
+    p.add_argument("--densities", default=None, help="default: 0.1,0.2,0.3,0.5 (quick: 0.1,0.3,0.5)")
     p.add_argument("--block-size", type=int, default=128, choices=[64, 128])
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=None, help="default 5 (quick: 3)")
     p.add_argument("--no-flex", action="store_true")
+    p.add_argument("--no-select", action="store_true", help="skip the selection-cost rows")
     p.add_argument("--tag", default="h200_sparse")
     a = p.parse_args(argv)
+    quick = a.preset == "quick"
     a.seqlens = [int(x) for x in a.seqlens.split(",")]
-    a.densities = [float(x) for x in a.densities.split(",")]
+    a.densities = ([float(x) for x in a.densities.split(",")] if a.densities
+                   else list(QUICK_DENSITIES if quick else DENSITIES))
+    a.rounds = a.rounds or (3 if quick else 5)
+    if quick:
+        a.no_flex, a.tag = True, a.tag + "_quick"
     return a
 
 
@@ -246,11 +392,11 @@ def main(argv=None) -> int:
         print(f"S={s}", flush=True)
         torch._dynamo.reset()  # a fresh compile cache per length (flex recompiles per shape)
         rows += [dict(meta, **r) for r in bench_seqlen(s, a.densities, a.rounds, a.block_size,
-                                                       not a.no_flex)]
+                                                       not a.no_flex, not a.no_select)]
         torch.cuda.empty_cache()
     write_results(a.out, a.tag, rows, meta,
-                  f"bf16, B=1, H=32, Hkv=8, D=128, selection blocks {a.block_size}; forward; median "
-                  f"of {a.rounds} interleaved rounds of 3 calls.", markdown(rows))
+                  f"bf16, B=1, H=32, Hkv=8, D=128, block-sparse selection blocks {a.block_size}; "
+                  f"forward; median of {a.rounds} interleaved rounds of 3 calls.", markdown(rows))
     return 0
 
 

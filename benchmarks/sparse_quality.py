@@ -227,8 +227,10 @@ def cost_rows(rounds=5) -> list[dict]:
             "sparsed select (torch chunked)": lambda: sparsed_select(
                 q, k, block_size_q=64, block_size_k=64, rho=0.3, prompt_len=s // 2, backend="torch"),
             "ba-att select": lambda: ba_att_select(q, k, block_size_q=64, block_size_k=64, rho=0.3),
-            "pulsecol select (S/8 rows)": lambda: pulsecol_select(q, k, keep=0.3,
-                                                                  sample_rows=s // 8),
+            "pulsecol select (triton, S/8 rows)": lambda: pulsecol_select(
+                q, k, keep=0.3, sample_rows=s // 8),
+            "pulsecol select (torch chunked, S/8 rows)": lambda: pulsecol_select(
+                q, k, keep=0.3, sample_rows=s // 8, backend="torch"),
         }
         for fn in contenders.values():
             _time_once(None, fn, 1)

@@ -1,4 +1,5 @@
-"""Compile the sparse Triton kernels for sm90 without a GPU and report their resource usage.
+"""Compile the sparse Triton kernels (attention and selection) for sm90 without a GPU and report
+their resource usage.
 
 Run by tests/test_sparse_attn.py in a subprocess without TRITON_INTERPRET (the interpreter never
 lowers a kernel, so it cannot catch a GPU compile error). Prints one line per kernel:
@@ -17,10 +18,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import dlm_ops.backends.sparse_triton as backend
+from dlm_ops.sparsity import _select_backend as select_backend
+from dlm_ops.templates import column_mass as column_kernels
 from dlm_ops.templates import sparse_attn as kernels
+from dlm_ops.templates import sparse_select as select_kernels
 
 INT = {"IDX", "CNT", "ORDER", "REV_OFF", "REV_Q"}
-FLOAT32 = {"LSE", "DELTA", "DKP", "DVP"}
+FLOAT32 = {"LSE", "DELTA", "DKP", "DVP", "LSE2", "MASS"}
 TENSORS = INT | FLOAT32 | {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 
 
@@ -32,7 +36,7 @@ def compile_sm90(fn, constexprs, warps, stages, dtype="bf16"):
         elif name in TENSORS:
             sig[name] = "*" + ("i32" if name in INT else "fp32" if name in FLOAT32 else dtype)
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "scale":
+        elif name in ("scale", "scale2"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -70,7 +74,19 @@ def main():
             consts.update(BSQ=blocks[0], BSK=blocks[1])
         smem, regs, stack = resources(compile_sm90(fn, consts, warps, stages))
         print(f"{label.replace(' ', '_')} {smem} {regs} {stack}", flush=True)
-
+    # Selection: SparseD's block mass at 128 x 128 blocks (8 warps, the launcher's choice there),
+    # PulseCol's row LSE and column mass with the backend's bf16 tiles at D = 128 and 256 (fp32's
+    # FMA dots spill at every tile: see _select_backend.column_tiles).
+    consts = dict(D=128, BLOCK_D=128, IEEE=False, BLOCK_M=128, BLOCK_N=128)
+    smem, regs, stack = resources(compile_sm90(select_kernels.block_mass_kernel, consts, 8, 3))
+    print(f"block_mass_bs128 {smem} {regs} {stack}", flush=True)
+    for d in (128, 256):
+        for fn, (bm, bn, warps, stages) in zip(
+                (column_kernels.row_lse_kernel, column_kernels.column_mass_kernel),
+                select_backend.column_tiles(d, 2, interpret=False)):
+            consts = dict(D=d, BLOCK_D=d, IEEE=False, BLOCK_M=bm, BLOCK_N=bn)
+            smem, regs, stack = resources(compile_sm90(fn, consts, warps, stages))
+            print(f"{fn.__name__.removesuffix('_kernel')}_d{d} {smem} {regs} {stack}", flush=True)
 
 if __name__ == "__main__":
     backend.INTERPRET = False  # the backend's GPU tile choices, not the interpreter's

@@ -421,7 +421,8 @@ def test_triton_non_contiguous_inputs():
 def test_kernels_compile_for_sm90_without_spills():
     """The interpreter never lowers a kernel: compile the backend's first-choice configs for sm90
     (H100/H200) in a subprocess without TRITON_INTERPRET, and check they fit the 227 KiB of shared
-    memory and spill no registers (a spill costs more than any tile choice gains)."""
+    memory and spill no registers (a spill costs more than any tile choice gains). Six attention
+    kernels, SparseD's block mass, PulseCol's row LSE and column mass at D = 128 and 256."""
     import os
     import subprocess
     import sys
@@ -436,7 +437,7 @@ def test_kernels_compile_for_sm90_without_spills():
         pytest.skip("this Triton wheel ships no cuobjdump")
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [line.split() for line in run.stdout.splitlines() if line.strip()]
-    assert len(lines) == 6
+    assert len(lines) == 11
     for name, smem, regs, stack in lines:
         assert int(smem) <= 227 * 1024, f"{name}: {smem} bytes of shared memory"
         assert int(stack) == 0, f"{name}: spills ({regs} registers, {stack} bytes of stack)"
@@ -466,6 +467,28 @@ def test_benchmark_cases_and_table():
                  ratio=0.15, ratio_over_density=1.5)]
     table = bench.markdown(rows)
     assert "| 16K | 0.100 | 10.00 | 1.10 | 0.110 | 1.10 | 1.50 | 0.150 | 1.50 | 1.36x | yes |" in table
+
+
+def test_benchmark_column_rows_selection_and_quick_preset():
+    from benchmarks import sparse as bench
+
+    quick = bench.parse_args(["--preset", "quick"])
+    assert quick.no_flex and quick.rounds == 3 and quick.tag == "h200_sparse_quick"
+    assert quick.seqlens == [16384, 32768, 65536] and quick.densities == [0.1, 0.3, 0.5]
+    full = bench.parse_args([])
+    assert not full.no_flex and full.rounds == 5 and full.densities == [0.1, 0.2, 0.3, 0.5]
+    case = bench.SparseCase(16384, 0.3)
+    idx, cnt = bench.column_pattern(case, device="cpu")
+    assert idx.shape == (1, 32, case.columns) and case.columns == 4915 and (cnt == 4915).all()
+    assert (idx[..., 1:] > idx[..., :-1]).all() and idx.min() >= 0 and idx.max() < 16384
+    rows = [dict(seqlen=16384, kind="dense", density=1.0, contender="dense cudnn", ms=10.0),
+            dict(seqlen=16384, kind="column", density=0.3, true_density=0.3, contender="dlm_ops column",
+                 ms=3.3, ratio=0.33, ratio_over_density=1.1, err_ours=1e-3),
+            dict(seqlen=16384, kind="select", density=1.0, contender="pulsecol select (S/8 rows)",
+                 ms=2.56, ratio=0.256, amortised_64=0.004, amortised_256=0.001, amortised_1024=0.00025)]
+    table = bench.markdown(rows)
+    assert "| 16K | 0.300 | 10.00 | 3.30 | 0.330 | 1.10 | 1.0e-03 | yes |" in table
+    assert "| 16K | pulsecol select (S/8 rows) | 2.56 | 0.256 | 0.0040 | 0.0010 | 0.0003 |" in table
 
 
 # -- GPU (-m gpu) ---------------------------------------------------------------------------------

@@ -7,9 +7,17 @@ index. Every query of the head then attends to exactly those columns (``dlm_ops.
 When to refresh is the step cache's business (``caches.PulseColCache``).
 
 Sampled rows: ``sample_rows=n`` takes rows floor(i * Sq / n), i < n (evenly spread, row 0
-included, the same rows on every call); a 1-D int tensor names the rows; None takes all. The
-column mass is computed in chunks (``_pooling.pooled_mass`` with key blocks of 1): two passes
-over the keys for the sampled rows, working memory bounded by ``_pooling.CHUNK_BYTES``.
+included, the same rows on every call); a 1-D int tensor names the rows (a repeated row counts
+each time); None takes all. GQA: query head h scores with kv head h // (H / Hkv) and keeps its own
+columns (the query heads sharing a kv head are not summed).
+
+The mass is the custom op ``dlm::sparse_column_mass`` (dlm_ops/ops/sparse_select.py), two QK^T
+passes over the sampled rows and never the S x S matrix, with a backend from the "sparse_select"
+registry: on CUDA the Triton kernels (templates/column_mass.py: each row's LSE, then one program
+per key tile summing exp(s - lse) over the rows, deterministic, no atomics); elsewhere, or for
+head dims that are not multiples of 8, chunked PyTorch (``_pooling.pooled_mass`` with key blocks
+of 1, working memory bounded by ``_pooling.CHUNK_BYTES``). ``backend="torch"`` / ``"triton"``
+forces one.
 """
 
 from __future__ import annotations
@@ -18,14 +26,14 @@ import math
 
 import torch
 
-from ._pooling import pooled_mass
-from ..ops.sparse_select import check_selection_inputs
+from ..ops.sparse_select import check_selection_inputs, sparse_column_mass
 from .sparsed import check_fraction
 from .tables import topk_indices
 
 
 def sample_rows_index(seqlen_q: int, sample_rows, device) -> torch.Tensor | None:
-    """The query rows PulseCol scores with (None: all)."""
+    """The query rows PulseCol scores with (None: all). A tensor's values are range-checked by
+    the op (``dlm::sparse_column_mass``, one host sync); the rows made from an int need no check."""
     if sample_rows is None:
         return None
     if isinstance(sample_rows, torch.Tensor):
@@ -33,9 +41,6 @@ def sample_rows_index(seqlen_q: int, sample_rows, device) -> torch.Tensor | None
                 or sample_rows.numel() < 1:
             raise ValueError(f"sample_rows must be a non-empty 1-D int tensor, an int or None, got "
                              f"{sample_rows.dtype} shape {tuple(sample_rows.shape)}")
-        if int(sample_rows.min()) < 0 or int(sample_rows.max()) >= seqlen_q:
-            raise ValueError(f"sample_rows must lie in [0, {seqlen_q}), got "
-                             f"[{int(sample_rows.min())}, {int(sample_rows.max())}]")
         return sample_rows.to(device=device, dtype=torch.long)
     if isinstance(sample_rows, bool) or not isinstance(sample_rows, int) or sample_rows < 1:
         raise ValueError(f"sample_rows must be an int >= 1, a 1-D int tensor or None, got {sample_rows!r}")
@@ -49,26 +54,24 @@ def keep_count(seqlen_k: int, keep: float) -> int:
 
 
 def pulsecol_column_mass(q, k, *, sample_rows=None, softmax_scale=None, chunk_rows=None,
-                         chunk_k=None) -> torch.Tensor:
-    """fp32 (B, H, Sk): attention mass per key column over the (sampled) query rows."""
+                         chunk_k=None, backend=None) -> torch.Tensor:
+    """fp32 (B, H, Sk): attention mass per key column over the (sampled) query rows.
+
+    ``backend``: None takes the Triton kernels on CUDA and the chunked torch path elsewhere
+    (``chunk_rows``/``chunk_k`` apply to it); "torch" / "triton" force one."""
     check_selection_inputs(q, k, 1, 1)
     rows = sample_rows_index(q.shape[1], sample_rows, q.device)
-    qs = q if rows is None else q.index_select(1, rows)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    # One query "block" per chunk of rows: pooled_mass sums the rows of a block, so the (B, H,
-    # n_chunks, Sk) result only needs a sum over its chunks.
-    nrows = qs.shape[1]
-    block = min(nrows, chunk_rows or 256)
-    mass = pooled_mass(qs, k, block, 1, scale, None, block, chunk_k)
-    return mass.sum(2)
+    return sparse_column_mass(q, k, rows, isinstance(sample_rows, torch.Tensor), softmax_scale,
+                              chunk_rows, chunk_k, backend)
 
 
 def pulsecol_select(q, k, *, keep: float, sample_rows=None, softmax_scale=None, chunk_rows=None,
-                    chunk_k=None):
+                    chunk_k=None, backend=None):
     """PulseCol selection -> (kv_indices int32 (B, H, K), kv_counts int32 (B, H)) for
-    ``dlm_ops.column_sparse_attn``; q (B, Sq, H, D), k (B, Sk, Hkv, D)."""
+    ``dlm_ops.column_sparse_attn``; q (B, Sq, H, D), k (B, Sk, Hkv, D). ``backend``: see
+    ``pulsecol_column_mass``."""
     check_fraction("keep", keep)
     mass = pulsecol_column_mass(q, k, sample_rows=sample_rows, softmax_scale=softmax_scale,
-                                chunk_rows=chunk_rows, chunk_k=chunk_k)
+                                chunk_rows=chunk_rows, chunk_k=chunk_k, backend=backend)
     idx = topk_indices(mass, keep_count(k.shape[1], keep)).to(torch.int32)
     return idx, torch.full(idx.shape[:-1], idx.shape[-1], dtype=torch.int32, device=idx.device)
