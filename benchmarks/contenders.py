@@ -192,6 +192,8 @@ EXACT_CONTENDERS = {
 
 CONTENDERS = {
     "dlm_ops": ours,
+    # The Triton kernels alone: on sm90 "dlm_ops" runs the CUTLASS forward where it applies.
+    "dlm_ops triton": lambda c: ours(c, "triton"),
     "cudnn causal halves": lambda c: causal_halves(c, SDPBackend.CUDNN_ATTENTION),
     "flash causal halves": lambda c: causal_halves(c, SDPBackend.FLASH_ATTENTION),
     "flex BD3": flex,
