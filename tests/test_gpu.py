@@ -149,9 +149,8 @@ def test_torch_compile_on_cuda():
     (1024, 300, 128, (2, 2), "bd3"), (256, 4, 64, (4, 2), "packed"), (256, 16, 128, (4, 2), "causal"),
 ])
 def test_cutlass_forward(dtype, n, block_size, d, heads, layout):
-    """The sm90 CUTLASS forward (csrc/hopper/diffusion_fwd.cuh) is the default on the H200 where it
-    applies, meets the accuracy rule (the backward, Triton's, rides along), and agrees with the
-    Triton forward."""
+    """The sm90 CUTLASS forward (csrc/hopper/diffusion_fwd.cuh), forced, meets the accuracy rule
+    (the backward, Triton's, rides along) and agrees with the Triton forward."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
     h, hkv = heads
@@ -161,13 +160,13 @@ def test_cutlass_forward(dtype, n, block_size, d, heads, layout):
     else:
         q, k, v = _qkv(2, 2 * n, h, hkv, d, dtype, seed=n + d)
     if layout == "causal":
-        def run(q, k, v, backend=None):
+        def run(q, k, v, backend="cutlass"):
             return dlm_ops.block_causal_attn_func(q, k, v, block_size, return_lse=True, backend=backend)
 
         def ref(q, k, v, **kw):
             return block_causal_attn_ref(q, k, v, block_size, **kw)
     else:
-        def run(q, k, v, backend=None):
+        def run(q, k, v, backend="cutlass"):
             return dlm_ops.diffusion_attn_func(q, k, v, block_size, return_lse=True, backend=backend)
 
         def ref(q, k, v, **kw):
@@ -194,7 +193,7 @@ def test_cutlass_forward_hands_uncovered_shapes_to_triton():
     q, k, v = _qkv(1, 2 * 300, 4, 4, 128, torch.bfloat16)  # n = 300: not a multiple of 128
     before = dict(cd.STATS)
     with torch.no_grad():
-        out = dlm_ops.diffusion_attn_func(q, k, v, 16)
+        out = dlm_ops.diffusion_attn_func(q, k, v, 16, backend="cutlass")
     assert cd.STATS["fwd_fallback"] == before["fwd_fallback"] + 1 and cd.STATS["fwd"] == before["fwd"]
     ref, _ = diffusion_attn_ref(q, k, v, 16)
     assert (out.float() - ref).abs().max().item() < 2e-2

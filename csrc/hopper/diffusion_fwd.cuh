@@ -14,8 +14,12 @@
 // What this first version leaves to the Triton kernel (dlm_ops/backends/cutlass_diffusion.py
 // checks): both halves must be multiples of 128 long (every tile starts on a tile boundary, so TMA
 // addresses whole tiles), batched layout only (no varlen), head dim 64 or 128, bf16/fp16, no
-// softcap. The mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy 0). Tiles that run past a half's end are masked by
-// column, so the next half's rows they load get probability 0.
+// softcap. The mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy
+// 0). Tiles that run past a half's end are masked by column, so the next half's rows they load get
+// probability 0.
+//
+// Versions, predictions and measurements: csrc/NOTES.md (this is v1; v2's in-warpgroup overlap
+// measured slower and is not here).
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2 (s2 = q.k * scale * log2 e), lse
 // stored in natural log, (B, H, S) fp32.
@@ -26,7 +30,6 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
-#include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
 #include <cmath>
@@ -37,13 +40,10 @@ namespace dlm::sm90 {
 
 using namespace cute;
 
-template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool OVERLAP_ = false>
+template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
-  // Overlap S_i = Q K_i^T and the softmax of visit i with P V of visit i-1 inside a warpgroup
-  // (csrc/NOTES.md: measured slower than without on the H200, v2).
-  static constexpr bool kIntraOverlap = OVERLAP_;
   static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
   static constexpr int kConsumers = BM / kConsumerRows;
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -126,6 +126,15 @@ CUTE_DEVICE auto acc_as_operand_a(Layout l) {  // ((2, 2, V), M, N) -> ((2, 2, 2
   auto v = logical_divide(get<0>(l), Shape<_2, _2, _2>{});  // ((2, 1), (2, 1), (2, V / 2))
   return make_layout(make_layout(get<0, 0>(v), get<1, 0>(v), get<2, 0>(v)), get<1>(l),
                      make_layout(get<2, 1>(v), get<2>(l)));
+}
+
+// exp2 and log2 as the SFU's approximate instructions (what --use_fast_math makes of exp2f / log2f;
+// the softmax is bound by them, so the kernel says so itself instead of depending on a build flag).
+// ex2.approx of -inf is +0, which the masked scores rely on.
+CUTE_DEVICE float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Max / sum over the 4 threads of a quad, which together hold a row.
@@ -236,125 +245,80 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   Barrier::wait(&ss.q_full, 0);
 
-  // The visits as one index space 0..count-1 over the two runs, in the producer's order.
-  const int n0 = runs.end[0] - runs.begin[0], count = n0 + runs.end[1] - runs.begin[1];
-  auto key_tile = [&](int i) { return i < n0 ? runs.begin[0] + i : runs.begin[1] + (i - n0); };
-  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<Cfg::kConsumerRows>, Int<BN>>{});
-  Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
-  Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-  Tensor p_elem = make_fragment_like<Elem>(acc_s);
-  Tensor tOrP = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
-  float scale_row[kRows];
-
-  auto issue_qk = [&](int i) {  // S = Q K_i^T into acc_s, asynchronously
-    const int stage = i % STAGES;
-    Barrier::wait(&ss.k_full[stage], (i / STAGES) & 1);
-    warpgroup_fence_operand(acc_s);
-    warpgroup_arrive();
-    mma_s.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-      gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
-      mma_s.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-  };
-  auto issue_pv = [&](int i) {  // O += P V_i, P read from registers, asynchronously
-    const int stage = i % STAGES;
-    Barrier::wait(&ss.v_full[stage], (i / STAGES) & 1);
-    warpgroup_fence_operand(acc_o);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tOrP); ++kb)
-      gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, stage), acc_o);
-    warpgroup_commit_batch();
-  };
-  // Online softmax of visit i's scores in base 2; the row maximum is kept already scaled, so each
-  // probability is one FFMA and one exp2. Leaves P (fp32) in acc_s and the factor O must take.
-  auto softmax = [&](int i) {
-    const Visit visit = plans.visit(qt, key_tile(i));
-    const bool masked = !visit.full || visit.end - visit.start < BN;
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      float mx = -INFINITY;
+  int it = 0;
+  for (int r = 0; r < 2; ++r) {
+    for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
+      const int stage = it % STAGES, phase = (it / STAGES) & 1;
+      const Visit visit = plans.visit(qt, kt);
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<Cfg::kConsumerRows>, Int<BN>>{});
+      Barrier::wait(&ss.k_full[stage], phase);
+      warpgroup_fence_operand(acc_s);
+      warpgroup_arrive();
+      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
       CUTE_UNROLL
-      for (int j = 0; j < size<1>(s_rc); ++j) {
-        if (masked) {
-          const int col = visit.start + get<1>(tScS_rc(r, j));
-          if (col >= visit.end || !seen[r].contains(col)) s_rc(r, j) = -INFINITY;
+      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
+        mma_s.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+      Barrier::arrive(&ss.k_empty[stage]);
+
+      // Online softmax over this tile's columns, in base 2.
+      Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
+      const bool masked = !visit.full || visit.end - visit.start < BN;
+      float scale_row[kRows];
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        float mx = row_max[i];
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          float x = s(i, j) * p.scale_log2;
+          if (masked) {
+            const int col = visit.start + get<1>(tScS_rc(i, j));
+            if (col >= visit.end || !seen[i].contains(col)) x = -INFINITY;
+          }
+          s(i, j) = x;
+          mx = fmaxf(mx, x);
         }
-        mx = fmaxf(mx, s_rc(r, j));
+        mx = quad_max(mx);
+        const float m_use = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet
+        scale_row[i] = exp2_approx(row_max[i] - m_use);
+        row_max[i] = mx;
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          s(i, j) = exp2_approx(s(i, j) - m_use);
+          sum += s(i, j);
+        }
+        row_sum[i] = row_sum[i] * scale_row[i] + sum;  // quad-partial; reduced at the end
       }
-      mx = fmaxf(row_max[r], quad_max(mx) * p.scale_log2);
-      const float m_use = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet
-      scale_row[r] = exp2f(row_max[r] - m_use);
-      row_max[r] = mx;
-      float sum = 0.f;
+      Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
       CUTE_UNROLL
-      for (int j = 0; j < size<1>(s_rc); ++j) {
-        s_rc(r, j) = exp2f(fmaf(s_rc(r, j), p.scale_log2, -m_use));
-        sum += s_rc(r, j);
-      }
-      row_sum[r] = row_sum[r] * scale_row[r] + sum;  // quad-partial; reduced in the epilogue
-    }
-  };
-  auto rescale_o = [&]() {
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r)
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(o_rc); ++j) o_rc(r, j) *= scale_row[r];
-  };
-  auto convert_p = [&]() {  // packed fp32 -> bf16/fp16 conversion (two values per instruction)
-    constexpr int N = decltype(size(acc_s))::value;
-    using Converter = cutlass::NumericArrayConverter<Elem, float, N>;
-    *reinterpret_cast<cutlass::Array<Elem, N>*>(p_elem.data()) =
-        Converter{}(*reinterpret_cast<const cutlass::Array<float, N>*>(acc_s.data()));
-  };
+      for (int i = 0; i < kRows; ++i)
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(o_rc); ++j) o_rc(i, j) *= scale_row[i];
 
-  // FlashAttention-3's overlap inside a warpgroup: the scores of visit i are computed while P V of
-  // visit i-1 runs, and the softmax of visit i overlaps that P V (both wgmma batches in flight,
-  // waited on oldest first). P of i-1 stays in its registers until its wgmma has read them.
-  if constexpr (!Cfg::kIntraOverlap) {  // each warpgroup in turn; the two warpgroups overlap
-    for (int i = 0; i < count; ++i) {
-      issue_qk(i);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      Barrier::arrive(&ss.k_empty[i % STAGES]);
-      softmax(i);
-      rescale_o();
-      convert_p();
-      issue_pv(i);
+      Tensor p_elem = make_fragment_like<Elem>(acc_s);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
+      Tensor tOrP = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
+
+      Barrier::wait(&ss.v_full[stage], phase);
+      warpgroup_fence_operand(acc_o);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, stage), acc_o);
+      warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
-      Barrier::arrive(&ss.v_empty[i % STAGES]);
+      Barrier::arrive(&ss.v_empty[stage]);
     }
-  } else if (count > 0) {
-    issue_qk(0);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_s);
-    Barrier::arrive(&ss.k_empty[0]);
-    softmax(0);  // O is still zero: nothing to rescale
-    convert_p();
-    for (int i = 1; i < count; ++i) {
-      issue_qk(i);
-      issue_pv(i - 1);
-      warpgroup_wait<1>();  // the older batch, S_i, is done
-      warpgroup_fence_operand(acc_s);
-      Barrier::arrive(&ss.k_empty[i % STAGES]);
-      softmax(i);
-      warpgroup_wait<0>();  // P_{i-1} V_{i-1} is done: O may be rescaled, P overwritten
-      warpgroup_fence_operand(acc_o);
-      Barrier::arrive(&ss.v_empty[(i - 1) % STAGES]);
-      rescale_o();
-      convert_p();
-    }
-    issue_pv(count - 1);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_o);
-    Barrier::arrive(&ss.v_empty[(count - 1) % STAGES]);
   }
 
   // Epilogue: O = acc / l straight from registers, lse = (m + log2 l) * ln 2.
+  Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
   Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<D>>{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
   Elem* o_head = p.o + b * p.o_stride_b + h * p.o_stride_h;
@@ -369,7 +333,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         o_head[row * p.o_stride_s + get<1>(tOcO_rc(i, j))] = Elem(o_rc(i, j) * inv);
       if (tid % 4 == 0)
         p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row] =
-            l > 0.f ? (row_max[i] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+            l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     }
   }
 }

@@ -32,8 +32,9 @@ from . import cutlass_diffusion  # noqa: E402,F401  registers "cutlass" (needs r
 def _auto_reasons(b: Backend, problem: Problem) -> list[str]:
     reasons = b.not_supported_reasons(problem)
     if not reasons and b.auto_device_types is not None and problem.device_type not in b.auto_device_types:
-        reasons.append(f"chosen automatically only on {sorted(b.auto_device_types)} "
-                       f"(force it with backend={b.name!r})")
+        where = (f"only on {sorted(b.auto_device_types)}" if b.auto_device_types
+                 else f"only when {b.opt_in} is set" if getattr(b, "opt_in", None) else "never")
+        reasons.append(f"chosen automatically {where} (force it with backend={b.name!r})")
     return reasons
 
 
