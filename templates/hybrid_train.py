@@ -7,55 +7,57 @@ Notation
     n, bs           tokens per half ([noisy | clean], 2n in all) and block length (bs <= n)
     tile, R, TT     a tile is R whole blocks of one half, TT = R * bs tokens, held in BLOCK_T rows
                     (a power of two >= 16); row r belongs to block r // bs of the tile
-    chunk           CT consecutive tiles walked in order by one program
     F, BLOCK_F      features per sign (phi has 2F);  D, BLOCK_D  head dim
-    W               feature_weight as fp32 (H, D, F); w = sigmoid(gate[h])
-    pos, neg        softmax(x W_h) and softmax(-x W_h): the two halves of phi(x), (rows, F)
-    S, Z            the state of the clean blocks before the current tile, per query head, kept as
-                    S_pos, S_neg (F, D) and Z_pos, Z_neg (F,) in fp32 registers
-    P               intra-tile linear scores p_i . phi(k_j) of a query row i and a clean key j of
-                    an EARLIER block of the same tile (mask ``earl``); only when R > 1 (MULTI)
-    dU, dZ          the backward's reverse state: sum over later queries of p_i^T dN_i, dL_i p_i
+    DS              a slice of D columns: the state is split into D slices across programs
+    u               the feature logits x W_h, fp32 (B, S, H, F), precomputed once per call
+    pos, neg        softmax(u) and softmax(-u): the two halves of phi(x), (rows, F)
+    S, Z            the state of the clean tiles before the current one, per query head:
+                    S_pos, S_neg (F, DS) per program, Z_pos, Z_neg (F,), fp32
+    P               intra-tile linear scores p_i . phi(k_j) of a query row and a clean key of an
+                    EARLIER block of the same tile (mask ``earl``); only when R > 1 (MULTI)
+    dU, dZ          the backward's reverse state: sums over later queries of p^T dN and dL p
 
-Design
-------
-The queries of block b (either half) need the state of the clean blocks 0..b-1. A program owns one
-(batch, query head, chunk) and walks the chunk's tiles in order, keeping S and Z in registers; at
-each tile it computes both halves' queries (in-block softmax a = exp(s - rowmax) over their own
-half's keys of the same block, the state term p S, the intra-tile term P v, the shared
-normalisation) and then adds the tile's clean keys to the state. Nothing of size 2F x D per block
-is written: the torch path materialises S for every block (B*H*nb*2F*D fp32, 0.27 GB at B*n=8K,
-H=16) and makes a dozen passes over it.
+Design (why it is shaped this way, from the sm90 compile of a first version)
+----------------------------------------------------------------------------
+The queries of block b (either half) need the state of the clean blocks 0..b-1. A first version
+walked the blocks with the whole (2F x D) fp32 state in registers per (b, h): at F=64, D=128 it
+took 255 registers plus 1.5-4 KB of spills per thread and 155-345 KB of shared memory (> 227 KB:
+it would not launch). Tiles of 32 rows run on mma.sync, whose operands all live in registers, and
+tf32x3 keeps a high and a low copy of each fp32 operand: the state alone is 3 x 64 KB. So:
 
-Parallelism: B*H can be 32-64 programs against 132 SMs. Splitting D is cheap for the forward
-but not for the backward (dp = S dN and dphi(k) = v dU^T both reduce over D), so the sequence is
-split instead: the chunk kernel sums phi(k)^T v over each chunk's clean keys (one big-K matmul per
-chunk, fully parallel), torch takes the exclusive prefix over chunks (nC x 2F x D per head, small),
-and each program starts from its chunk's prefix. One chunk (B*H fills the GPU) skips that pass.
+  * the state is split along D: a program owns (b, h, D slice of DS=32 columns), holding
+    2 x F x DS fp32 (16 KB at F=64). Everything reduced over D that the state does not enter
+    (scores q k^T, the feature logits) is computed on full-D tiles, redundantly per slice (cheap:
+    bs x bs x D per block); the logits u = x W are precomputed by one parallel kernel so that W
+    never sits in a walk.
+  * forward: one walk per (b, h, slice) over the tiles in order; per tile both halves' queries
+    (in-block softmax a = exp(s - rowmax) over their own half's keys of the same block, the state
+    term p S, the intra-tile term P v, the shared normalisation), then the tile's clean keys join
+    the state. No state is written.
+  * backward: dp = dN S^T and dphi(k) = v dU^T reduce over D, which a D-sliced walk cannot finish
+    on its own, so the backward writes the state of every tile (exclusive prefix S_t, Z_t; reverse
+    suffix dU_t, dZ_t: B*H*nt*2F*D fp32 each, nt = n / TT) with a D-sliced scan kernel, and two
+    parallel kernels, one program per (tile, b, h), loop over D slices reading them:
+      scan fwd  S_t, Z_t from the clean keys
+      bwd_q     everything on the query side: recompute the rows (den, out), dN, the clamp-gated
+                dL, the gate gradient, in-block dq/dk/dv, dp -> du (softmax backward of both signs),
+                dq += du W^T; the intra-tile key-side terms; 1/den and dL for the reverse scan
+      scan rev  dU_t, dZ_t from the queries (p^T (dO / den), dL p)
+      bwd_k     the clean keys' state gradients: dphi(k) = v dU_t^T + dZ_t (+ intra), dv += phi(k)
+                dU_t, du_k, dk += du_k W^T
+      dW        one kernel: sum over tokens of x^T du (q and clean k), split over tokens
+    The rowmax inside a = exp(s - max s) does not cancel (the state term is not rescaled with it),
+    so its gradient is kept and split among ties as torch.amax does.
 
-Small blocks: bs=4 in a 16-row tile would waste 3/4 of every dot and make n/4 serial steps. A tile
-holds R = BLOCK_T // bs blocks instead; rows of a later block read the clean keys of earlier
-blocks of the tile through P (the chunked linear-attention form), so the state is updated once
-per tile. The extra (TT x 2F x TT) and (TT x TT x D) dots cost about what the state term costs.
-
-Backward (three walks, no per-block state stored):
-  bwd_q  forward walk with S, Z as above, recomputing the forward; writes everything on the
-         query side: dq (in-block + phi(q) backward), the in-block dk, dv of both halves, dphi
-         through softmax(xW) as du (for dW), and per row 1/den and dL (the clamp-gated gradient
-         of the linear denominator), and the per-program gate gradient.
-  chunk  the same chunk kernel sums p^T dN and dL p over each chunk's queries (both halves);
-         torch takes the reverse exclusive prefix over chunks.
-  bwd_k  reverse walk with dU, dZ: everything on the key side of the linear part: dv += phi(k) dU
-         + P^T dN, dphi(k) = v dU^T + dZ + dP^T p, dk += du_k W^T; then dU += p^T dN.
-  dW     one small kernel: dW[h] = sum over tokens of x^T du (q and clean k), split over tokens.
-The rowmax inside a = exp(s - max s) does not cancel here (the state term is not rescaled with
-it), so its gradient is kept and split among ties as torch.amax does.
+Parallelism: the walks and scans run B*H*(D/DS) programs (128 at B*H=32, D=128); the per-tile
+kernels B*H*nt. Small blocks: a tile packs R = 32 // bs blocks of bs <= 8 (the chunked
+linear-attention form), so a bs=4 call makes n/32 serial steps, not n/4.
 
 Precision (as the decode kernels): fp32 inputs take IEEE fp32 dots everywhere. Low-precision
-inputs take the attention dots (q k^T, a v, dO v^T, a^T dO, ds k, ds^T q) in the input dtype with
-fp32 accumulation (FlashAttention's choice), and the dots of the linear part (x W, p S, phi^T v,
-P, dN S^T, du W^T, ...) in "tf32x3", about fp32 accuracy: S sums thousands of terms and plain
-tf32 would round it to 10 mantissa bits. Every state and accumulator is fp32.
+inputs take the attention dots (q k^T, a v, dN v^T for da, a^T dO, ds k, ds^T q) in the input
+dtype with fp32 accumulation (FlashAttention's choice) and the dots of the linear part (x W,
+p S, P, P v, dN S^T, dP phi, v dU^T, du W^T, the state updates) in "tf32x3", about fp32: S sums
+thousands of terms and plain tf32 would round it to 10 mantissa bits. States are fp32.
 """
 
 import triton
@@ -64,40 +66,27 @@ import triton.language as tl
 from .diffusion_attn import _dot
 from .hybrid_attn import _dot32, _softmax_rows
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _phi(x, w_tile, feat_ok, keep, IEEE: tl.constexpr):
-    """(pos, neg) of an input tile, rows multiplied by ``keep`` (0 for padding rows)."""
-    u = _dot32(x.to(tl.float32), w_tile, IEEE)
-    return (_softmax_rows(u, feat_ok[None, :]) * keep[:, None],
-            _softmax_rows(-u, feat_ok[None, :]) * keep[:, None])
+def _phi_u(U, row, h, H, F, ok, feats, feat_ok):
+    """(pos, neg) of the logits rows ``row`` of U (B*S, H, F) fp32; padding rows give 0."""
+    u = tl.load(U + (row * H + h)[:, None] * F + feats[None, :],
+                mask=ok[:, None] & feat_ok[None, :], other=0.0)
+    keep = ok.to(tl.float32)[:, None]
+    return (_softmax_rows(u, feat_ok[None, :]) * keep,
+            _softmax_rows(-u, feat_ok[None, :]) * keep)
 
 
 @triton.jit
-def _attend(q, kh, vh, same, scale2, IEEE: tl.constexpr):
-    """In-block part: a = exp(s - rowmax) over the keys where ``same``; (a, ties, l, o = a v)."""
+def _scores(q, kh, same, scale2, IEEE: tl.constexpr):
+    """In-block exponentials a = exp(s - rowmax) over the keys where ``same``: (a, ties, l)."""
     s2 = tl.where(same, _dot(q, tl.trans(kh), IEEE) * scale2, float("-inf"))
     m = tl.max(s2, 1)
     m = tl.where(m == float("-inf"), 0.0, m)  # a padding row with no key: a = 0, no NaN
     a = tl.where(same, tl.exp2(s2 - m[:, None]), 0.0)
-    ties = same & (s2 == m[:, None])
-    return a, ties, tl.sum(a, 1), _dot(a.to(vh.dtype), vh, IEEE)
-
-
-@triton.jit
-def _linear(pos, neg, s_pos, s_neg, z_pos, z_neg, pos_k, neg_k, vc32, earl,
-            MULTI: tl.constexpr, IEEE: tl.constexpr):
-    """State part of a query tile: (num = p S + P v, lin = p . Z + rowsum P)."""
-    num = _dot32(pos, s_pos, IEEE) + _dot32(neg, s_neg, IEEE)
-    lin = tl.sum(pos * z_pos[None, :], 1) + tl.sum(neg * z_neg[None, :], 1)
-    if MULTI:
-        pk = tl.where(earl, _dot32(pos, tl.trans(pos_k), IEEE) + _dot32(neg, tl.trans(neg_k), IEEE),
-                      0.0)
-        num += _dot32(pk, vc32, IEEE)
-        lin += tl.sum(pk, 1)
-    return num, lin
+    return a, same & (s2 == m[:, None]), tl.sum(a, 1)
 
 
 @triton.jit
@@ -109,7 +98,8 @@ def _phi_bwd(pos, neg, dpos, dneg):
 
 @triton.jit
 def _tile_rows(rows, t, tile_len, n, bs):
-    """Sequence positions (within a half) of a tile's rows, their validity, and the masks."""
+    """Positions (within a half) of a tile's rows, their validity, the in-block and the
+    earlier-block masks (over valid keys)."""
     seq = t * tile_len + rows
     ok = (rows < tile_len) & (seq < n)
     blk = rows // bs
@@ -119,69 +109,84 @@ def _tile_rows(rows, t, tile_len, n, bs):
 
 
 @triton.jit
-def _load_state(S0, Z0, idx, feats, dims, F, D, s_mask, feat_ok, HAS_S0: tl.constexpr,
-                BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(S_pos, S_neg, Z_pos, Z_neg) of chunk state ``idx`` (= (b * H + h) * nC + chunk)."""
-    if HAS_S0:
-        base = S0 + idx * 2 * F * D + feats[:, None] * D + dims[None, :]
-        s_pos = tl.load(base, mask=s_mask, other=0.0)
-        s_neg = tl.load(base + F * D, mask=s_mask, other=0.0)
-        z_pos = tl.load(Z0 + idx * 2 * F + feats, mask=feat_ok, other=0.0)
-        z_neg = tl.load(Z0 + idx * 2 * F + F + feats, mask=feat_ok, other=0.0)
-    else:
-        s_pos = tl.zeros([BLOCK_F, BLOCK_D], tl.float32)
-        s_neg = tl.zeros([BLOCK_F, BLOCK_D], tl.float32)
-        z_pos = tl.zeros([BLOCK_F], tl.float32)
-        z_neg = tl.zeros([BLOCK_F], tl.float32)
-    return s_pos, s_neg, z_pos, z_neg
+def _gate(GATE, h):
+    return 1.0 / (1.0 + tl.exp2(-tl.load(GATE + h).to(tl.float32) * LOG2E))
+
+
+@triton.jit
+def hybrid_logits_kernel(
+    X, W, U, sxb, sxs, sxh,
+    H, G, seqlen, row_off, total, F,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """U[i, h] = X[b, row_off + s, h // G] @ W[h] for the flattened tokens i = b * seqlen + s;
+    U (B * seqlen, H, F) fp32."""
+    pid, h = tl.program_id(0), tl.program_id(1)
+    rows, dims, feats = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F)
+    dim_ok, feat_ok = dims < D, feats < F
+    idx = pid * BLOCK_N + rows
+    ok = idx < total
+    bb, ss = idx // seqlen, idx % seqlen
+    x = tl.load(X + bb[:, None] * sxb + (row_off + ss)[:, None] * sxs + (h // G) * sxh
+                + dims[None, :], mask=ok[:, None] & dim_ok[None, :], other=0.0)
+    w_tile = tl.load(W + h * D * F + dims[:, None] * F + feats[None, :],
+                     mask=dim_ok[:, None] & feat_ok[None, :], other=0.0)
+    tl.store(U + (idx * H + h)[:, None] * F + feats[None, :],
+             _dot32(x.to(tl.float32), w_tile, IEEE), mask=ok[:, None] & feat_ok[None, :])
 
 
 @triton.jit
 def hybrid_train_fwd_kernel(
-    Q, K, V, O, W, GATE, S0, Z0,
+    Q, K, V, O, UQ, UK, GATE,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
-    H, G, n, bs, tile_len, chunk_tiles, num_tiles, F, scale, eps,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-    MULTI: tl.constexpr, HAS_S0: tl.constexpr, IEEE: tl.constexpr,
+    H, G, n, bs, tile_len, num_tiles, F, scale, eps,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DS: tl.constexpr,
+    BLOCK_F: tl.constexpr, MULTI: tl.constexpr, IEEE: tl.constexpr,
 ):
-    bh, chunk = tl.program_id(0), tl.program_id(1)
+    """One program per (b, h, D slice) walks the tiles in order with its state slice."""
+    bh, dsi = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     kvh = h // G
-    rows, dims, feats = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F)
-    dim_ok, feat_ok = dims < D, feats < F
-    s_mask = feat_ok[:, None] & dim_ok[None, :]
-    s_pos, s_neg, z_pos, z_neg = _load_state(S0, Z0, bh * tl.num_programs(1) + chunk, feats, dims,
-                                             F, D, s_mask, feat_ok, HAS_S0, BLOCK_F, BLOCK_D)
-    w_tile = tl.load(W + h * D * F + dims[:, None] * F + feats[None, :],
-                     mask=dim_ok[:, None] & feat_ok[None, :], other=0.0)
-    w = 1.0 / (1.0 + tl.exp2(-tl.load(GATE + h).to(tl.float32) * LOG2E))
+    rows, full, feats = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F)
+    dims = dsi * DS + tl.arange(0, DS)
+    full_ok, dim_ok, feat_ok = full < D, dims < D, feats < F
+    s_pos = tl.zeros([BLOCK_F, DS], tl.float32)
+    s_neg = tl.zeros([BLOCK_F, DS], tl.float32)
+    z_pos = tl.zeros([BLOCK_F], tl.float32)
+    z_neg = tl.zeros([BLOCK_F], tl.float32)
+    w = _gate(GATE, h)
     scale2 = scale * LOG2E
     q_base, k_base, v_base = Q + b * sqb + h * sqh, K + b * skb + kvh * skh, V + b * svb + kvh * svh
     o_base = O + b * sob + h * soh
-    t_lo = chunk * chunk_tiles
-    for t in range(t_lo, tl.minimum(t_lo + chunk_tiles, num_tiles)):
+    for t in range(num_tiles):
         seq, ok, same, earl = _tile_rows(rows, t, tile_len, n, bs)
-        tile_ok = ok[:, None] & dim_ok[None, :]
-        kc = tl.load(k_base + (n + seq)[:, None] * sks + dims[None, :], mask=tile_ok, other=0.0)
-        vc = tl.load(v_base + (n + seq)[:, None] * svs + dims[None, :], mask=tile_ok, other=0.0)
-        pos_k, neg_k = _phi(kc, w_tile, feat_ok, ok.to(tl.float32), IEEE)
+        f_ok, s_ok = ok[:, None] & full_ok[None, :], ok[:, None] & dim_ok[None, :]
+        pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
+        vc = tl.load(v_base + (n + seq)[:, None] * svs + dims[None, :], mask=s_ok, other=0.0)
         vc32 = vc.to(tl.float32)
         for half in tl.static_range(2):
             tok = half * n + seq
+            kh = tl.load(k_base + tok[:, None] * sks + full[None, :], mask=f_ok, other=0.0)
             if half == 0:
-                kh = tl.load(k_base + tok[:, None] * sks + dims[None, :], mask=tile_ok, other=0.0)
-                vh = tl.load(v_base + tok[:, None] * svs + dims[None, :], mask=tile_ok, other=0.0)
+                vh = tl.load(v_base + tok[:, None] * svs + dims[None, :], mask=s_ok, other=0.0)
             else:
-                kh, vh = kc, vc
-            q = tl.load(q_base + tok[:, None] * sqs + dims[None, :], mask=tile_ok, other=0.0)
-            a, ties, l, o = _attend(q, kh, vh, same, scale2, IEEE)
-            pos, neg = _phi(q, w_tile, feat_ok, ok.to(tl.float32), IEEE)
-            num, lin = _linear(pos, neg, s_pos, s_neg, z_pos, z_neg, pos_k, neg_k, vc32, earl,
-                               MULTI, IEEE)
+                vh = vc
+            q = tl.load(q_base + tok[:, None] * sqs + full[None, :], mask=f_ok, other=0.0)
+            a, ties, l = _scores(q, kh, same, scale2, IEEE)
+            o = _dot(a.to(vh.dtype), vh, IEEE)
+            pos, neg = _phi_u(UQ, b * 2 * n + tok, h, H, F, ok, feats, feat_ok)
+            num = _dot32(pos, s_pos, IEEE) + _dot32(neg, s_neg, IEEE)
+            lin = tl.sum(pos * z_pos[None, :], 1) + tl.sum(neg * z_neg[None, :], 1)
+            if MULTI:
+                pk = tl.where(earl, _dot32(pos, tl.trans(pos_k), IEEE)
+                              + _dot32(neg, tl.trans(neg_k), IEEE), 0.0)
+                num += _dot32(pk, vc32, IEEE)
+                lin += tl.sum(pk, 1)
             den = tl.maximum(w * l, eps) + tl.maximum(lin, eps)
             out = (w * o + num) / den[:, None]
             tl.store(o_base + tok[:, None] * sos + dims[None, :], out.to(O.dtype.element_ty),
-                     mask=tile_ok)
+                     mask=s_ok)
         s_pos += _dot32(tl.trans(pos_k), vc32, IEEE)
         s_neg += _dot32(tl.trans(neg_k), vc32, IEEE)
         z_pos += tl.sum(pos_k, 0)
@@ -189,221 +194,250 @@ def hybrid_train_fwd_kernel(
 
 
 @triton.jit
-def hybrid_train_bwd_q_kernel(
-    Q, K, V, DO, W, GATE, S0, Z0, DQ, DK, DV, DUQ, RDEN, DLIN, DGV,
-    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-    H, G, n, bs, tile_len, chunk_tiles, num_tiles, F, scale, eps,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-    MULTI: tl.constexpr, HAS_S0: tl.constexpr, IEEE: tl.constexpr,
+def hybrid_scan_kernel(
+    U, Y, RS, ZC, S_OUT, Z_OUT, syb, sys, syh,
+    H, gy, n, u_off, tile_len, num_tiles, F,
+    BLOCK_T: tl.constexpr, D: tl.constexpr, DS: tl.constexpr, BLOCK_F: tl.constexpr,
+    FIRST_HALF: tl.constexpr, NUM_HALVES: tl.constexpr, REVERSE: tl.constexpr,
+    HAS_RS: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Forward walk of the backward: the query side. DQ (B, 2n, H, D) contiguous in q's dtype; DK, DV
-    (B, 2n, H, D) fp32 per query head (in-block part; bwd_k adds the state part to the clean
-    half); DUQ (B, 2n, H, F) fp32; RDEN, DLIN (B, H, 2n) fp32; DGV (B, H, nC) fp32."""
-    bh, chunk = tl.program_id(0), tl.program_id(1)
+    """Per (b, h, D slice), tiles in order (REVERSE: backwards): write the state before the tile
+    to S_OUT (B, H, nt, 2F, D) and Z_OUT (B, H, nt, 2F), then add the tile's rows:
+    S += phi^T (Y * RS), Z += sum phi * ZC over halves FIRST_HALF .. + NUM_HALVES - 1, phi from U
+    rows (half * n - u_off + position). Forward: U = u(clean k), Y = v. Reverse: U = u(q),
+    Y = dO, RS = 1/den, ZC = dL (B, H, 2n) fp32."""
+    bh, dsi = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
-    kvh = h // G
-    rows, dims, feats = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F)
+    rows, feats = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_F)
+    dims = dsi * DS + tl.arange(0, DS)
     dim_ok, feat_ok = dims < D, feats < F
     s_mask = feat_ok[:, None] & dim_ok[None, :]
-    s_pos, s_neg, z_pos, z_neg = _load_state(S0, Z0, bh * tl.num_programs(1) + chunk, feats, dims,
-                                             F, D, s_mask, feat_ok, HAS_S0, BLOCK_F, BLOCK_D)
-    w_tile = tl.load(W + h * D * F + dims[:, None] * F + feats[None, :],
-                     mask=dim_ok[:, None] & feat_ok[None, :], other=0.0)
-    w = 1.0 / (1.0 + tl.exp2(-tl.load(GATE + h).to(tl.float32) * LOG2E))
-    scale2 = scale * LOG2E
-    q_base, k_base, v_base = Q + b * sqb + h * sqh, K + b * skb + kvh * skh, V + b * svb + kvh * svh
-    do_base = DO + b * sdb + h * sdh
-    # The fp32 per-query-head buffers are contiguous (B, 2n, H, X).
-    g_base, row_base = (b * 2 * n * H + h), bh * 2 * n
-    dgv = 0.0
-    t_lo = chunk * chunk_tiles
-    for t in range(t_lo, tl.minimum(t_lo + chunk_tiles, num_tiles)):
-        seq, ok, same, earl = _tile_rows(rows, t, tile_len, n, bs)
-        tile_ok = ok[:, None] & dim_ok[None, :]
-        kc = tl.load(k_base + (n + seq)[:, None] * sks + dims[None, :], mask=tile_ok, other=0.0)
-        vc = tl.load(v_base + (n + seq)[:, None] * svs + dims[None, :], mask=tile_ok, other=0.0)
-        pos_k, neg_k = _phi(kc, w_tile, feat_ok, ok.to(tl.float32), IEEE)
-        vc32 = vc.to(tl.float32)
-        for half in tl.static_range(2):
-            tok = half * n + seq
-            if half == 0:
-                kh = tl.load(k_base + tok[:, None] * sks + dims[None, :], mask=tile_ok, other=0.0)
-                vh = tl.load(v_base + tok[:, None] * svs + dims[None, :], mask=tile_ok, other=0.0)
-            else:
-                kh, vh = kc, vc
-            q = tl.load(q_base + tok[:, None] * sqs + dims[None, :], mask=tile_ok, other=0.0)
-            g = tl.load(do_base + tok[:, None] * sds + dims[None, :], mask=tile_ok,
-                        other=0.0).to(tl.float32)
-            # the forward again
-            a, ties, l, o = _attend(q, kh, vh, same, scale2, IEEE)
-            pos, neg = _phi(q, w_tile, feat_ok, ok.to(tl.float32), IEEE)
-            num, lin = _linear(pos, neg, s_pos, s_neg, z_pos, z_neg, pos_k, neg_k, vc32, earl,
-                               MULTI, IEEE)
-            wl = w * l
-            den = tl.maximum(wl, eps) + tl.maximum(lin, eps)
-            out = (w * o + num) / den[:, None]
-            # out = N / den: dN = g / den, dden = -(g . out) / den; each clamp passes its
-            # gradient where its argument >= eps (torch.clamp's rule at the bound).
-            dn = g / den[:, None]
-            dden = -tl.sum(g * out, 1) / den
-            dwl = tl.where(wl >= eps, dden, 0.0)
-            dl = tl.where(lin >= eps, dden, 0.0)
-            dgv += tl.sum(tl.sum(dn * o, 1) + dwl * l, 0)
-            # in-block softmax backward (input-dtype dots, fp32 accumulation)
-            do = w * dn
-            da = _dot(do.to(vh.dtype), tl.trans(vh), IEEE) + (w * dwl)[:, None]
-            dvh = _dot(tl.trans(a).to(q.dtype), do.to(q.dtype), IEEE)
-            tt = a * da
-            nties = tl.maximum(tl.sum(ties.to(tl.float32), 1), 1.0)
-            ds = tt - tl.where(ties, 1.0, 0.0) * (tl.sum(tt, 1) / nties)[:, None]
-            dq = scale * _dot(ds.to(kh.dtype), kh, IEEE)
-            dkh = scale * _dot(tl.trans(ds).to(q.dtype), q, IEEE)
-            # linear part, query side: dp = dN S^T + dL Z (+ dP phi(k) inside the tile)
-            dpos = _dot32(dn, tl.trans(s_pos), IEEE) + dl[:, None] * z_pos[None, :]
-            dneg = _dot32(dn, tl.trans(s_neg), IEEE) + dl[:, None] * z_neg[None, :]
-            if MULTI:
-                dp = tl.where(earl, _dot32(dn, tl.trans(vc32), IEEE) + dl[:, None], 0.0)
-                dpos += _dot32(dp, pos_k, IEEE)
-                dneg += _dot32(dp, neg_k, IEEE)
-            du = _phi_bwd(pos, neg, dpos, dneg)
-            dq += _dot32(du, tl.trans(w_tile), IEEE)
-            buf = (g_base + tok * H)[:, None] * D + dims[None, :]
-            tl.store(DQ + buf, dq.to(DQ.dtype.element_ty), mask=tile_ok)
-            tl.store(DK + buf, dkh, mask=tile_ok)
-            tl.store(DV + buf, dvh, mask=tile_ok)
-            tl.store(DUQ + (g_base + tok * H)[:, None] * F + feats[None, :], du,
-                     mask=ok[:, None] & feat_ok[None, :])
-            tl.store(RDEN + row_base + tok, 1.0 / den, mask=ok)
-            tl.store(DLIN + row_base + tok, dl, mask=ok)
-        s_pos += _dot32(tl.trans(pos_k), vc32, IEEE)
-        s_neg += _dot32(tl.trans(neg_k), vc32, IEEE)
-        z_pos += tl.sum(pos_k, 0)
-        z_neg += tl.sum(neg_k, 0)
-    tl.store(DGV + bh * tl.num_programs(1) + chunk, dgv)
-
-
-@triton.jit
-def hybrid_train_bwd_k_kernel(
-    Q, K, V, DO, W, DU0, DZ0, RDEN, DLIN, DK, DV, DUK,
-    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-    H, G, n, bs, tile_len, chunk_tiles, num_tiles, F,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-    MULTI: tl.constexpr, HAS_S0: tl.constexpr, IEEE: tl.constexpr,
-):
-    """Reverse walk of the backward: the key side of the linear part. DU0, DZ0 hold each chunk's
-    reverse state (the sum over the queries of later chunks); DK, DV get the clean keys' state
-    gradients added; DUK (B, n, H, F) fp32 takes du of the clean keys (for dW)."""
-    bh, chunk = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    kvh = h // G
-    rows, dims, feats = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F)
-    dim_ok, feat_ok = dims < D, feats < F
-    s_mask = feat_ok[:, None] & dim_ok[None, :]
-    du_pos, du_neg, dz_pos, dz_neg = _load_state(DU0, DZ0, bh * tl.num_programs(1) + chunk, feats,
-                                                 dims, F, D, s_mask, feat_ok, HAS_S0, BLOCK_F,
-                                                 BLOCK_D)
-    w_tile = tl.load(W + h * D * F + dims[:, None] * F + feats[None, :],
-                     mask=dim_ok[:, None] & feat_ok[None, :], other=0.0)
-    q_base, k_base, v_base = Q + b * sqb + h * sqh, K + b * skb + kvh * skh, V + b * svb + kvh * svh
-    do_base = DO + b * sdb + h * sdh
-    g_base, row_base = (b * 2 * n * H + h), bh * 2 * n
-    t_lo = chunk * chunk_tiles
-    t_hi = tl.minimum(t_lo + chunk_tiles, num_tiles)
-    for i in range(0, t_hi - t_lo):
-        t = t_hi - 1 - i
-        seq, ok, same, earl = _tile_rows(rows, t, tile_len, n, bs)
-        tile_ok = ok[:, None] & dim_ok[None, :]
-        keep = ok.to(tl.float32)
-        kc = tl.load(k_base + (n + seq)[:, None] * sks + dims[None, :], mask=tile_ok, other=0.0)
-        vc = tl.load(v_base + (n + seq)[:, None] * svs + dims[None, :], mask=tile_ok, other=0.0)
-        pos_k, neg_k = _phi(kc, w_tile, feat_ok, keep, IEEE)
-        vc32 = vc.to(tl.float32)
-        # U_c = phi(k)^T v reaches every later query: dphi(k) = v dU^T + dZ, dv = phi(k) dU.
-        dpk = _dot32(vc32, tl.trans(du_pos), IEEE) + dz_pos[None, :]
-        dnk = _dot32(vc32, tl.trans(du_neg), IEEE) + dz_neg[None, :]
-        dvc = _dot32(pos_k, du_pos, IEEE) + _dot32(neg_k, du_neg, IEEE)
-        for half in tl.static_range(2):
-            tok = half * n + seq
-            q = tl.load(q_base + tok[:, None] * sqs + dims[None, :], mask=tile_ok, other=0.0)
-            g = tl.load(do_base + tok[:, None] * sds + dims[None, :], mask=tile_ok,
-                        other=0.0).to(tl.float32)
-            dn = g * tl.load(RDEN + row_base + tok, mask=ok, other=0.0)[:, None]
-            dl = tl.load(DLIN + row_base + tok, mask=ok, other=0.0)
-            pos, neg = _phi(q, w_tile, feat_ok, keep, IEEE)
-            if MULTI:  # the tile's own queries of later blocks, through P
-                pk = tl.where(earl, _dot32(pos, tl.trans(pos_k), IEEE)
-                              + _dot32(neg, tl.trans(neg_k), IEEE), 0.0)
-                dp = tl.where(earl, _dot32(dn, tl.trans(vc32), IEEE) + dl[:, None], 0.0)
-                dpk += _dot32(tl.trans(dp), pos, IEEE)
-                dnk += _dot32(tl.trans(dp), neg, IEEE)
-                dvc += _dot32(tl.trans(pk), dn, IEEE)
-            # this tile's queries join the reverse state of the tiles before it
-            du_pos += _dot32(tl.trans(pos), dn, IEEE)
-            du_neg += _dot32(tl.trans(neg), dn, IEEE)
-            dz_pos += tl.sum(pos * dl[:, None], 0)
-            dz_neg += tl.sum(neg * dl[:, None], 0)
-        duk = _phi_bwd(pos_k, neg_k, dpk, dnk)
-        buf = (g_base + (n + seq) * H)[:, None] * D + dims[None, :]
-        tl.store(DK + buf, tl.load(DK + buf, mask=tile_ok, other=0.0)
-                 + _dot32(duk, tl.trans(w_tile), IEEE), mask=tile_ok)
-        tl.store(DV + buf, tl.load(DV + buf, mask=tile_ok, other=0.0) + dvc, mask=tile_ok)
-        tl.store(DUK + ((b * n + seq) * H + h)[:, None] * F + feats[None, :], duk,
-                 mask=ok[:, None] & feat_ok[None, :])
-
-
-@triton.jit
-def hybrid_chunk_state_kernel(
-    X, Y, W, RS, ZC, S_OUT, Z_OUT,
-    sxb, sxs, sxh, syb, sys, syh,
-    H, GX, GY, n, chunk_len, F,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-    FIRST_HALF: tl.constexpr, NUM_HALVES: tl.constexpr, HAS_RS: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """Per (b, h, chunk c): S_OUT = sum over the tokens of chunk c (positions [c * chunk_len, ...)
-    of halves FIRST_HALF .. FIRST_HALF + NUM_HALVES - 1) of phi(X_t)^T (Y_t * RS_t) and Z_OUT = sum
-    phi(X_t) * ZC_t, with phi from W[h]; RS, ZC (B, H, 2n) fp32, or 1 when not HAS_RS. Forward:
-    X, Y = clean k, v. Backward: X, Y = q, dO of both halves, RS = 1/den, ZC = dL."""
-    bh, chunk = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    rows, dims, feats = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F)
-    dim_ok, feat_ok = dims < D, feats < F
-    w_tile = tl.load(W + h * D * F + dims[:, None] * F + feats[None, :],
-                     mask=dim_ok[:, None] & feat_ok[None, :], other=0.0)
-    x_base, y_base = X + b * sxb + (h // GX) * sxh, Y + b * syb + (h // GY) * syh
-    acc_pos = tl.zeros([BLOCK_F, BLOCK_D], tl.float32)
-    acc_neg = tl.zeros([BLOCK_F, BLOCK_D], tl.float32)
+    s_pos = tl.zeros([BLOCK_F, DS], tl.float32)
+    s_neg = tl.zeros([BLOCK_F, DS], tl.float32)
     z_pos = tl.zeros([BLOCK_F], tl.float32)
     z_neg = tl.zeros([BLOCK_F], tl.float32)
-    lo = chunk * chunk_len
-    hi = tl.minimum(lo + chunk_len, n)
-    for half in tl.static_range(NUM_HALVES):
-        off = (FIRST_HALF + half) * n
-        for p0 in range(lo, hi, BLOCK_N):
-            seq = p0 + rows
-            ok = seq < hi
-            tile_ok = ok[:, None] & dim_ok[None, :]
-            x = tl.load(x_base + (off + seq)[:, None] * sxs + dims[None, :], mask=tile_ok, other=0.0)
-            y = tl.load(y_base + (off + seq)[:, None] * sys + dims[None, :], mask=tile_ok,
-                        other=0.0).to(tl.float32)
-            pos, neg = _phi(x, w_tile, feat_ok, ok.to(tl.float32), IEEE)
+    y_base = Y + b * syb + (h // gy) * syh
+    u_rows = 2 * n - u_off  # rows of U per sample
+    for i in range(num_tiles):
+        t = num_tiles - 1 - i if REVERSE else i
+        idx = bh * num_tiles + t
+        s_offs = idx * 2 * F * D + feats[:, None] * D + dims[None, :]
+        tl.store(S_OUT + s_offs, s_pos, mask=s_mask)
+        tl.store(S_OUT + F * D + s_offs, s_neg, mask=s_mask)
+        if dsi == 0:
+            tl.store(Z_OUT + idx * 2 * F + feats, z_pos, mask=feat_ok)
+            tl.store(Z_OUT + idx * 2 * F + F + feats, z_neg, mask=feat_ok)
+        seq = t * tile_len + rows
+        ok = (rows < tile_len) & (seq < n)
+        for half in tl.static_range(NUM_HALVES):
+            tok = (FIRST_HALF + half) * n + seq
+            pos, neg = _phi_u(U, b * u_rows + tok - u_off, h, H, F, ok, feats, feat_ok)
+            y = tl.load(y_base + tok[:, None] * sys + dims[None, :],
+                        mask=ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
             if HAS_RS:
-                y = y * tl.load(RS + bh * 2 * n + off + seq, mask=ok, other=0.0)[:, None]
-                zc = tl.load(ZC + bh * 2 * n + off + seq, mask=ok, other=0.0)
+                y = y * tl.load(RS + bh * 2 * n + tok, mask=ok, other=0.0)[:, None]
+                zc = tl.load(ZC + bh * 2 * n + tok, mask=ok, other=0.0)
                 z_pos += tl.sum(pos * zc[:, None], 0)
                 z_neg += tl.sum(neg * zc[:, None], 0)
             else:
                 z_pos += tl.sum(pos, 0)
                 z_neg += tl.sum(neg, 0)
-            acc_pos += _dot32(tl.trans(pos), y, IEEE)
-            acc_neg += _dot32(tl.trans(neg), y, IEEE)
-    idx = bh * tl.num_programs(1) + chunk
-    s_offs = idx * 2 * F * D + feats[:, None] * D + dims[None, :]
-    s_mask = feat_ok[:, None] & dim_ok[None, :]
-    tl.store(S_OUT + s_offs, acc_pos, mask=s_mask)
-    tl.store(S_OUT + F * D + s_offs, acc_neg, mask=s_mask)
-    tl.store(Z_OUT + idx * 2 * F + feats, z_pos, mask=feat_ok)
-    tl.store(Z_OUT + idx * 2 * F + F + feats, z_neg, mask=feat_ok)
+            s_pos += _dot32(tl.trans(pos), y, IEEE)
+            s_neg += _dot32(tl.trans(neg), y, IEEE)
+
+
+@triton.jit
+def hybrid_train_bwd_q_kernel(
+    Q, K, V, DO, UQ, UK, W, GATE, S_ST, Z_ST, DQ, DK, DV, DUQ, DPK, RDEN, DLIN, DGV,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
+    H, G, n, bs, tile_len, num_tiles, F, scale, eps,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DS: tl.constexpr,
+    BLOCK_F: tl.constexpr, MULTI: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The query side of one (tile, b, h), both halves. Writes DQ (B, 2n, H, D) contiguous in q's
+    dtype (final); DK, DV (B, 2n, H, D) fp32 per query head (in-block and intra-tile parts; bwd_k
+    adds the state part of the clean keys); DUQ (B, 2n, H, F) fp32; DPK (B, n, H, 2F) fp32, the
+    intra-tile dphi of the clean keys (MULTI only); RDEN, DLIN (B, H, 2n); DGV (B, H, nt)."""
+    t, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // G
+    rows, full, feats = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F)
+    sl = tl.arange(0, DS)
+    full_ok, feat_ok = full < D, feats < F
+    seq, ok, same, earl = _tile_rows(rows, t, tile_len, n, bs)
+    f_ok = ok[:, None] & full_ok[None, :]
+    w = _gate(GATE, h)
+    scale2 = scale * LOG2E
+    q_base, k_base, v_base = Q + b * sqb + h * sqh, K + b * skb + kvh * skh, V + b * svb + kvh * svh
+    do_base = DO + b * sdb + h * sdh
+    st = bh * num_tiles + t
+    z_pos = tl.load(Z_ST + st * 2 * F + feats, mask=feat_ok, other=0.0)
+    z_neg = tl.load(Z_ST + st * 2 * F + F + feats, mask=feat_ok, other=0.0)
+    s_base = S_ST + st * 2 * F * D
+    pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
+    dpk_pos = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
+    dpk_neg = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
+    dgv = 0.0
+    buf_row = b * 2 * n * H + h  # + position * H: a row of a contiguous (B, 2n, H, X) buffer
+    for half in tl.static_range(2):
+        tok = half * n + seq
+        q = tl.load(q_base + tok[:, None] * sqs + full[None, :], mask=f_ok, other=0.0)
+        kh = tl.load(k_base + tok[:, None] * sks + full[None, :], mask=f_ok, other=0.0)
+        a, ties, l = _scores(q, kh, same, scale2, IEEE)
+        pos, neg = _phi_u(UQ, b * 2 * n + tok, h, H, F, ok, feats, feat_ok)
+        lin = tl.sum(pos * z_pos[None, :], 1) + tl.sum(neg * z_neg[None, :], 1)
+        if MULTI:
+            pk = tl.where(earl, _dot32(pos, tl.trans(pos_k), IEEE)
+                          + _dot32(neg, tl.trans(neg_k), IEEE), 0.0)
+            lin += tl.sum(pk, 1)
+        wl = w * l
+        rden = 1.0 / (tl.maximum(wl, eps) + tl.maximum(lin, eps))
+        # Pass 1 over D slices: the rows again (out = N / den) and every reduction over D.
+        gout = tl.zeros([BLOCK_T], tl.float32)
+        dno = tl.zeros([BLOCK_T], tl.float32)
+        dp_pos = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
+        dp_neg = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
+        g1 = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)  # dN v^T over the own half's keys
+        g2 = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)  # dN v^T over the clean keys (MULTI)
+        for d0 in range(0, D, DS):
+            dims = d0 + sl
+            dim_ok = dims < D
+            s_ok = ok[:, None] & dim_ok[None, :]
+            vh = tl.load(v_base + tok[:, None] * svs + dims[None, :], mask=s_ok, other=0.0)
+            g = tl.load(do_base + tok[:, None] * sds + dims[None, :], mask=s_ok,
+                        other=0.0).to(tl.float32)
+            sm = feat_ok[:, None] & dim_ok[None, :]
+            sp = tl.load(s_base + feats[:, None] * D + dims[None, :], mask=sm, other=0.0)
+            sn = tl.load(s_base + F * D + feats[:, None] * D + dims[None, :], mask=sm, other=0.0)
+            o = _dot(a.to(vh.dtype), vh, IEEE)
+            num = _dot32(pos, sp, IEEE) + _dot32(neg, sn, IEEE)
+            dn = g * rden[:, None]
+            if MULTI:
+                if half == 0:
+                    vc32 = tl.load(v_base + (n + seq)[:, None] * svs + dims[None, :], mask=s_ok,
+                                   other=0.0).to(tl.float32)
+                else:
+                    vc32 = vh.to(tl.float32)
+                num += _dot32(pk, vc32, IEEE)
+                g2 += _dot32(dn, tl.trans(vc32), IEEE)
+            out = (w * o + num) * rden[:, None]
+            gout += tl.sum(g * out, 1)
+            dno += tl.sum(dn * o, 1)
+            dp_pos += _dot32(dn, tl.trans(sp), IEEE)
+            dp_neg += _dot32(dn, tl.trans(sn), IEEE)
+            g1 += _dot(dn.to(vh.dtype), tl.trans(vh), IEEE)
+        # out = N / den: dN = dO / den, dden = -(dO . out) / den; each clamp passes its gradient
+        # where its argument >= eps (torch.clamp's rule at the bound).
+        dden = -gout * rden
+        dwl = tl.where(wl >= eps, dden, 0.0)
+        dl = tl.where(lin >= eps, dden, 0.0)
+        dgv += tl.sum(dno + dwl * l, 0)
+        tt = a * (w * g1 + (w * dwl)[:, None])
+        nties = tl.maximum(tl.sum(ties.to(tl.float32), 1), 1.0)
+        ds = tt - tl.where(ties, 1.0, 0.0) * (tl.sum(tt, 1) / nties)[:, None]
+        dp_pos += dl[:, None] * z_pos[None, :]
+        dp_neg += dl[:, None] * z_neg[None, :]
+        if MULTI:
+            dpm = tl.where(earl, g2 + dl[:, None], 0.0)
+            dp_pos += _dot32(dpm, pos_k, IEEE)
+            dp_neg += _dot32(dpm, neg_k, IEEE)
+            dpk_pos += _dot32(tl.trans(dpm), pos, IEEE)
+            dpk_neg += _dot32(tl.trans(dpm), neg, IEEE)
+        du = _phi_bwd(pos, neg, dp_pos, dp_neg)
+        tl.store(DUQ + (buf_row + tok * H)[:, None] * F + feats[None, :], du,
+                 mask=ok[:, None] & feat_ok[None, :])
+        tl.store(RDEN + bh * 2 * n + tok, rden, mask=ok)
+        tl.store(DLIN + bh * 2 * n + tok, dl, mask=ok)
+        # Pass 2 over D slices: the (rows, D) outputs.
+        for d0 in range(0, D, DS):
+            dims = d0 + sl
+            dim_ok = dims < D
+            s_ok = ok[:, None] & dim_ok[None, :]
+            k_s = tl.load(k_base + tok[:, None] * sks + dims[None, :], mask=s_ok, other=0.0)
+            q_s = tl.load(q_base + tok[:, None] * sqs + dims[None, :], mask=s_ok, other=0.0)
+            dn = tl.load(do_base + tok[:, None] * sds + dims[None, :], mask=s_ok,
+                         other=0.0).to(tl.float32) * rden[:, None]
+            wt = tl.load(W + h * D * F + dims[:, None] * F + feats[None, :],
+                         mask=dim_ok[:, None] & feat_ok[None, :], other=0.0)
+            dq = scale * _dot(ds.to(k_s.dtype), k_s, IEEE) + _dot32(du, tl.trans(wt), IEEE)
+            buf = (buf_row + tok * H)[:, None] * D + dims[None, :]
+            tl.store(DQ + buf, dq.to(DQ.dtype.element_ty), mask=s_ok)
+            tl.store(DK + buf, scale * _dot(tl.trans(ds).to(q_s.dtype), q_s, IEEE), mask=s_ok)
+            dvh = _dot(tl.trans(a).to(q_s.dtype), (w * dn).to(q_s.dtype), IEEE)
+            if MULTI:
+                if half == 1:
+                    # P^T dN of both halves' queries reaches the clean keys. It is added here,
+                    # not read back from a store of the noisy half: another thread may own it.
+                    dn0 = tl.load(do_base + seq[:, None] * sds + dims[None, :], mask=s_ok,
+                                  other=0.0).to(tl.float32) * rden0[:, None]
+                    dvh += _dot32(tl.trans(pk), dn, IEEE) + _dot32(tl.trans(pk0), dn0, IEEE)
+            tl.store(DV + buf, dvh, mask=s_ok)
+        if MULTI:
+            pk0, rden0 = pk, rden  # the noisy half's, for the clean keys' dv above
+    if MULTI:
+        pk_offs = ((b * n + seq) * H + h)[:, None] * 2 * F + feats[None, :]
+        pk_mask = ok[:, None] & feat_ok[None, :]
+        tl.store(DPK + pk_offs, dpk_pos, mask=pk_mask)
+        tl.store(DPK + F + pk_offs, dpk_neg, mask=pk_mask)
+    tl.store(DGV + st, dgv)
+
+
+@triton.jit
+def hybrid_train_bwd_k_kernel(
+    V, UK, W, DU_ST, DZ_ST, DPK, DK, DV, DUK, svb, svs, svh,
+    H, G, n, tile_len, num_tiles, F,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, DS: tl.constexpr, BLOCK_F: tl.constexpr,
+    MULTI: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The clean keys of one (tile, b, h) against the reverse state of the later tiles: dphi(k)
+    = v dU_t^T + dZ_t (+ DPK), dv += phi(k) dU_t, du_k -> DUK (B, n, H, F), dk += du_k W^T."""
+    t, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // G
+    rows, feats, sl = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_F), tl.arange(0, DS)
+    feat_ok = feats < F
+    seq = t * tile_len + rows
+    ok = (rows < tile_len) & (seq < n)
+    pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
+    st = bh * num_tiles + t
+    dpk = tl.zeros([BLOCK_T, BLOCK_F], tl.float32) + tl.load(
+        DZ_ST + st * 2 * F + feats, mask=feat_ok, other=0.0)[None, :]
+    dnk = tl.zeros([BLOCK_T, BLOCK_F], tl.float32) + tl.load(
+        DZ_ST + st * 2 * F + F + feats, mask=feat_ok, other=0.0)[None, :]
+    if MULTI:
+        pk_offs = ((b * n + seq) * H + h)[:, None] * 2 * F + feats[None, :]
+        pk_mask = ok[:, None] & feat_ok[None, :]
+        dpk += tl.load(DPK + pk_offs, mask=pk_mask, other=0.0)
+        dnk += tl.load(DPK + F + pk_offs, mask=pk_mask, other=0.0)
+    u_base = DU_ST + st * 2 * F * D
+    v_base = V + b * svb + kvh * svh
+    buf_row = b * 2 * n * H + h + (n + seq) * H  # the clean rows of (B, 2n, H, D)
+    for d0 in range(0, D, DS):
+        dims = d0 + sl
+        dim_ok = dims < D
+        s_ok = ok[:, None] & dim_ok[None, :]
+        sm = feat_ok[:, None] & dim_ok[None, :]
+        vc = tl.load(v_base + (n + seq)[:, None] * svs + dims[None, :], mask=s_ok,
+                     other=0.0).to(tl.float32)
+        up = tl.load(u_base + feats[:, None] * D + dims[None, :], mask=sm, other=0.0)
+        un = tl.load(u_base + F * D + feats[:, None] * D + dims[None, :], mask=sm, other=0.0)
+        dpk += _dot32(vc, tl.trans(up), IEEE)
+        dnk += _dot32(vc, tl.trans(un), IEEE)
+        buf = buf_row[:, None] * D + dims[None, :]
+        tl.store(DV + buf, tl.load(DV + buf, mask=s_ok, other=0.0) + _dot32(pos_k, up, IEEE)
+                 + _dot32(neg_k, un, IEEE), mask=s_ok)
+    duk = _phi_bwd(pos_k, neg_k, dpk, dnk)
+    tl.store(DUK + ((b * n + seq) * H + h)[:, None] * F + feats[None, :], duk,
+             mask=ok[:, None] & feat_ok[None, :])
+    for d0 in range(0, D, DS):
+        dims = d0 + sl
+        dim_ok = dims < D
+        s_ok = ok[:, None] & dim_ok[None, :]
+        wt = tl.load(W + h * D * F + dims[:, None] * F + feats[None, :],
+                     mask=dim_ok[:, None] & feat_ok[None, :], other=0.0)
+        buf = buf_row[:, None] * D + dims[None, :]
+        tl.store(DK + buf, tl.load(DK + buf, mask=s_ok, other=0.0)
+                 + _dot32(duk, tl.trans(wt), IEEE), mask=s_ok)
 
 
 @triton.jit
@@ -414,7 +448,7 @@ def hybrid_feature_grad_kernel(
     IEEE: tl.constexpr,
 ):
     """DW[split, h] (D, F) = sum over the flattened tokens i = b * seqlen + s of the split of
-    X[b, row_off + s, h // G]^T DU[b, s, h]; DU (B, seqlen, H, F) contiguous fp32."""
+    X[b, row_off + s, h // G]^T DU[i, h]; DU (B * seqlen, H, F) contiguous fp32."""
     h, split = tl.program_id(0), tl.program_id(1)
     rows, dims, feats = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F)
     dim_ok, feat_ok = dims < D, feats < F

@@ -1,0 +1,108 @@
+"""Compile the block-hybrid training kernels for sm90 without a GPU and report their resources.
+
+Run by tests/test_hybrid_attn.py in a subprocess without TRITON_INTERPRET (the interpreter never
+lowers a kernel). Prints one line per kernel: ``name smem_bytes registers stack_bytes``, for the
+configs the backend launches at the benchmark's shape (bf16, D=128, F=64, bs=32: one block per
+tile) and for packed small blocks (bs=4: eight blocks per 32-row tile, the intra-tile term), plus
+the largest shapes the backend accepts (bs=64 at D=128, F=64; D=256 at F=32).
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+try:  # the backend's own tile rules; without torch (a bare triton venv) the same rules, spelled out
+    from dlm_ops.backends import hybrid_train as launch
+    from dlm_ops.templates import hybrid_train as kernels
+except ImportError:
+    launch = None
+    from templates import hybrid_train as kernels
+
+LOW = {"Q", "K", "V", "O", "DO", "DQ", "X", "Y"}  # input-dtype tensors; every other pointer is fp32
+STRIDE = re.compile(r"^s[a-z][bsh]$")
+
+
+def resources(compiled):
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S).groups()
+    return compiled.metadata.shared, int(regs), int(stack)
+
+
+def compile_sm90(fn, constexprs, warps, stages, dtype="bf16"):
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.isupper() and name not in ("H", "G", "F"):  # H, G, F are counts
+            sig[name] = "*" + (dtype if name in LOW else "fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("scale", "eps"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if STRIDE.match(name):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+SHAPES = (("bs32", 32, 128, 64), ("bs4", 4, 128, 64), ("bs64", 64, 128, 64), ("d256", 32, 256, 32),
+          ("f16", 32, 128, 16), ("d64", 32, 64, 64))
+
+
+def _tile(bs):
+    """(BLOCK_T, MULTI) of a block length: launch.geometry's rule."""
+    if launch is not None:
+        geo = launch.geometry(4096, bs, 1, 132)
+        return geo.block_t, geo.multi
+    return (32, True) if bs <= 8 else (max(16, 1 << (bs - 1).bit_length()), False)
+
+
+def cases(warps=None, stages=None):
+    """(label, kernel, constexprs, warps, stages) of every kernel at every SHAPES entry."""
+    for label, bs, d, f in SHAPES:
+        block_t, multi = _tile(bs)
+        bd, bf = max(16, d), max(16, f)
+        walk = dict(D=d, BLOCK_T=block_t, BLOCK_D=bd, BLOCK_F=bf, MULTI=multi, HAS_S0=True,
+                    IEEE=False)
+        chunk = dict(D=d, BLOCK_N=32, BLOCK_D=bd, BLOCK_F=bf, FIRST_HALF=0, NUM_HALVES=2,
+                     HAS_RS=True, IEEE=False)
+        grad = dict(D=d, BLOCK_N=64, BLOCK_D=bd, BLOCK_F=bf, IEEE=False)
+        for role, fn, consts in (("fwd", kernels.hybrid_train_fwd_kernel, walk),
+                                 ("bwd_q", kernels.hybrid_train_bwd_q_kernel, walk),
+                                 ("bwd_k", kernels.hybrid_train_bwd_k_kernel, walk),
+                                 ("chunk", kernels.hybrid_chunk_state_kernel, chunk),
+                                 ("dW", kernels.hybrid_feature_grad_kernel, grad)):
+            if role in ("chunk", "dW") and label not in ("bs32", "d256"):
+                continue  # they do not depend on the block length
+            w, s = (launch.launch_config(role, bf, bd) if launch is not None else (8, 1))
+            yield f"{role}_{label}", fn, consts, warps or w, stages or s
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default="", help="comma-separated labels")
+    p.add_argument("--warps", type=int)
+    p.add_argument("--stages", type=int)
+    a = p.parse_args(argv)
+    for label, fn, consts, warps, stages in cases(a.warps, a.stages):
+        if a.only and label not in a.only.split(","):
+            continue
+        smem, regs, stack = resources(compile_sm90(fn, consts, warps, stages))
+        print(f"{label} {smem} {regs} {stack} warps={warps} stages={stages}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
