@@ -58,16 +58,22 @@ def compile_sm90(fn, constexprs, warps, stages, dtype="bf16"):
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-SHAPES = (("bs32", 32, 128, 64), ("bs4", 4, 128, 64), ("bs64", 64, 128, 64), ("d256", 32, 256, 32),
-          ("f16", 32, 128, 16), ("d64", 32, 64, 64))
+SHAPES = (("bs32", 32, 128, 64), ("bs4", 4, 128, 64), ("bs64", 64, 128, 64),
+          ("d256", 32, 256, 32))
 
 
 def _tile(bs):
     """(BLOCK_T, MULTI) of a block length: launch.geometry's rule."""
     if launch is not None:
-        geo = launch.geometry(4096, bs, 1, 132)
+        geo = launch.geometry(4096, bs)
         return geo.block_t, geo.multi
     return (32, True) if bs <= 8 else (max(16, 1 << (bs - 1).bit_length()), False)
+
+
+def _config(role, block_f, block_d):
+    if launch is not None:
+        return launch.launch_config(role, block_f, block_d)
+    return (8 if block_f * block_d >= 64 * 128 else 4), 1
 
 
 def cases(warps=None, stages=None):
@@ -75,19 +81,21 @@ def cases(warps=None, stages=None):
     for label, bs, d, f in SHAPES:
         block_t, multi = _tile(bs)
         bd, bf = max(16, d), max(16, f)
-        walk = dict(D=d, BLOCK_T=block_t, BLOCK_D=bd, BLOCK_F=bf, MULTI=multi, HAS_S0=True,
-                    IEEE=False)
-        chunk = dict(D=d, BLOCK_N=32, BLOCK_D=bd, BLOCK_F=bf, FIRST_HALF=0, NUM_HALVES=2,
-                     HAS_RS=True, IEEE=False)
-        grad = dict(D=d, BLOCK_N=64, BLOCK_D=bd, BLOCK_F=bf, IEEE=False)
+        ds = min(bd, launch.SLICE_D if launch is not None else 32)
+        walk = dict(D=d, BLOCK_T=block_t, BLOCK_D=bd, DS=ds, BLOCK_F=bf, MULTI=multi, IEEE=False)
+        scan = dict(BLOCK_T=block_t, D=d, DS=ds, BLOCK_F=bf, FIRST_HALF=0, NUM_HALVES=2,
+                    REVERSE=True, HAS_RS=True, IEEE=False)
+        rows = dict(D=d, BLOCK_N=64, BLOCK_D=bd, BLOCK_F=bf, IEEE=False)
+        bwd_k = {c: v for c, v in walk.items() if c != "BLOCK_D"}
         for role, fn, consts in (("fwd", kernels.hybrid_train_fwd_kernel, walk),
+                                 ("scan", kernels.hybrid_scan_kernel, scan),
                                  ("bwd_q", kernels.hybrid_train_bwd_q_kernel, walk),
-                                 ("bwd_k", kernels.hybrid_train_bwd_k_kernel, walk),
-                                 ("chunk", kernels.hybrid_chunk_state_kernel, chunk),
-                                 ("dW", kernels.hybrid_feature_grad_kernel, grad)):
-            if role in ("chunk", "dW") and label not in ("bs32", "d256"):
+                                 ("bwd_k", kernels.hybrid_train_bwd_k_kernel, bwd_k),
+                                 ("logits", kernels.hybrid_logits_kernel, rows),
+                                 ("dW", kernels.hybrid_feature_grad_kernel, rows)):
+            if role in ("logits", "dW") and label not in ("bs32", "d256"):
                 continue  # they do not depend on the block length
-            w, s = (launch.launch_config(role, bf, bd) if launch is not None else (8, 1))
+            w, s = _config(role, bf, bd)
             yield f"{role}_{label}", fn, consts, warps or w, stages or s
 
 
