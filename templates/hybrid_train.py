@@ -50,8 +50,14 @@ tf32x3 keeps a high and a low copy of each fp32 operand: the state alone is 3 x 
     so its gradient is kept and split among ties as torch.amax does.
 
 Parallelism: the walks and scans run B*H*(D/DS) programs (128 at B*H=32, D=128); the per-tile
-kernels B*H*nt. Small blocks: a tile packs R = 32 // bs blocks of bs <= 8 (the chunked
-linear-attention form), so a bs=4 call makes n/32 serial steps, not n/4.
+kernels B*H*nt. Small blocks: a 32-row tile packs R = 32 // bs blocks of bs <= 16 (the chunked
+linear-attention form), so a bs=4 call makes n/32 serial steps, not n/4. 64-row tiles (wgmma
+instead of mma.sync) were tried: the packed backward then needs 288 KB of shared memory.
+
+Registers: every (rows, F) fp32 tile costs F/2 registers per thread (16 rows per warp), and the
+kernels hold several (phi of q and k, both signs, their gradients), so at F=64, D=128 the walks
+and the per-tile kernels still spill 0.1-2.5 KB per thread on sm90 (tests/hybrid_sm90_compile.py
+prints the numbers); the scans, the logits and the dW kernels do not.
 
 Precision (as the decode kernels): fp32 inputs take IEEE fp32 dots everywhere. Low-precision
 inputs take the attention dots (q k^T, a v, dN v^T for da, a^T dO, ds k, ds^T q) in the input
@@ -162,34 +168,39 @@ def hybrid_train_fwd_kernel(
     for t in range(num_tiles):
         seq, ok, same, earl = _tile_rows(rows, t, tile_len, n, bs)
         f_ok, s_ok = ok[:, None] & full_ok[None, :], ok[:, None] & dim_ok[None, :]
-        pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
         vc = tl.load(v_base + (n + seq)[:, None] * svs + dims[None, :], mask=s_ok, other=0.0)
-        vc32 = vc.to(tl.float32)
         for half in tl.static_range(2):
             tok = half * n + seq
             kh = tl.load(k_base + tok[:, None] * sks + full[None, :], mask=f_ok, other=0.0)
+            q = tl.load(q_base + tok[:, None] * sqs + full[None, :], mask=f_ok, other=0.0)
+            a, ties, l = _scores(q, kh, same, scale2, IEEE)
             if half == 0:
                 vh = tl.load(v_base + tok[:, None] * svs + dims[None, :], mask=s_ok, other=0.0)
             else:
                 vh = vc
-            q = tl.load(q_base + tok[:, None] * sqs + full[None, :], mask=f_ok, other=0.0)
-            a, ties, l = _scores(q, kh, same, scale2, IEEE)
-            o = _dot(a.to(vh.dtype), vh, IEEE)
+            num = _dot(a.to(vh.dtype), vh, IEEE) * w
+            # One sign at a time, phi(k) recomputed from the logits where it is needed: at
+            # F=64 every (rows, F) fp32 tile costs 32 registers per thread (16 rows per warp).
             pos, neg = _phi_u(UQ, b * 2 * n + tok, h, H, F, ok, feats, feat_ok)
-            num = _dot32(pos, s_pos, IEEE) + _dot32(neg, s_neg, IEEE)
-            lin = tl.sum(pos * z_pos[None, :], 1) + tl.sum(neg * z_neg[None, :], 1)
+            num += _dot32(pos, s_pos, IEEE)
+            lin = tl.sum(pos * z_pos[None, :], 1)
             if MULTI:
-                pk = tl.where(earl, _dot32(pos, tl.trans(pos_k), IEEE)
-                              + _dot32(neg, tl.trans(neg_k), IEEE), 0.0)
-                num += _dot32(pk, vc32, IEEE)
+                pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
+                pk = _dot32(pos, tl.trans(pos_k), IEEE)
+            num += _dot32(neg, s_neg, IEEE)
+            lin += tl.sum(neg * z_neg[None, :], 1)
+            if MULTI:
+                pk = tl.where(earl, pk + _dot32(neg, tl.trans(neg_k), IEEE), 0.0)
+                num += _dot32(pk, vc.to(tl.float32), IEEE)
                 lin += tl.sum(pk, 1)
             den = tl.maximum(w * l, eps) + tl.maximum(lin, eps)
-            out = (w * o + num) / den[:, None]
-            tl.store(o_base + tok[:, None] * sos + dims[None, :], out.to(O.dtype.element_ty),
-                     mask=s_ok)
+            tl.store(o_base + tok[:, None] * sos + dims[None, :],
+                     (num / den[:, None]).to(O.dtype.element_ty), mask=s_ok)
+        pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
+        vc32 = vc.to(tl.float32)
         s_pos += _dot32(tl.trans(pos_k), vc32, IEEE)
-        s_neg += _dot32(tl.trans(neg_k), vc32, IEEE)
         z_pos += tl.sum(pos_k, 0)
+        s_neg += _dot32(tl.trans(neg_k), vc32, IEEE)
         z_neg += tl.sum(neg_k, 0)
 
 

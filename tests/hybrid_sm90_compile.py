@@ -67,7 +67,7 @@ def _tile(bs):
     if launch is not None:
         geo = launch.geometry(4096, bs)
         return geo.block_t, geo.multi
-    return (32, True) if bs <= 8 else (max(16, 1 << (bs - 1).bit_length()), False)
+    return (32, True) if 2 * bs <= 32 else (max(16, 1 << (bs - 1).bit_length()), False)
 
 
 def _config(role, block_f, block_d):

@@ -506,6 +506,14 @@ def test_benchmark_cases_and_table():
     assert next(r for r in rows if r["contender"] == "sdpa flash")["ratio_sdpa_over_hybrid"] == 2.0
     table = bench.markdown(rows)
     assert "| sdpa flash / hybrid step |" in table.splitlines()[0] and "| 2.00 |" in table
+    a = bench.parse_args(["--train-n", "512", "--train-blocks", "4,32", "--heads", "8/2"])
+    assert [c.block_size for c in bench.train_cases(a)] == [4, 32]
+    (case, _) = bench.train_cases(a)
+    rows = bench.train_rows(case, {"fwd+bwd": {"hybrid train": 2.0, "hybrid train torch": 10.0,
+                                               "sdpa cudnn causal": 1.0}})
+    ratio = {r["contender"]: r["ratio_sdpa_over_hybrid"] for r in rows}
+    assert ratio == {"hybrid train": None, "hybrid train torch": 5.0, "sdpa cudnn causal": 0.5}
+    assert "| hybrid train torch / hybrid train |" in bench.markdown(rows)
 
 
 @pytest.mark.gpu

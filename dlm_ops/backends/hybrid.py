@@ -21,11 +21,13 @@ states grow with 2F / bs (each block's (2F, D) sum is 2F/bs times the size of it
 backward recomputes the forward (only the inputs are saved) and holds about twice that.
 
 ``triton``: the decode step and the state update as fused kernels (templates/hybrid_attn.py), and
-the training form's forward and backward as fused walks over the blocks that keep the state in
-registers (templates/hybrid_train.py, launched by hybrid_train.py; nothing per block is stored).
+the training form's forward and backward as fused kernels (templates/hybrid_train.py has the
+design, launched by hybrid_train.py): the forward walks the blocks with a D slice of the state in
+registers and stores nothing per block; the backward stores one state per tile (not per block
+and head-expanded copies of every input, as above) and makes five passes.
 On CPU it runs only when forced under TRITON_INTERPRET=1, for tests. It declines decode shapes
 whose widest fp32 dot would not fit in shared memory (MAX_DOT_BYTES) and training shapes whose
-block or state the walks cannot hold (hybrid_train.reasons); the torch path above takes those.
+block or feature tiles the kernels cannot hold (hybrid_train.reasons); the torch path takes those.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from .base import new_output
 
 MAX_TRAIN_BLOCK = 64
 MAX_STATE = 64 * 128  # BLOCK_F * BLOCK_D
-SMALL_BLOCK_TILE = 32  # blocks of <= 8 tokens are packed R = 32 // bs to a tile
+TILE_ROWS = 32  # blocks of <= TILE_ROWS / 2 tokens are packed R = TILE_ROWS // bs to a tile
 SLICE_D = 32  # DS: head-dim columns of the state per walk/scan program (tests lower it to 16)
 ROWS = 64  # tokens per program of the logits and dW kernels
 
@@ -54,9 +54,8 @@ class Geometry:
 
 def geometry(n: int, block_size: int) -> Geometry:
     bs = min(block_size, n)
-    if bs <= 8:
-        block_t = SMALL_BLOCK_TILE
-        tile_len = bs * (block_t // bs)
+    if 2 * bs <= TILE_ROWS:
+        block_t, tile_len = TILE_ROWS, bs * (TILE_ROWS // bs)
     else:
         block_t, tile_len = _pow2(bs), bs
     return Geometry(n, bs, block_t, tile_len, -(-n // tile_len))
