@@ -1,10 +1,12 @@
 """Compile the block-hybrid training kernels for sm90 without a GPU and report their resources.
 
 Run by tests/test_hybrid_attn.py in a subprocess without TRITON_INTERPRET (the interpreter never
-lowers a kernel). Prints one line per kernel: ``name smem_bytes registers stack_bytes``, for the
-configs the backend launches at the benchmark's shape (bf16, D=128, F=64, bs=32: one block per
-tile) and for packed small blocks (bs=4: eight blocks per 32-row tile, the intra-tile term), plus
-the largest shapes the backend accepts (bs=64 at D=128, F=64; D=256 at F=32).
+lowers a kernel), or by hand, also from a bare triton venv (the GPU machine's triton 3.6):
+``PYTHONPATH=. python -m tests.hybrid_sm90_compile [--only fwd_bs32,...] [--warps 4]``.
+Prints one line per kernel: ``name smem_bytes registers stack_bytes warps stages``, at the
+benchmark's shape (bf16, D=128, F=64, bs=32: one block per tile), packed small blocks (bs=4: eight
+blocks per 32-row tile, the intra-tile term), and the largest shapes the backend accepts (bs=64
+at D=128, F=64; D=256 at F=32), with the backend's launch configs.
 """
 
 import argparse

@@ -345,8 +345,10 @@ def test_train_kernel_geometry():
 @pytest.mark.skipif(CUDA, reason="on a GPU the kernels compile natively in the tests above")
 def test_train_kernels_compile_for_sm90():
     """The interpreter never lowers a kernel: compile the training kernels for sm90 (H100/H200) in a
-    subprocess without TRITON_INTERPRET, at the benchmark's shape and the largest accepted ones,
-    and check that they fit the 227 KiB of shared memory."""
+    subprocess without TRITON_INTERPRET, at the configs with the most shared memory (packed bs=4
+    and bs=64 tiles at D=128, F=64) and the row kernels, and check that they can launch: <= 227 KiB
+    of shared memory, <= 255 registers. They do spill at F=64 (the numbers are printed, and
+    discussed in dlm_ops/backends/hybrid_train.launch_config); zero spills is not asserted."""
     import os
     import subprocess
     import sys
@@ -355,16 +357,19 @@ def test_train_kernels_compile_for_sm90():
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-m", "tests.hybrid_sm90_compile"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=1200)
+    only = ",".join([f"{k}_{s}" for s in ("bs4", "bs64") for k in ("fwd", "scan", "bwd_q", "bwd_k")]
+                    + ["logits_bs32", "dW_bs32"])
+    run = subprocess.run([sys.executable, "-m", "tests.hybrid_sm90_compile", "--only", only],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=1200)
     if run.returncode and "cuobjdump" in run.stderr and "No such file" in run.stderr:
         pytest.skip("this Triton wheel ships no cuobjdump")
     assert run.returncode == 0, run.stderr[-2000:]
+    print(run.stdout)
     lines = [line.split() for line in run.stdout.splitlines() if line.strip()]
-    assert len(lines) == 20  # 4 shapes x (fwd, scan, bwd_q, bwd_k) + 2 x (logits, dW)
+    assert sorted(line[0] for line in lines) == sorted(only.split(","))
     for name, smem, regs, stack, *_ in lines:
         assert int(smem) <= 227 * 1024, f"{name}: {smem} bytes of shared memory"
-        assert int(regs) <= 255
+        assert int(regs) <= 255, f"{name}: {regs} registers"
 
 
 # -- validation ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ accumulators of both signs; tests/hybrid_sm90_compile.py reports what each kerne
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -61,13 +62,23 @@ def geometry(n: int, block_size: int) -> Geometry:
     return Geometry(n, bs, block_t, tile_len, -(-n // tile_len))
 
 
+# Warps per kernel role for an A/B on a GPU, e.g. DLM_OPS_HYBRID_TRAIN_WARPS="fwd=2,bwd_q=4".
+_WARPS = dict(kv.split("=") for kv in os.environ.get("DLM_OPS_HYBRID_TRAIN_WARPS", "").split(",")
+              if "=" in kv)
+
+
 def launch_config(role: str, block_f: int, block_d: int) -> tuple[int, int]:
-    """(num_warps, num_stages) per kernel role; see tests/hybrid_sm90_compile.py for what they
-    cost in registers and shared memory on sm90."""
-    big = block_f * block_d >= 64 * 128
-    if role in ("logits", "dW"):
-        return (8 if big else 4), 1
-    return (8 if big else 4), 1
+    """(num_warps, num_stages) of a kernel role ("logits", "fwd", "scan", "bwd_q", "bwd_k", "dW").
+
+    From the sm90 compile (tests/hybrid_sm90_compile.py, triton 3.6, F=64, D=128, 32-row tiles):
+    8 warps spill least (fwd 1.6 KB, bwd_q 2.5 KB, bwd_k 1.3 KB per thread, scan none; 4 warps
+    1.9, 8.5, 1.4 KB and none). With mma.sync a chain of dots puts every warp along the rows, so
+    8 warps on 32 rows repeat each product four times: 2 warps (2.3 KB spills in fwd) may still win
+    on time; that is for DLM_OPS_HYBRID_TRAIN_WARPS and the H200 to decide. No loop is pipelined
+    (num_stages=1): the loops are short and every stage costs shared memory."""
+    if role in _WARPS:
+        return int(_WARPS[role]), 1
+    return (8 if block_f * block_d >= 64 * 128 else 4), 1
 
 
 def _sizes(q, feature_weight):
