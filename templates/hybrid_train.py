@@ -290,6 +290,8 @@ def hybrid_train_bwd_q_kernel(
     dpk_neg = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
     dgv = 0.0
     buf_row = b * 2 * n * H + h  # + position * H: a row of a contiguous (B, 2n, H, X) buffer
+    pk0 = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)  # the noisy half's P and 1/den (MULTI)
+    rden0 = tl.zeros([BLOCK_T], tl.float32)
     for half in tl.static_range(2):
         tok = half * n + seq
         q = tl.load(q_base + tok[:, None] * sqs + full[None, :], mask=f_ok, other=0.0)

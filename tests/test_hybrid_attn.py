@@ -483,8 +483,8 @@ def test_gpu_train_triton_vs_torch(n, bs, d, f):
     inputs = (*_seq(2, 2 * n, 8, 2, d, dtype, n, "cuda"), *_params(8, d, f, n, "cuda"))
     dout = torch.randn(2, 2 * n, 8, d, generator=torch.Generator().manual_seed(n))
     dout = dout.to(device="cuda", dtype=dtype)
-    ours = _grads(lambda *t: dlm_ops.block_hybrid_train_attn(*t, bs, backend="triton"), inputs, dout)
-    ref = _grads(lambda *t: dlm_ops.block_hybrid_train_attn(*t, bs, backend="torch"), inputs, dout)
+    ours, ref = (_grads(lambda *t, be=be: dlm_ops.block_hybrid_train_attn(*t, bs, backend=be),
+                        inputs, dout) for be in ("triton", "torch"))
     plain = _grads(lambda *t: block_hybrid_train_attn_ref(*t, bs, compute_dtype=dtype), inputs,
                    dout)
     for i, name in enumerate(["out", "dq", "dk", "dv", "dfeature_weight", "dgate"]):

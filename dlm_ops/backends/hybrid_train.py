@@ -97,7 +97,7 @@ def _strides(*ts):
 
 
 def _logits(x, w32, row_off, seqlen, heads):
-    """u = x W_h for the rows [row_off, row_off + seqlen) of every sample: (B, seqlen, H, F) fp32."""
+    """u = x W_h for the rows [row_off, row_off + seqlen) of each sample: (B, seqlen, H, F) fp32."""
     b, d, f = x.shape[0], x.shape[-1], w32.shape[-1]
     u = new_output(x, (b, seqlen, heads, f), torch.float32)
     total = b * seqlen
