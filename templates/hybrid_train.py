@@ -50,14 +50,16 @@ tf32x3 keeps a high and a low copy of each fp32 operand: the state alone is 3 x 
     so its gradient is kept and split among ties as torch.amax does.
 
 Parallelism: the walks and scans run B*H*(D/DS) programs (128 at B*H=32, D=128); the per-tile
-kernels B*H*nt. Small blocks: a 32-row tile packs R = 32 // bs blocks of bs <= 16 (the chunked
-linear-attention form), so a bs=4 call makes n/32 serial steps, not n/4. 64-row tiles (wgmma
-instead of mma.sync) were tried: the packed backward then needs 288 KB of shared memory.
+kernels B*H*nt. Small blocks: a 64-row tile packs R = 64 // bs blocks of bs <= 16 (the chunked
+linear-attention form), so a bs=4 call makes n/64 serial steps, not n/4; longer blocks take one
+tile each (32 rows for bs <= 32, 64 up to bs = 64).
 
-Registers: every (rows, F) fp32 tile costs F/2 registers per thread (16 rows per warp), and the
-kernels hold several (phi of q and k, both signs, their gradients), so at F=64, D=128 the walks
-and the per-tile kernels still spill 0.1-2.5 KB per thread on sm90 (tests/hybrid_sm90_compile.py
-prints the numbers); the scans, the logits and the dW kernels do not.
+Registers: every (rows, F) fp32 tile costs F/2 registers per thread (16 rows per warp, whatever
+the warp count: a chain of dots puts every warp along the rows), and the kernels hold several
+(phi of q and k, both signs, their gradients), so at F=64, D=128 the walks and the per-tile
+kernels still spill 0.1-2.7 KB per thread on sm90 (tests/hybrid_sm90_compile.py prints the
+numbers; hybrid_train.launch_config has them); the scans, the logits and the dW kernels do not.
+The key-side intra-tile terms sit in bwd_k, not bwd_q, for the same reason.
 
 Precision (as the decode kernels): fp32 inputs take IEEE fp32 dots everywhere. Low-precision
 inputs take the attention dots (q k^T, a v, dN v^T for da, a^T dO, ds k, ds^T q) in the input
@@ -259,16 +261,16 @@ def hybrid_scan_kernel(
 
 @triton.jit
 def hybrid_train_bwd_q_kernel(
-    Q, K, V, DO, UQ, UK, W, GATE, S_ST, Z_ST, DQ, DK, DV, DUQ, DPK, RDEN, DLIN, DGV,
+    Q, K, V, DO, UQ, UK, W, GATE, S_ST, Z_ST, DQ, DK, DV, DUQ, RDEN, DLIN, DGV,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
     H, G, n, bs, tile_len, num_tiles, F, scale, eps,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DS: tl.constexpr,
     BLOCK_F: tl.constexpr, MULTI: tl.constexpr, IEEE: tl.constexpr,
 ):
     """The query side of one (tile, b, h), both halves. Writes DQ (B, 2n, H, D) contiguous in q's
-    dtype (final); DK, DV (B, 2n, H, D) fp32 per query head (in-block and intra-tile parts; bwd_k
-    adds the state part of the clean keys); DUQ (B, 2n, H, F) fp32; DPK (B, n, H, 2F) fp32, the
-    intra-tile dphi of the clean keys (MULTI only); RDEN, DLIN (B, H, 2n); DGV (B, H, nt)."""
+    dtype (final); DK, DV (B, 2n, H, D) fp32 per query head, the in-block part (bwd_k adds the
+    linear part of the clean keys, intra-tile terms included); DUQ (B, 2n, H, F) fp32; RDEN, DLIN
+    (B, H, 2n); DGV (B, H, nt)."""
     t, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     kvh = h // G
@@ -285,13 +287,8 @@ def hybrid_train_bwd_q_kernel(
     z_pos = tl.load(Z_ST + st * 2 * F + feats, mask=feat_ok, other=0.0)
     z_neg = tl.load(Z_ST + st * 2 * F + F + feats, mask=feat_ok, other=0.0)
     s_base = S_ST + st * 2 * F * D
-    pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
-    dpk_pos = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
-    dpk_neg = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
     dgv = 0.0
     buf_row = b * 2 * n * H + h  # + position * H: a row of a contiguous (B, 2n, H, X) buffer
-    pk0 = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)  # the noisy half's P and 1/den (MULTI)
-    rden0 = tl.zeros([BLOCK_T], tl.float32)
     for half in tl.static_range(2):
         tok = half * n + seq
         q = tl.load(q_base + tok[:, None] * sqs + full[None, :], mask=f_ok, other=0.0)
@@ -300,6 +297,7 @@ def hybrid_train_bwd_q_kernel(
         pos, neg = _phi_u(UQ, b * 2 * n + tok, h, H, F, ok, feats, feat_ok)
         lin = tl.sum(pos * z_pos[None, :], 1) + tl.sum(neg * z_neg[None, :], 1)
         if MULTI:
+            pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
             pk = tl.where(earl, _dot32(pos, tl.trans(pos_k), IEEE)
                           + _dot32(neg, tl.trans(neg_k), IEEE), 0.0)
             lin += tl.sum(pk, 1)
@@ -350,12 +348,11 @@ def hybrid_train_bwd_q_kernel(
         ds = tt - tl.where(ties, 1.0, 0.0) * (tl.sum(tt, 1) / nties)[:, None]
         dp_pos += dl[:, None] * z_pos[None, :]
         dp_neg += dl[:, None] * z_neg[None, :]
-        if MULTI:
+        if MULTI:  # dP = dN v^T + dL over the earlier blocks' clean keys
             dpm = tl.where(earl, g2 + dl[:, None], 0.0)
+            pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
             dp_pos += _dot32(dpm, pos_k, IEEE)
             dp_neg += _dot32(dpm, neg_k, IEEE)
-            dpk_pos += _dot32(tl.trans(dpm), pos, IEEE)
-            dpk_neg += _dot32(tl.trans(dpm), neg, IEEE)
         du = _phi_bwd(pos, neg, dp_pos, dp_neg)
         tl.store(DUQ + (buf_row + tok * H)[:, None] * F + feats[None, :], du,
                  mask=ok[:, None] & feat_ok[None, :])
@@ -376,54 +373,47 @@ def hybrid_train_bwd_q_kernel(
             buf = (buf_row + tok * H)[:, None] * D + dims[None, :]
             tl.store(DQ + buf, dq.to(DQ.dtype.element_ty), mask=s_ok)
             tl.store(DK + buf, scale * _dot(tl.trans(ds).to(q_s.dtype), q_s, IEEE), mask=s_ok)
-            dvh = _dot(tl.trans(a).to(q_s.dtype), (w * dn).to(q_s.dtype), IEEE)
-            if MULTI:
-                if half == 1:
-                    # P^T dN of both halves' queries reaches the clean keys. It is added here,
-                    # not read back from a store of the noisy half: another thread may own it.
-                    dn0 = tl.load(do_base + seq[:, None] * sds + dims[None, :], mask=s_ok,
-                                  other=0.0).to(tl.float32) * rden0[:, None]
-                    dvh += _dot32(tl.trans(pk), dn, IEEE) + _dot32(tl.trans(pk0), dn0, IEEE)
-            tl.store(DV + buf, dvh, mask=s_ok)
-        if MULTI:
-            pk0, rden0 = pk, rden  # the noisy half's, for the clean keys' dv above
-    if MULTI:
-        pk_offs = ((b * n + seq) * H + h)[:, None] * 2 * F + feats[None, :]
-        pk_mask = ok[:, None] & feat_ok[None, :]
-        tl.store(DPK + pk_offs, dpk_pos, mask=pk_mask)
-        tl.store(DPK + F + pk_offs, dpk_neg, mask=pk_mask)
+            tl.store(DV + buf, _dot(tl.trans(a).to(q_s.dtype), (w * dn).to(q_s.dtype), IEEE),
+                     mask=s_ok)
     tl.store(DGV + st, dgv)
 
 
 @triton.jit
 def hybrid_train_bwd_k_kernel(
-    V, UK, W, DU_ST, DZ_ST, DPK, DK, DV, DUK, svb, svs, svh,
-    H, G, n, tile_len, num_tiles, F,
+    V, DO, UQ, UK, W, DU_ST, DZ_ST, RDEN, DLIN, DK, DV, DUK, svb, svs, svh, sdb, sds, sdh,
+    H, G, n, bs, tile_len, num_tiles, F,
     D: tl.constexpr, BLOCK_T: tl.constexpr, DS: tl.constexpr, BLOCK_F: tl.constexpr,
     MULTI: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """The clean keys of one (tile, b, h) against the reverse state of the later tiles: dphi(k)
-    = v dU_t^T + dZ_t (+ DPK), dv += phi(k) dU_t, du_k -> DUK (B, n, H, F), dk += du_k W^T."""
+    """The clean keys of one (tile, b, h), linear part: against the reverse state of the later
+    tiles, dphi(k) = v dU_t^T + dZ_t and dv += phi(k) dU_t; against the later blocks of the same
+    tile (MULTI), dphi(k) += dP^T p and dv += P^T dN for both halves' queries (dP = dN v^T + dL,
+    with 1/den and dL from bwd_q). Then du_k -> DUK (B, n, H, F) and dk += du_k W^T."""
     t, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     kvh = h // G
     rows, feats, sl = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_F), tl.arange(0, DS)
     feat_ok = feats < F
-    seq = t * tile_len + rows
-    ok = (rows < tile_len) & (seq < n)
+    seq, ok, same, earl = _tile_rows(rows, t, tile_len, n, bs)
     pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
     st = bh * num_tiles + t
     dpk = tl.zeros([BLOCK_T, BLOCK_F], tl.float32) + tl.load(
         DZ_ST + st * 2 * F + feats, mask=feat_ok, other=0.0)[None, :]
     dnk = tl.zeros([BLOCK_T, BLOCK_F], tl.float32) + tl.load(
         DZ_ST + st * 2 * F + F + feats, mask=feat_ok, other=0.0)[None, :]
-    if MULTI:
-        pk_offs = ((b * n + seq) * H + h)[:, None] * 2 * F + feats[None, :]
-        pk_mask = ok[:, None] & feat_ok[None, :]
-        dpk += tl.load(DPK + pk_offs, mask=pk_mask, other=0.0)
-        dnk += tl.load(DPK + F + pk_offs, mask=pk_mask, other=0.0)
+    if MULTI:  # P of the noisy (0) and clean (1) queries against these keys
+        pos0, neg0 = _phi_u(UQ, b * 2 * n + seq, h, H, F, ok, feats, feat_ok)
+        pk0 = tl.where(earl, _dot32(pos0, tl.trans(pos_k), IEEE)
+                       + _dot32(neg0, tl.trans(neg_k), IEEE), 0.0)
+        pos1, neg1 = _phi_u(UQ, b * 2 * n + n + seq, h, H, F, ok, feats, feat_ok)
+        pk1 = tl.where(earl, _dot32(pos1, tl.trans(pos_k), IEEE)
+                       + _dot32(neg1, tl.trans(neg_k), IEEE), 0.0)
+        rden0 = tl.load(RDEN + bh * 2 * n + seq, mask=ok, other=0.0)
+        rden1 = tl.load(RDEN + bh * 2 * n + n + seq, mask=ok, other=0.0)
+        g20 = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)
+        g21 = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)
     u_base = DU_ST + st * 2 * F * D
-    v_base = V + b * svb + kvh * svh
+    v_base, do_base = V + b * svb + kvh * svh, DO + b * sdb + h * sdh
     buf_row = b * 2 * n * H + h + (n + seq) * H  # the clean rows of (B, 2n, H, D)
     for d0 in range(0, D, DS):
         dims = d0 + sl
@@ -436,9 +426,28 @@ def hybrid_train_bwd_k_kernel(
         un = tl.load(u_base + F * D + feats[:, None] * D + dims[None, :], mask=sm, other=0.0)
         dpk += _dot32(vc, tl.trans(up), IEEE)
         dnk += _dot32(vc, tl.trans(un), IEEE)
+        dv = _dot32(pos_k, up, IEEE) + _dot32(neg_k, un, IEEE)
+        if MULTI:
+            dn0 = tl.load(do_base + seq[:, None] * sds + dims[None, :], mask=s_ok,
+                          other=0.0).to(tl.float32) * rden0[:, None]
+            dn1 = tl.load(do_base + (n + seq)[:, None] * sds + dims[None, :], mask=s_ok,
+                          other=0.0).to(tl.float32) * rden1[:, None]
+            g20 += _dot32(dn0, tl.trans(vc), IEEE)
+            g21 += _dot32(dn1, tl.trans(vc), IEEE)
+            dv += _dot32(tl.trans(pk0), dn0, IEEE) + _dot32(tl.trans(pk1), dn1, IEEE)
         buf = buf_row[:, None] * D + dims[None, :]
-        tl.store(DV + buf, tl.load(DV + buf, mask=s_ok, other=0.0) + _dot32(pos_k, up, IEEE)
-                 + _dot32(neg_k, un, IEEE), mask=s_ok)
+        tl.store(DV + buf, tl.load(DV + buf, mask=s_ok, other=0.0) + dv, mask=s_ok)
+    if MULTI:
+        dpm = tl.where(earl, g20 + tl.load(DLIN + bh * 2 * n + seq, mask=ok, other=0.0)[:, None],
+                       0.0)
+        pos0, neg0 = _phi_u(UQ, b * 2 * n + seq, h, H, F, ok, feats, feat_ok)
+        dpk += _dot32(tl.trans(dpm), pos0, IEEE)
+        dnk += _dot32(tl.trans(dpm), neg0, IEEE)
+        dpm = tl.where(earl, g21 + tl.load(DLIN + bh * 2 * n + n + seq, mask=ok,
+                                           other=0.0)[:, None], 0.0)
+        pos1, neg1 = _phi_u(UQ, b * 2 * n + n + seq, h, H, F, ok, feats, feat_ok)
+        dpk += _dot32(tl.trans(dpm), pos1, IEEE)
+        dnk += _dot32(tl.trans(dpm), neg1, IEEE)
     duk = _phi_bwd(pos_k, neg_k, dpk, dnk)
     tl.store(DUK + ((b * n + seq) * H + h)[:, None] * F + feats[None, :], duk,
              mask=ok[:, None] & feat_ok[None, :])

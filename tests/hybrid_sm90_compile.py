@@ -5,7 +5,7 @@ lowers a kernel), or by hand, also from a bare triton venv (the GPU machine's tr
 ``PYTHONPATH=. python -m tests.hybrid_sm90_compile [--only fwd_bs32,...] [--warps 4]``.
 Prints one line per kernel: ``name smem_bytes registers stack_bytes warps stages``, at the
 benchmark's shape (bf16, D=128, F=64, bs=32: one block per tile), packed small blocks (bs=4: eight
-blocks per 32-row tile, the intra-tile term), and the largest shapes the backend accepts (bs=64
+blocks per 64-row tile, the intra-tile term), and the largest shapes the backend accepts (bs=64
 at D=128, F=64; D=256 at F=32), with the backend's launch configs.
 """
 
@@ -69,7 +69,7 @@ def _tile(bs):
     if launch is not None:
         geo = launch.geometry(4096, bs)
         return geo.block_t, geo.multi
-    return (32, True) if 2 * bs <= 32 else (max(16, 1 << (bs - 1).bit_length()), False)
+    return (64, True) if bs <= 16 else (max(16, 1 << (bs - 1).bit_length()), False)
 
 
 def _config(role, block_f, block_d):

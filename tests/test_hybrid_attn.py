@@ -295,8 +295,8 @@ def test_triton_train_kernels(slice_d, p, f, dtype, ds, seed):
 
 
 @pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("n,bs,heads,d,f", [(70, 3, (4, 2), 32, 16), (40, 16, (2, 1), 16, 64),
-                                            (33, 33, (1, 1), 16, 5)])
+@pytest.mark.parametrize("n,bs,heads,d,f", [(70, 3, (4, 2), 32, 16), (150, 16, (2, 1), 16, 64),
+                                            (100, 40, (1, 1), 16, 5)])
 def test_triton_train_kernels_many_tiles(slice_d, n, bs, heads, d, f):
     """Several tiles per sequence (the state crosses tiles in both scans), packed blocks with a
     partial last tile, one block of a whole half."""
@@ -327,17 +327,17 @@ def test_triton_train_declines_and_torch_takes_over():
 
 
 def test_train_kernel_geometry():
-    """Tiles hold whole blocks: bs <= 16 packs 32 // bs of them, longer blocks take one tile."""
+    """Tiles hold whole blocks: bs <= 16 packs 64 // bs of them, longer blocks take one tile."""
     from dlm_ops.backends.hybrid_train import geometry
 
     g = geometry(100, 4)
-    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (32, 32, 4, True)
+    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (64, 64, 2, True)
     g = geometry(100, 3)
-    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (32, 30, 4, True)
+    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (64, 63, 2, True)
+    g = geometry(100, 16)
+    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (64, 64, 2, True)
     g = geometry(100, 32)
     assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (32, 32, 4, False)
-    g = geometry(100, 16)
-    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (32, 32, 4, True)
     g = geometry(40, 64)  # block_size > n: one block of n tokens
     assert (g.bs, g.block_t, g.tile_len, g.num_tiles, g.multi) == (40, 64, 40, 1, False)
 

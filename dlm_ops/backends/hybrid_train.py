@@ -19,7 +19,7 @@ from .base import new_output
 
 MAX_TRAIN_BLOCK = 64
 MAX_STATE = 64 * 128  # BLOCK_F * BLOCK_D
-TILE_ROWS = 32  # blocks of <= TILE_ROWS / 2 tokens are packed R = TILE_ROWS // bs to a tile
+PACK_BLOCK, PACKED_ROWS = 16, 64  # blocks of <= 16 tokens are packed 64 // bs to a 64-row tile
 SLICE_D = 32  # DS: head-dim columns of the state per walk/scan program (tests lower it to 16)
 ROWS = 64  # tokens per program of the logits and dW kernels
 
@@ -54,9 +54,13 @@ class Geometry:
 
 
 def geometry(n: int, block_size: int) -> Geometry:
+    """Tiles of whole blocks. Packed tiles are 64 rows: at 32 rows (mma.sync) the packed backward
+    kernels fell into a 32-register allocation with 8-10 KB of spills per thread on sm90, at 64
+    rows (wgmma) they take 255 registers and spill 1.7-2.7 KB. Blocks of 17-32 tokens keep 32-row
+    tiles: packing two in 64 rows spilled no less (2.7 against 2.5 KB) and adds the P products."""
     bs = min(block_size, n)
-    if 2 * bs <= TILE_ROWS:
-        block_t, tile_len = TILE_ROWS, bs * (TILE_ROWS // bs)
+    if bs <= PACK_BLOCK:
+        block_t, tile_len = PACKED_ROWS, bs * (PACKED_ROWS // bs)
     else:
         block_t, tile_len = _pow2(bs), bs
     return Geometry(n, bs, block_t, tile_len, -(-n // tile_len))
@@ -70,11 +74,12 @@ _WARPS = dict(kv.split("=") for kv in os.environ.get("DLM_OPS_HYBRID_TRAIN_WARPS
 def launch_config(role: str, block_f: int, block_d: int) -> tuple[int, int]:
     """(num_warps, num_stages) of a kernel role ("logits", "fwd", "scan", "bwd_q", "bwd_k", "dW").
 
-    From the sm90 compile (tests/hybrid_sm90_compile.py, triton 3.6, F=64, D=128, 32-row tiles):
-    8 warps spill least (fwd 1.6 KB, bwd_q 2.5 KB, bwd_k 1.3 KB per thread, scan none; 4 warps
-    1.9, 8.5, 1.4 KB and none). With mma.sync a chain of dots puts every warp along the rows, so
-    8 warps on 32 rows repeat each product four times: 2 warps (2.3 KB spills in fwd) may still win
-    on time; that is for DLM_OPS_HYBRID_TRAIN_WARPS and the H200 to decide. No loop is pipelined
+    From the sm90 compile (tests/hybrid_sm90_compile.py, triton 3.6, F=64, D=128): 8 warps spill
+    least: fwd 1.6, bwd_q 2.5, bwd_k 1.3 KB per thread at bs=32 (4 warps: 1.9, 8.5, 1.4 KB),
+    2.5, 2.7, 1.7 KB with packed bs=4 tiles; the scans, logits and dW kernels do not spill.
+    With mma.sync (32-row tiles) a chain of dots puts every warp along the rows, so 8 warps on
+    32 rows repeat each product four times: 2 warps (2.3 KB of spills in fwd) may still win on
+    time; that is for DLM_OPS_HYBRID_TRAIN_WARPS and the H200 to decide. No loop is pipelined
     (num_stages=1): the loops are short and every stage costs shared memory."""
     if role in _WARPS:
         return int(_WARPS[role]), 1
@@ -160,20 +165,19 @@ def train_bwd(dout, q, k, v, feature_weight, gate, block_size, scale, eps):
     dq = new_output(q, q.shape)  # contiguous (B, 2n, H, D), as the kernel indexes it
     dk, dv = (new_output(q, (b, s2, h, d), f32) for _ in range(2))  # per query head
     du_q, du_k = new_output(q, (b, s2, h, f), f32), new_output(q, (b, n, h, f), f32)
-    dpk = new_output(q, (b, n, h, 2 * f), f32) if geo.multi else u_k  # unread unless multi
     rden, dlin = (new_output(q, (b, h, s2), f32) for _ in range(2))
     dgv = new_output(q, (b, h, nt), f32)
     consts = dict(D=d, BLOCK_T=geo.block_t, DS=ds, BLOCK_F=block_f, MULTI=geo.multi, IEEE=ieee)
     warps, stages = launch_config("bwd_q", block_f, block_d)
     kernels.hybrid_train_bwd_q_kernel[(nt, b * h)](
-        q, k, v, dout, u_q, u_k, w32, gate, s_st, z_st, dq, dk, dv, du_q, dpk, rden, dlin, dgv,
+        q, k, v, dout, u_q, u_k, w32, gate, s_st, z_st, dq, dk, dv, du_q, rden, dlin, dgv,
         *_strides(q, k, v, dout), h, h // hkv, n, geo.bs, geo.tile_len, nt, f, scale, eps,
         BLOCK_D=block_d, num_warps=warps, num_stages=stages, **consts)
     du_st, dz_st = _scan(u_q, dout, rden, dlin, 0, 0, 2, True, geo, h, f, block_f, ds, ieee)
     warps, stages = launch_config("bwd_k", block_f, block_d)
     kernels.hybrid_train_bwd_k_kernel[(nt, b * h)](
-        v, u_k, w32, du_st, dz_st, dpk, dk, dv, du_k, v.stride(0), v.stride(1), v.stride(2),
-        h, h // hkv, n, geo.tile_len, nt, f, num_warps=warps, num_stages=stages, **consts)
+        v, dout, u_q, u_k, w32, du_st, dz_st, rden, dlin, dk, dv, du_k, *_strides(v, dout),
+        h, h // hkv, n, geo.bs, geo.tile_len, nt, f, num_warps=warps, num_stages=stages, **consts)
 
     dw = _feature_grad(q, du_q, 0, s2, 1) + _feature_grad(k, du_k, n, n, h // hkv)
     sig = torch.sigmoid(gate.float())
