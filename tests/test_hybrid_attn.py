@@ -315,6 +315,8 @@ def test_triton_train_declines_and_torch_takes_over():
     assert "training block of 65 tokens > 64" in " ".join(triton.not_supported_reasons(big))
     wide = HybridProblem("cuda", torch.bfloat16, 256, frozenset(), num_features=64, train_block=32)
     assert "training F x D = 64 x 256" in " ".join(triton.not_supported_reasons(wide))
+    many = HybridProblem("cuda", torch.bfloat16, 64, frozenset(), num_features=128, train_block=32)
+    assert "take F <= 64" in " ".join(triton.not_supported_reasons(many))
     fits = HybridProblem("cuda", torch.bfloat16, 128, frozenset(), num_features=64, train_block=64)
     assert not triton.not_supported_reasons(fits)
     if not CUDA:  # the decision itself; on a GPU the capability checks add their own reasons

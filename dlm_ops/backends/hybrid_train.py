@@ -3,8 +3,8 @@ the design and the notation), called by ``HybridTritonBackend.train_fwd/train_bw
 
 Shapes the kernels decline (``reasons``) run the torch path instead: blocks longer than
 MAX_TRAIN_BLOCK (a block is one tile: its (bs x bs) scores and full-D (bs x D) tiles sit next to
-the (bs x F) feature tiles), and F x D beyond MAX_STATE (the per-tile backward holds (rows, F)
-accumulators of both signs; tests/hybrid_sm90_compile.py reports what each kernel takes).
+the (bs x F) feature tiles), F above MAX_FEATURES or F x D above MAX_STATE (the kernels hold
+several (rows, F) fp32 tiles; tests/hybrid_sm90_compile.py reports what each kernel takes).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from ..templates import hybrid_train as kernels
 from .base import new_output
 
 MAX_TRAIN_BLOCK = 64
-MAX_STATE = 64 * 128  # BLOCK_F * BLOCK_D
+MAX_FEATURES = 64  # each (rows, F) fp32 tile costs F/2 registers per thread (launch_config)
+MAX_STATE = 64 * 128  # BLOCK_F * BLOCK_D: the compiled and checked sizes (F=64/D=128, 32/256)
 PACK_BLOCK, PACKED_ROWS = 16, 64  # blocks of <= 16 tokens are packed 64 // bs to a 64-row tile
 SLICE_D = 32  # DS: head-dim columns of the state per walk/scan program (tests lower it to 16)
 ROWS = 64  # tokens per program of the logits and dW kernels
@@ -33,10 +34,10 @@ def reasons(block: int, head_dim: int, features: int) -> list[str]:
     out = []
     if block > MAX_TRAIN_BLOCK:
         out.append(f"training block of {block} tokens > {MAX_TRAIN_BLOCK} (one tile per block)")
-    if _pow2(features) * _pow2(head_dim) > MAX_STATE:
-        out.append(f"training F x D = {features} x {head_dim} (padded {_pow2(features)} x "
-                   f"{_pow2(head_dim)}) > {MAX_STATE}: the per-tile kernels hold (rows, F) and "
-                   f"(F, D slice) fp32 tiles sized for F <= 64 at D = 128")
+    if features > MAX_FEATURES or _pow2(features) * _pow2(head_dim) > MAX_STATE:
+        out.append(f"training F x D = {features} x {head_dim}: the kernels hold (rows, F) fp32 "
+                   f"tiles and take F <= {MAX_FEATURES} and F x D <= {MAX_STATE} (padded "
+                   f"{_pow2(features)} x {_pow2(head_dim)})")
     return out
 
 
