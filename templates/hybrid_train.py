@@ -25,8 +25,8 @@ took 255 registers plus 1.5-4 KB of spills per thread and 155-345 KB of shared m
 it would not launch). Tiles of 32 rows run on mma.sync, whose operands all live in registers, and
 tf32x3 keeps a high and a low copy of each fp32 operand: the state alone is 3 x 64 KB. So:
 
-  * the state is split along D: a program owns (b, h, D slice of DS=32 columns), holding
-    2 x F x DS fp32 (16 KB at F=64). Everything reduced over D that the state does not enter
+  * the state is split along D: a program owns (b, h, D slice of DS=16 columns), holding
+    2 x F x DS fp32 (8 KB at F=64). Everything reduced over D that the state does not enter
     (scores q k^T, the feature logits) is computed on full-D tiles, redundantly per slice (cheap:
     bs x bs x D per block); the logits u = x W are precomputed by one parallel kernel so that W
     never sits in a walk.
@@ -49,7 +49,7 @@ tf32x3 keeps a high and a low copy of each fp32 operand: the state alone is 3 x 
     The rowmax inside a = exp(s - max s) does not cancel (the state term is not rescaled with it),
     so its gradient is kept and split among ties as torch.amax does.
 
-Parallelism: the walks and scans run B*H*(D/DS) programs (128 at B*H=32, D=128); the per-tile
+Parallelism: the walks and scans run B*H*(D/DS) programs (256 at B*H=32, D=128); the per-tile
 kernels B*H*nt. Small blocks: a 64-row tile packs R = 64 // bs blocks of bs <= 16 (the chunked
 linear-attention form), so a bs=4 call makes n/64 serial steps, not n/4; longer blocks take one
 tile each (32 rows for bs <= 32, 64 up to bs = 64).
@@ -57,8 +57,9 @@ tile each (32 rows for bs <= 32, 64 up to bs = 64).
 Registers: every (rows, F) fp32 tile costs F/2 registers per thread (16 rows per warp, whatever
 the warp count: a chain of dots puts every warp along the rows), and the kernels hold several
 (phi of q and k, both signs, their gradients), so at F=64, D=128 the walks and the per-tile
-kernels still spill 0.1-2.7 KB per thread on sm90 (tests/hybrid_sm90_compile.py prints the
-numbers; hybrid_train.launch_config has them); the scans, the logits and the dW kernels do not.
+kernels still spill on sm90: 0.2-0.9 KB per thread at bs=32, 1.6-3.0 KB with packed small blocks
+(tests/hybrid_sm90_compile.py prints the numbers; hybrid_train.SLICE_D and launch_config discuss
+them); the scans, the logits and the dW kernels (nearly) do not.
 The key-side intra-tile terms sit in bwd_k, not bwd_q, for the same reason.
 
 Precision (as the decode kernels): fp32 inputs take IEEE fp32 dots everywhere. Low-precision

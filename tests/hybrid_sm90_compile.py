@@ -78,12 +78,12 @@ def _config(role, block_f, block_d):
     return (8 if block_f * block_d >= 64 * 128 else 4), 1
 
 
-def cases(warps=None, stages=None):
+def cases(warps=None, stages=None, slice_d=None):
     """(label, kernel, constexprs, warps, stages) of every kernel at every SHAPES entry."""
     for label, bs, d, f in SHAPES:
         block_t, multi = _tile(bs)
         bd, bf = max(16, d), max(16, f)
-        ds = min(bd, launch.SLICE_D if launch is not None else 32)
+        ds = min(bd, slice_d or (launch.SLICE_D if launch is not None else 16))
         walk = dict(D=d, BLOCK_T=block_t, BLOCK_D=bd, DS=ds, BLOCK_F=bf, MULTI=multi, IEEE=False)
         scan = dict(BLOCK_T=block_t, D=d, DS=ds, BLOCK_F=bf, FIRST_HALF=0, NUM_HALVES=2,
                     REVERSE=True, HAS_RS=True, IEEE=False)
@@ -106,8 +106,9 @@ def main(argv=None):
     p.add_argument("--only", default="", help="comma-separated labels")
     p.add_argument("--warps", type=int)
     p.add_argument("--stages", type=int)
+    p.add_argument("--ds", type=int, help="D slice (the backend's SLICE_D by default)")
     a = p.parse_args(argv)
-    for label, fn, consts, warps, stages in cases(a.warps, a.stages):
+    for label, fn, consts, warps, stages in cases(a.warps, a.stages, a.ds):
         if a.only and label not in a.only.split(","):
             continue
         smem, regs, stack = resources(compile_sm90(fn, consts, warps, stages))

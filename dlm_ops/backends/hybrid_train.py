@@ -21,7 +21,11 @@ MAX_TRAIN_BLOCK = 64
 MAX_FEATURES = 64  # each (rows, F) fp32 tile costs F/2 registers per thread (launch_config)
 MAX_STATE = 64 * 128  # BLOCK_F * BLOCK_D: the compiled and checked sizes (F=64/D=128, 32/256)
 PACK_BLOCK, PACKED_ROWS = 16, 64  # blocks of <= 16 tokens are packed 64 // bs to a 64-row tile
-SLICE_D = 32  # DS: head-dim columns of the state per walk/scan program (tests lower it to 16)
+# DS: the head-dim columns of the state per walk/scan program, and the step of the per-tile
+# kernels' loops over D. sm90 spills per thread at bs=32, F=64, D=128 for DS = 16 / 32 / 64:
+# fwd 0.4 / 1.6 / 0.2 KB, bwd_q 0.9 / 2.5 / 13 KB (a 32-register allocation), bwd_k 0.2 / 1.3 /
+# 0.3 KB. 16 costs the forward 8 programs per head that each recompute the (bs x bs) scores.
+SLICE_D = 16
 ROWS = 64  # tokens per program of the logits and dW kernels
 
 
@@ -57,7 +61,7 @@ class Geometry:
 def geometry(n: int, block_size: int) -> Geometry:
     """Tiles of whole blocks. Packed tiles are 64 rows: at 32 rows (mma.sync) the packed backward
     kernels fell into a 32-register allocation with 8-10 KB of spills per thread on sm90, at 64
-    rows (wgmma) they take 255 registers and spill 1.7-2.7 KB. Blocks of 17-32 tokens keep 32-row
+    rows (wgmma) 255 registers and 1.7-2.7 KB (DS=32). Blocks of 17-32 tokens keep 32-row
     tiles: packing two in 64 rows spilled no less (2.7 against 2.5 KB) and adds the P products."""
     bs = min(block_size, n)
     if bs <= PACK_BLOCK:
@@ -75,13 +79,13 @@ _WARPS = dict(kv.split("=") for kv in os.environ.get("DLM_OPS_HYBRID_TRAIN_WARPS
 def launch_config(role: str, block_f: int, block_d: int) -> tuple[int, int]:
     """(num_warps, num_stages) of a kernel role ("logits", "fwd", "scan", "bwd_q", "bwd_k", "dW").
 
-    From the sm90 compile (tests/hybrid_sm90_compile.py, triton 3.6, F=64, D=128): 8 warps spill
-    least: fwd 1.6, bwd_q 2.5, bwd_k 1.3 KB per thread at bs=32 (4 warps: 1.9, 8.5, 1.4 KB),
-    2.5, 2.7, 1.7 KB with packed bs=4 tiles; the scans, logits and dW kernels do not spill.
-    With mma.sync (32-row tiles) a chain of dots puts every warp along the rows, so 8 warps on
-    32 rows repeat each product four times: 2 warps (2.3 KB of spills in fwd) may still win on
-    time; that is for DLM_OPS_HYBRID_TRAIN_WARPS and the H200 to decide. No loop is pipelined
-    (num_stages=1): the loops are short and every stage costs shared memory."""
+    From the sm90 compile (tests/hybrid_sm90_compile.py, triton 3.6, F=64, D=128, DS=32 at the
+    time): 8 warps spilled least: fwd 1.6, bwd_q 2.5, bwd_k 1.3 KB per thread at bs=32 against
+    1.9, 8.5, 1.4 KB at 4 warps; the scans, logits and dW kernels do not spill. With mma.sync
+    (32-row tiles) a chain of dots puts every warp along the rows, so 8 warps on 32 rows repeat
+    each product four times: 2 warps may still win on time; that is for
+    DLM_OPS_HYBRID_TRAIN_WARPS and the H200 to decide. No loop is pipelined (num_stages=1): the
+    loops are short and every stage costs shared memory."""
     if role in _WARPS:
         return int(_WARPS[role]), 1
     return (8 if block_f * block_d >= 64 * 128 else 4), 1
