@@ -234,7 +234,7 @@ def hybrid_scan_kernel(
     u_rows = 2 * n - u_off  # rows of U per sample
     for i in range(num_tiles):
         t = num_tiles - 1 - i if REVERSE else i
-        idx = bh * num_tiles + t
+        idx = (bh * num_tiles + t).to(tl.int64)
         s_offs = idx * 2 * F * D + feats[:, None] * D + dims[None, :]
         tl.store(S_OUT + s_offs, s_pos, mask=s_mask)
         tl.store(S_OUT + F * D + s_offs, s_neg, mask=s_mask)
@@ -284,7 +284,7 @@ def hybrid_train_bwd_q_kernel(
     scale2 = scale * LOG2E
     q_base, k_base, v_base = Q + b * sqb + h * sqh, K + b * skb + kvh * skh, V + b * svb + kvh * svh
     do_base = DO + b * sdb + h * sdh
-    st = bh * num_tiles + t
+    st = (bh * num_tiles + t).to(tl.int64)  # the state buffers pass 2^31 floats at ~8 GB
     z_pos = tl.load(Z_ST + st * 2 * F + feats, mask=feat_ok, other=0.0)
     z_neg = tl.load(Z_ST + st * 2 * F + F + feats, mask=feat_ok, other=0.0)
     s_base = S_ST + st * 2 * F * D
@@ -397,7 +397,7 @@ def hybrid_train_bwd_k_kernel(
     feat_ok = feats < F
     seq, ok, same, earl = _tile_rows(rows, t, tile_len, n, bs)
     pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
-    st = bh * num_tiles + t
+    st = (bh * num_tiles + t).to(tl.int64)  # the state buffers pass 2^31 floats at ~8 GB
     dpk = tl.zeros([BLOCK_T, BLOCK_F], tl.float32) + tl.load(
         DZ_ST + st * 2 * F + feats, mask=feat_ok, other=0.0)[None, :]
     dnk = tl.zeros([BLOCK_T, BLOCK_F], tl.float32) + tl.load(
