@@ -11,7 +11,9 @@ Both sides are timed eagerly and replayed from CUDA graphs ("graph": launch over
 sampler under torch.compile(mode="reduce-overhead") would see it).
 
 Training (fwd + bwd): ``block_hybrid_train_attn`` on [noisy | clean] of 2n tokens against SDPA
-causal attention on 2n tokens, a yardstick of the same length (16K tokens per batch).
+causal attention on 2n tokens, a yardstick of the same length (16K tokens per batch). "hybrid
+train" is the default backend (the fused Triton kernels where they accept the shape), "hybrid
+train torch" the block-batched PyTorch path forced, for the A/B.
 
 All contenders of a case are timed in interleaved rounds in this process (DESIGN.md section 5);
 the report is medians and ratios (SDPA ms / hybrid ms: > 1 means hybrid is faster).
@@ -86,10 +88,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps-per-block", type=int, default=8,
                    help="denoising steps per block: the state update is amortised over them")
     p.add_argument("--train-n", default="1024,4096", help="tokens per half of the training cases")
+    p.add_argument("--train-blocks", default="", help="block sizes of the training cases "
+                   "(default: --block)")
+    p.add_argument("--no-decode", action="store_true", help="time the training cases only")
+    p.add_argument("--no-torch-train", action="store_true",
+                   help="skip the forced torch backend in the training cases")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replays")
     a = p.parse_args(argv)
     a.batches, a.prefixes, a.train_n = _ints(a.batches), _ints(a.prefixes), _ints(a.train_n)
+    a.train_blocks = _ints(a.train_blocks) or [a.block]
     a.heads = _heads(a.heads)
     return a
 
@@ -100,8 +108,8 @@ def decode_cases(a: argparse.Namespace) -> list[DecodeCase]:
 
 
 def train_cases(a: argparse.Namespace) -> list[TrainCase]:
-    return [TrainCase(max(1, TOKENS // (2 * n)), n, h, hkv, block_size=a.block, features=a.features)
-            for h, hkv in a.heads for n in a.train_n]
+    return [TrainCase(max(1, TOKENS // (2 * n)), n, h, hkv, block_size=bs, features=a.features)
+            for h, hkv in a.heads for n in a.train_n for bs in a.train_blocks]
 
 
 # -- GPU side ---------------------------------------------------------------------------------
@@ -188,7 +196,7 @@ def _decode_contenders(c: DecodeCase, graph: bool) -> dict:
     return modes
 
 
-def _train_contenders(c: TrainCase) -> dict:
+def _train_contenders(c: TrainCase, with_torch: bool = True) -> dict:
     import dlm_ops
 
     dt, dev = torch.bfloat16, DEVICE
@@ -199,11 +207,13 @@ def _train_contenders(c: TrainCase) -> dict:
     gate = torch.zeros(h, device=dev, requires_grad=True)
     dout = torch.randn(b, s, h, d, device=dev, dtype=dt)
 
-    def hybrid_step():
-        out = dlm_ops.block_hybrid_train_attn(q, k, v, w, gate, c.block_size)
+    def hybrid_step(backend=None):
+        out = dlm_ops.block_hybrid_train_attn(q, k, v, w, gate, c.block_size, backend=backend)
         return torch.autograd.grad(out, (q, k, v, w, gate), dout)
 
     fns = {"hybrid train": hybrid_step}
+    if with_torch:
+        fns["hybrid train torch"] = lambda: hybrid_step("torch")
     qs, ks, vs = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     douts = dout.transpose(1, 2).contiguous()
     for name in ("flash", "cudnn"):
@@ -256,10 +266,10 @@ def train_rows(case: TrainCase, ms: dict) -> list[dict]:
     rows = []
     for mode, by_name in ms.items():
         ours = by_name.get("hybrid train")
-        for name, t in by_name.items():
+        for name, t in by_name.items():  # every other contender over the default hybrid path
+            ratio = t / ours if ours and name != "hybrid train" else None
             rows.append(dict(asdict(case), kind="train", case=case.label, mode=mode, contender=name,
-                             ms=t, ratio_sdpa_over_hybrid=(t / ours if ours and name.startswith("sdpa")
-                                                           else None)))
+                             ms=t, ratio_sdpa_over_hybrid=ratio))
     return rows
 
 
@@ -271,7 +281,7 @@ def markdown(rows: list[dict]) -> str:
         if not sel:
             continue
         names = list(dict.fromkeys(r["contender"] for r in sel))
-        sdpa = [n for n in names if n.startswith("sdpa")]
+        sdpa = [n for n in names if n.startswith("sdpa") or n == "hybrid train torch"]
         head = ["case", "mode", *[f"{n} ms" for n in names], *[f"{n} / {ours}" for n in sdpa]]
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for case in dict.fromkeys(r["case"] for r in sel):
@@ -295,7 +305,7 @@ def main(argv=None) -> int:
     meta = run_meta()
     torch.manual_seed(0)
     rows = []
-    for case in decode_cases(a):
+    for case in [] if a.no_decode else decode_cases(a):
         print(case.label, flush=True)
         ms = _interleaved(_decode_contenders(case, graph=not a.no_graph), a.rounds)
         rows += [dict(meta, **r) for r in decode_rows(case, ms, a.steps_per_block)]
@@ -303,7 +313,7 @@ def main(argv=None) -> int:
     for case in train_cases(a):
         print(case.label, flush=True)
         try:
-            ms = _interleaved(_train_contenders(case), a.rounds)
+            ms = _interleaved(_train_contenders(case, not a.no_torch_train), a.rounds)
         except torch.cuda.OutOfMemoryError as e:
             print(f"  skipped: {str(e)[:120]}", flush=True)
             continue

@@ -5,7 +5,7 @@ natively on a GPU) and argument validation."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -266,6 +266,114 @@ def test_triton_declines_what_the_kernel_cannot_hold():
     assert not any("shared memory" in r for r in triton.not_supported_reasons(training))
 
 
+# -- the Triton training kernels ----------------------------------------------------------------
+
+
+@pytest.fixture
+def slice_d():
+    """Restores hybrid_train.SLICE_D after a test that lowers it (to run several D slices at the
+    small head dims the interpreter can afford)."""
+    from dlm_ops.backends import hybrid_train
+
+    saved = hybrid_train.SLICE_D
+    yield hybrid_train
+    hybrid_train.SLICE_D = saved
+
+
+@pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a GPU or TRITON_INTERPRET=1")
+@settings(max_examples=10, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(attention_problem(max_n=40, head_dims=(8, 16, 32)), st.sampled_from(FEATURES),
+       st.sampled_from([torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])),
+       st.sampled_from([16, 32]), st.integers(0, 99))
+def test_triton_train_kernels(slice_d, p, f, dtype, ds, seed):
+    """Forward and the five gradients of the fused training kernels, by the accuracy rule: n from
+    1 (tiny, partial and packed tiles: bs <= 8 packs 32 // bs blocks), block_size 1 to > n, GQA,
+    one or two D slices."""
+    slice_d.SLICE_D = ds
+    _check_train(p["batch"], p["n"], p["heads"], p["kv_heads"], p["head_dim"], f, p["block_size"],
+                 dtype, seed, device="cuda" if CUDA else "cpu", backend="triton")
+
+
+@pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("n,bs,heads,d,f", [(70, 3, (4, 2), 32, 16), (150, 16, (2, 1), 16, 64),
+                                            (100, 40, (1, 1), 16, 5)])
+def test_triton_train_kernels_many_tiles(slice_d, n, bs, heads, d, f):
+    """Several tiles per sequence (the state crosses tiles in both scans), packed blocks with a
+    partial last tile, one block of a whole half."""
+    slice_d.SLICE_D = 16
+    _check_train(1, n, *heads, d, f, bs, torch.float32, n, device="cuda" if CUDA else "cpu",
+                 backend="triton")
+
+
+def test_triton_train_declines_and_torch_takes_over():
+    from dlm_ops.backends import select
+    from dlm_ops.backends.hybrid import HybridProblem, HybridTritonBackend
+    from dlm_ops.errors import UnsupportedConfig
+
+    triton = HybridTritonBackend()
+    big = HybridProblem("cuda", torch.bfloat16, 128, frozenset(), num_features=64, train_block=65)
+    assert "training block of 65 tokens > 64" in " ".join(triton.not_supported_reasons(big))
+    wide = HybridProblem("cuda", torch.bfloat16, 256, frozenset(), num_features=64, train_block=32)
+    assert "training F x D = 64 x 256" in " ".join(triton.not_supported_reasons(wide))
+    many = HybridProblem("cuda", torch.bfloat16, 64, frozenset(), num_features=128, train_block=32)
+    assert "take F <= 64" in " ".join(triton.not_supported_reasons(many))
+    fits = HybridProblem("cuda", torch.bfloat16, 128, frozenset(), num_features=64, train_block=64)
+    assert not triton.not_supported_reasons(fits)
+    if not CUDA:  # the decision itself; on a GPU the capability checks add their own reasons
+        assert select(big, family="hybrid").name == "torch"
+        assert select(fits, family="hybrid").name == "triton"
+    q, k, v = _seq(1, 2 * 70, 2, 1, 16, torch.float32, 0)
+    w, gate = _params(2, 16, 8, 0)
+    with pytest.raises(UnsupportedConfig, match="training block of 65 tokens"):
+        dlm_ops.block_hybrid_train_attn(q, k, v, w, gate, 65, backend="triton")
+
+
+def test_train_kernel_geometry():
+    """Tiles hold whole blocks: bs <= 16 packs 64 // bs of them, longer blocks take one tile."""
+    from dlm_ops.backends.hybrid_train import geometry
+
+    g = geometry(100, 4)
+    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (64, 64, 2, True)
+    g = geometry(100, 3)
+    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (64, 63, 2, True)
+    g = geometry(100, 16)
+    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (64, 64, 2, True)
+    g = geometry(100, 32)
+    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (32, 32, 4, False)
+    g = geometry(40, 64)  # block_size > n: one block of n tokens
+    assert (g.bs, g.block_t, g.tile_len, g.num_tiles, g.multi) == (40, 64, 40, 1, False)
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the kernels compile natively in the tests above")
+def test_train_kernels_compile_for_sm90():
+    """The interpreter never lowers a kernel: compile the training kernels for sm90 (H100/H200) in a
+    subprocess without TRITON_INTERPRET, at the configs with the most shared memory (packed bs=4
+    and bs=64 tiles at D=128, F=64) and the row kernels, and check that they can launch: <= 227 KiB
+    of shared memory, <= 255 registers. They do spill at F=64 (the numbers are printed, and
+    discussed in dlm_ops/backends/hybrid_train.launch_config); zero spills is not asserted."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    only = ",".join([f"{k}_{s}" for s in ("bs4", "bs64") for k in ("fwd", "scan", "bwd_q", "bwd_k")]
+                    + ["logits_bs32", "dW_bs32"])
+    run = subprocess.run([sys.executable, "-m", "tests.hybrid_sm90_compile", "--only", only],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    if run.returncode and "cuobjdump" in run.stderr and "No such file" in run.stderr:
+        pytest.skip("this Triton wheel ships no cuobjdump")
+    assert run.returncode == 0, run.stderr[-2000:]
+    print(run.stdout)
+    lines = [line.split() for line in run.stdout.splitlines() if line.strip()]
+    assert sorted(line[0] for line in lines) == sorted(only.split(","))
+    for name, smem, regs, stack, *_ in lines:
+        assert int(smem) <= 227 * 1024, f"{name}: {smem} bytes of shared memory"
+        assert int(regs) <= 255, f"{name}: {regs} registers"
+
+
 # -- validation ---------------------------------------------------------------------------------
 
 
@@ -351,9 +459,38 @@ def test_gpu_decode_accuracy_and_triton_vs_torch(dtype, b, bs, h, hkv, d, f, blo
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,bs,heads", [(512, 32, (8, 2)), (300, 7, (4, 4)), (64, 100, (4, 1))])
+@pytest.mark.parametrize("n,bs,heads", [(512, 32, (8, 2)), (300, 7, (4, 4)), (64, 100, (4, 1)),
+                                        (1024, 4, (4, 1)), (256, 64, (2, 2)), (97, 16, (3, 1))])
 def test_gpu_train_accuracy(dtype, n, bs, heads):
+    """The default backend on a GPU (the fused Triton kernels: every case here fits them)."""
     _check_train(2, n, *heads, 128, 64, bs, dtype, n, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_default_train_backend_is_triton():
+    from dlm_ops.backends import select
+    from dlm_ops.backends.hybrid import HybridProblem
+
+    p = HybridProblem("cuda", torch.bfloat16, 128, frozenset({"gqa"}), num_features=64,
+                      train_block=32)
+    assert select(p, family="hybrid").name == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,bs,d,f", [(512, 32, 128, 64), (256, 4, 64, 16)])
+def test_gpu_train_triton_vs_torch(n, bs, d, f):
+    """The two backends on the same bf16 inputs, each against the fp32 reference: the rule with
+    the torch backend as the reference side (both compute in fp32 from bf16 inputs)."""
+    dtype = torch.bfloat16
+    inputs = (*_seq(2, 2 * n, 8, 2, d, dtype, n, "cuda"), *_params(8, d, f, n, "cuda"))
+    dout = torch.randn(2, 2 * n, 8, d, generator=torch.Generator().manual_seed(n))
+    dout = dout.to(device="cuda", dtype=dtype)
+    ours, ref = (_grads(lambda *t, be=be: dlm_ops.block_hybrid_train_attn(*t, bs, backend=be),
+                        inputs, dout) for be in ("triton", "torch"))
+    plain = _grads(lambda *t: block_hybrid_train_attn_ref(*t, bs, compute_dtype=dtype), inputs,
+                   dout)
+    for i, name in enumerate(["out", "dq", "dk", "dv", "dfeature_weight", "dgate"]):
+        assert_rule(f"triton vs torch {name}", ours[i], ref[i], plain[i], dtype)
 
 
 # -- the benchmark's CPU-checkable parts ---------------------------------------------------------
@@ -378,6 +515,14 @@ def test_benchmark_cases_and_table():
     assert next(r for r in rows if r["contender"] == "sdpa flash")["ratio_sdpa_over_hybrid"] == 2.0
     table = bench.markdown(rows)
     assert "| sdpa flash / hybrid step |" in table.splitlines()[0] and "| 2.00 |" in table
+    a = bench.parse_args(["--train-n", "512", "--train-blocks", "4,32", "--heads", "8/2"])
+    assert [c.block_size for c in bench.train_cases(a)] == [4, 32]
+    (case, _) = bench.train_cases(a)
+    rows = bench.train_rows(case, {"fwd+bwd": {"hybrid train": 2.0, "hybrid train torch": 10.0,
+                                               "sdpa cudnn causal": 1.0}})
+    ratio = {r["contender"]: r["ratio_sdpa_over_hybrid"] for r in rows}
+    assert ratio == {"hybrid train": None, "hybrid train torch": 5.0, "sdpa cudnn causal": 0.5}
+    assert "| hybrid train torch / hybrid train |" in bench.markdown(rows)
 
 
 @pytest.mark.gpu

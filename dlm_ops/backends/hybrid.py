@@ -20,10 +20,14 @@ B=1, H=16, 2n=8K, D=128, bs=32, F=64: 0.4 + 0.03 + 0.2 + 0.27 GB, about 0.9 GB. 
 states grow with 2F / bs (each block's (2F, D) sum is 2F/bs times the size of its tokens). The
 backward recomputes the forward (only the inputs are saved) and holds about twice that.
 
-``triton``: the decode step and the state update as fused kernels (templates/hybrid_attn.py); the
-training form runs the torch code above on the GPU (matmul-bound; a fused training kernel is
-not written). On CPU it runs only when forced under TRITON_INTERPRET=1, for tests. It declines
-decode shapes whose widest fp32 dot would not fit in shared memory (MAX_DOT_BYTES).
+``triton``: the decode step and the state update as fused kernels (templates/hybrid_attn.py), and
+the training form's forward and backward as fused kernels (templates/hybrid_train.py has the
+design, launched by hybrid_train.py): the forward walks the blocks with a D slice of the state in
+registers and stores nothing per block; the backward stores one state per tile (not per block
+and head-expanded copies of every input, as above) and makes five passes.
+On CPU it runs only when forced under TRITON_INTERPRET=1, for tests. It declines decode shapes
+whose widest fp32 dot would not fit in shared memory (MAX_DOT_BYTES) and training shapes whose
+block or feature tiles the kernels cannot hold (hybrid_train.reasons); the torch path takes those.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ try:
     import triton
 
     from ..templates import hybrid_attn as kernels
+    from . import hybrid_train
 
     _KERNEL_ERROR = None
 except Exception as e:  # reported by unavailable_reason
-    triton = kernels = None
+    triton = kernels = hybrid_train = None
     _KERNEL_ERROR = _IMPORT_ERROR or f"templates.hybrid_attn unavailable ({type(e).__name__}: {e})"
 
 EPS = 1e-6  # the clamp of each denominator term (the paper's reference implementation)
@@ -53,6 +58,7 @@ EPS = 1e-6  # the clamp of each denominator term (the paper's reference implemen
 class HybridProblem(Problem):
     block: int = 0  # block length of a decode or commit call (a fused kernel holds it); 0 otherwise
     num_features: int = 1  # F, feature_weight.shape[-1] (phi has 2F)
+    train_block: int = 0  # min(block_size, n) of a training call; 0 otherwise
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -294,6 +300,9 @@ class HybridTritonBackend(TritonEligibility, HybridTorchBackend):
                 reasons.append(f"block {problem.block}, F {problem.num_features}, head_dim "
                                f"{problem.head_dim} need {need // 1024} KB of shared memory for one "
                                f"fp32 dot, > {MAX_DOT_BYTES // 1024} KB")
+        if isinstance(problem, HybridProblem) and problem.train_block and hybrid_train is not None:
+            reasons += hybrid_train.reasons(problem.train_block, problem.head_dim,
+                                            problem.num_features)
         if problem.device_type == "cuda" and torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
             if (major, minor) < (8, 0):
@@ -321,6 +330,12 @@ class HybridTritonBackend(TritonEligibility, HybridTorchBackend):
                 D=d, BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_F=block_f,
                 IEEE=q.dtype == torch.float32, num_warps=warps)
         return out
+
+    def train_fwd(self, q, k, v, feature_weight, gate, block_size, scale):
+        return hybrid_train.train_fwd(q, k, v, feature_weight, gate, block_size, scale, EPS)
+
+    def train_bwd(self, dout, q, k, v, feature_weight, gate, block_size, scale):
+        return hybrid_train.train_bwd(dout, q, k, v, feature_weight, gate, block_size, scale, EPS)
 
     def state_update(self, state_s, state_z, k, v, feature_weight):
         b, bs, hkv, d = k.shape

@@ -45,12 +45,15 @@ def _scale(softmax_scale: Optional[float], q: Tensor) -> float:
     return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
-def _impl(q: Tensor, k: Tensor, feature_weight: Tensor, backend: Optional[str], block: int = 0):
+def _impl(q: Tensor, k: Tensor, feature_weight: Tensor, backend: Optional[str], block: int = 0,
+          train_block: int = 0):
     """The backend for a call; ``block`` is the active block of a decode call (the fused kernel
-    holds it whole), 0 for the training form (run by PyTorch ops on every backend)."""
+    holds it whole), ``train_block`` the block length min(block_size, n) of a training call (a
+    fused kernel holds one or more blocks per tile). The forward and backward ops pass the same
+    values, so both run on the same backend."""
     features = frozenset({GQA}) if k.shape[-2] != q.shape[-2] else frozenset()
     problem = HybridProblem(q.device.type, q.dtype, q.shape[-1], features, block=block,
-                            num_features=feature_weight.shape[-1])
+                            num_features=feature_weight.shape[-1], train_block=train_block)
     return select(problem, backend, family="hybrid")
 
 
@@ -124,6 +127,11 @@ def _check_update(state_s, state_z, k, v, feature_weight) -> None:
             raise ValueError(f"{name} must be on state_s's device ({state_s.device}), got {t.device}")
 
 
+def _train_block(q: Tensor, block_size: int) -> int:
+    """The block length of a training call: block_size > n is one block of n tokens per half."""
+    return min(block_size, q.shape[1] // 2)
+
+
 def _check_train(q, k, v, feature_weight, gate, block_size, softmax_scale) -> None:
     check_qkv(q, k, v, LAYOUT)
     check_options(block_size, softmax_scale, 0.0)
@@ -172,8 +180,8 @@ def block_hybrid_train_fwd(q: Tensor, k: Tensor, v: Tensor, feature_weight: Tens
                            block_size: int, softmax_scale: Optional[float],
                            backend: Optional[str]) -> Tensor:
     _check_train(q, k, v, feature_weight, gate, block_size, softmax_scale)
-    return _impl(q, k, feature_weight, backend).train_fwd(q, k, v, feature_weight, gate, block_size,
-                                                          _scale(softmax_scale, q))
+    return _impl(q, k, feature_weight, backend, train_block=_train_block(q, block_size)).train_fwd(
+        q, k, v, feature_weight, gate, block_size, _scale(softmax_scale, q))
 
 
 @block_hybrid_train_fwd.register_fake
@@ -187,8 +195,8 @@ def block_hybrid_train_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, featur
                            gate: Tensor, block_size: int, softmax_scale: Optional[float],
                            backend: Optional[str]
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _impl(q, k, feature_weight, backend).train_bwd(dout, q, k, v, feature_weight, gate,
-                                                          block_size, _scale(softmax_scale, q))
+    return _impl(q, k, feature_weight, backend, train_block=_train_block(q, block_size)).train_bwd(
+        dout, q, k, v, feature_weight, gate, block_size, _scale(softmax_scale, q))
 
 
 @block_hybrid_train_bwd.register_fake

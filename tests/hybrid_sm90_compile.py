@@ -1,0 +1,119 @@
+"""Compile the block-hybrid training kernels for sm90 without a GPU and report their resources.
+
+Run by tests/test_hybrid_attn.py in a subprocess without TRITON_INTERPRET (the interpreter never
+lowers a kernel), or by hand, also from a bare triton venv (the GPU machine's triton 3.6):
+``PYTHONPATH=. python -m tests.hybrid_sm90_compile [--only fwd_bs32,...] [--warps 4]``.
+Prints one line per kernel: ``name smem_bytes registers stack_bytes warps stages``, at the
+benchmark's shape (bf16, D=128, F=64, bs=32: one block per tile), packed small blocks (bs=4: eight
+blocks per 64-row tile, the intra-tile term), and the largest shapes the backend accepts (bs=64
+at D=128, F=64; D=256 at F=32), with the backend's launch configs.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+try:  # the backend's own tile rules; without torch (a bare triton venv) the same rules, spelled out
+    from dlm_ops.backends import hybrid_train as launch
+    from dlm_ops.templates import hybrid_train as kernels
+except ImportError:
+    launch = None
+    from templates import hybrid_train as kernels
+
+LOW = {"Q", "K", "V", "O", "DO", "DQ", "X", "Y"}  # input-dtype tensors; every other pointer is fp32
+STRIDE = re.compile(r"^s[a-z][bsh]$")
+
+
+def resources(compiled):
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S).groups()
+    return compiled.metadata.shared, int(regs), int(stack)
+
+
+def compile_sm90(fn, constexprs, warps, stages, dtype="bf16"):
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.isupper() and name not in ("H", "G", "F"):  # H, G, F are counts
+            sig[name] = "*" + (dtype if name in LOW else "fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("scale", "eps"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if STRIDE.match(name):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+SHAPES = (("bs32", 32, 128, 64), ("bs4", 4, 128, 64), ("bs64", 64, 128, 64),
+          ("d256", 32, 256, 32))
+
+
+def _tile(bs):
+    """(BLOCK_T, MULTI) of a block length: launch.geometry's rule."""
+    if launch is not None:
+        geo = launch.geometry(4096, bs)
+        return geo.block_t, geo.multi
+    return (64, True) if bs <= 16 else (max(16, 1 << (bs - 1).bit_length()), False)
+
+
+def _config(role, block_f, block_d):
+    if launch is not None:
+        return launch.launch_config(role, block_f, block_d)
+    return (8 if block_f * block_d >= 64 * 128 else 4), 1
+
+
+def cases(warps=None, stages=None, slice_d=None):
+    """(label, kernel, constexprs, warps, stages) of every kernel at every SHAPES entry."""
+    for label, bs, d, f in SHAPES:
+        block_t, multi = _tile(bs)
+        bd, bf = max(16, d), max(16, f)
+        ds = min(bd, slice_d or (launch.SLICE_D if launch is not None else 16))
+        walk = dict(D=d, BLOCK_T=block_t, BLOCK_D=bd, DS=ds, BLOCK_F=bf, MULTI=multi, IEEE=False)
+        scan = dict(BLOCK_T=block_t, D=d, DS=ds, BLOCK_F=bf, FIRST_HALF=0, NUM_HALVES=2,
+                    REVERSE=True, HAS_RS=True, IEEE=False)
+        rows = dict(D=d, BLOCK_N=64, BLOCK_D=bd, BLOCK_F=bf, IEEE=False)
+        bwd_k = {c: v for c, v in walk.items() if c != "BLOCK_D"}
+        for role, fn, consts in (("fwd", kernels.hybrid_train_fwd_kernel, walk),
+                                 ("scan", kernels.hybrid_scan_kernel, scan),
+                                 ("bwd_q", kernels.hybrid_train_bwd_q_kernel, walk),
+                                 ("bwd_k", kernels.hybrid_train_bwd_k_kernel, bwd_k),
+                                 ("logits", kernels.hybrid_logits_kernel, rows),
+                                 ("dW", kernels.hybrid_feature_grad_kernel, rows)):
+            if role in ("logits", "dW") and label not in ("bs32", "d256"):
+                continue  # they do not depend on the block length
+            w, s = _config(role, bf, bd)
+            yield f"{role}_{label}", fn, consts, warps or w, stages or s
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default="", help="comma-separated labels")
+    p.add_argument("--warps", type=int)
+    p.add_argument("--stages", type=int)
+    p.add_argument("--ds", type=int, help="D slice (the backend's SLICE_D by default)")
+    a = p.parse_args(argv)
+    for label, fn, consts, warps, stages in cases(a.warps, a.stages, a.ds):
+        if a.only and label not in a.only.split(","):
+            continue
+        smem, regs, stack = resources(compile_sm90(fn, consts, warps, stages))
+        print(f"{label} {smem} {regs} {stack} warps={warps} stages={stages}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
