@@ -305,12 +305,19 @@ def test_triton_train_kernels_many_tiles(slice_d, n, bs, heads, d, f):
                  backend="triton")
 
 
-def test_triton_train_declines_and_torch_takes_over():
+def test_triton_train_declines_and_torch_takes_over(monkeypatch):
     from dlm_ops.backends import select
     from dlm_ops.backends.hybrid import HybridProblem, HybridTritonBackend
     from dlm_ops.errors import UnsupportedConfig
 
     triton = HybridTritonBackend()
+    monkeypatch.delenv("DLM_OPS_HYBRID_TRAIN_TRITON", raising=False)
+    opted_out = HybridProblem("cuda", torch.bfloat16, 128, frozenset(), num_features=64,
+                              train_block=32)
+    assert "opt-in on GPUs" in " ".join(triton.not_supported_reasons(opted_out))
+    if not CUDA:
+        assert select(opted_out, family="hybrid").name == "torch"
+    monkeypatch.setenv("DLM_OPS_HYBRID_TRAIN_TRITON", "1")
     big = HybridProblem("cuda", torch.bfloat16, 128, frozenset(), num_features=64, train_block=65)
     assert "training block of 65 tokens > 64" in " ".join(triton.not_supported_reasons(big))
     wide = HybridProblem("cuda", torch.bfloat16, 256, frozenset(), num_features=64, train_block=32)
@@ -461,26 +468,31 @@ def test_gpu_decode_accuracy_and_triton_vs_torch(dtype, b, bs, h, hkv, d, f, blo
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,bs,heads", [(512, 32, (8, 2)), (300, 7, (4, 4)), (64, 100, (4, 1)),
                                         (1024, 4, (4, 1)), (256, 64, (2, 2)), (97, 16, (3, 1))])
-def test_gpu_train_accuracy(dtype, n, bs, heads):
-    """The default backend on a GPU (the fused Triton kernels: every case here fits them)."""
+def test_gpu_train_accuracy(monkeypatch, dtype, n, bs, heads):
+    """The fused Triton kernels (opted in; every case here fits them)."""
+    monkeypatch.setenv("DLM_OPS_HYBRID_TRAIN_TRITON", "1")
     _check_train(2, n, *heads, 128, 64, bs, dtype, n, device="cuda")
 
 
 @pytest.mark.gpu
-def test_gpu_default_train_backend_is_triton():
+def test_gpu_train_backend_is_torch_unless_the_kernels_are_opted_in(monkeypatch):
     from dlm_ops.backends import select
     from dlm_ops.backends.hybrid import HybridProblem
 
     p = HybridProblem("cuda", torch.bfloat16, 128, frozenset({"gqa"}), num_features=64,
                       train_block=32)
+    monkeypatch.delenv("DLM_OPS_HYBRID_TRAIN_TRITON", raising=False)
+    assert select(p, family="hybrid").name == "torch"
+    monkeypatch.setenv("DLM_OPS_HYBRID_TRAIN_TRITON", "1")
     assert select(p, family="hybrid").name == "triton"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,bs,d,f", [(512, 32, 128, 64), (256, 4, 64, 16)])
-def test_gpu_train_triton_vs_torch(n, bs, d, f):
+def test_gpu_train_triton_vs_torch(monkeypatch, n, bs, d, f):
     """The two backends on the same bf16 inputs, each against the fp32 reference: the rule with
     the torch backend as the reference side (both compute in fp32 from bf16 inputs)."""
+    monkeypatch.setenv("DLM_OPS_HYBRID_TRAIN_TRITON", "1")
     dtype = torch.bfloat16
     inputs = (*_seq(2, 2 * n, 8, 2, d, dtype, n, "cuda"), *_params(8, d, f, n, "cuda"))
     dout = torch.randn(2, 2 * n, 8, d, generator=torch.Generator().manual_seed(n))

@@ -302,7 +302,7 @@ class HybridTritonBackend(TritonEligibility, HybridTorchBackend):
                                f"fp32 dot, > {MAX_DOT_BYTES // 1024} KB")
         if isinstance(problem, HybridProblem) and problem.train_block and hybrid_train is not None:
             reasons += hybrid_train.reasons(problem.train_block, problem.head_dim,
-                                            problem.num_features)
+                                            problem.num_features, problem.device_type)
         if problem.device_type == "cuda" and torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
             if (major, minor) < (8, 0):
