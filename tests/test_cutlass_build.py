@@ -141,6 +141,30 @@ def test_smoke_kernels_compile_for_sm90a(tmp_path):
         assert "HGMMA.64x64x16.F32.BF16" in sass
 
 
+def test_the_forward_kernel_compiles_for_sm90(tmp_path):
+    """csrc/hopper/diffusion_fwd.cuh (one of its four instantiations) compiles for sm_90a without
+    spills, with wgmma and the SFU exp2 in the machine code: a compile break shows here, before
+    any device time. The 16-byte stack frame is the two-run TileRuns arrays, indexed by the loop
+    over runs (no spill). Needs nvcc and the headers (skipped in CI)."""
+    found, include = cutlass.nvcc(), cutlass.cutlass_include()
+    if found is None or include is None:
+        pytest.skip("needs nvcc and the nvidia-cutlass headers (pip install nvidia-cutlass)")
+    tu = cutlass.csrc_dir() / "hopper" / "diffusion_fwd_bf16_d128.cu"
+    cmd = [found[0], "-std=c++17", *cutlass.ARCH_FLAGS, *cutlass.CUDA_FLAGS, "-Xptxas", "-v", "-c",
+           f"-I{cutlass.csrc_dir()}", f"-I{cutlass.csrc_dir() / 'include'}", f"-I{include}",
+           str(tu), "-o", str(tmp_path / "fwd.o")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    usage = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                       r.stderr)
+    assert usage and all(int(frame) <= 16 and st == ld == "0" for frame, st, ld in usage), r.stderr
+    cuobjdump = shutil.which("cuobjdump", path=str(Path(found[0]).parent))
+    if cuobjdump:
+        sass = subprocess.run([cuobjdump, "--dump-sass", str(tmp_path / "fwd.o")],
+                              capture_output=True, text=True, timeout=120).stdout
+        assert "HGMMA.64x128x16.F32.BF16" in sass and "MUFU.EX2" in sass
+
+
 # -- on the H200 ------------------------------------------------------------------------------
 
 
