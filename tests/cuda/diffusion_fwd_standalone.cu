@@ -6,6 +6,7 @@
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr \
 //     -I<cutlass_library/source/include> -Icsrc/include -Icsrc \
 //     -o fwd_standalone tests/cuda/diffusion_fwd_standalone.cu
+//   ./fwd_standalone shipped       # the four shipped instantiations (checks; bf16 D=128 timed)
 //   ./fwd_standalone plain2        # or plain3, bn64: the tile / stage variants of NOTES.md
 #include <cstdio>
 #include <cstdlib>
@@ -16,14 +17,14 @@
 #include <cuda_runtime.h>
 #include "hopper/diffusion_fwd.cuh"
 
-using Elem = cutlass::bfloat16_t;
 #define CK(x) do { cudaError_t err_ = (x); if (err_ != cudaSuccess) { printf("CUDA error %s at %d\n", cudaGetErrorString(err_), __LINE__); exit(1); } } while (0)
 
-struct Run { int B, n, H, Hkv, bs; };
+struct Run { int B, n, H, Hkv, bs; bool causal = false; };  // causal: block-causal over 2n
 
 template <class Cfg>
 float run(Run r, bool check, int iters) {
-  const int S = 2 * r.n, D = 128;
+  using Elem = typename Cfg::Elem;
+  const int S = 2 * r.n, D = Cfg::D;
   size_t nq = (size_t)r.B * S * r.H * D, nk = (size_t)r.B * S * r.Hkv * D;
   std::vector<Elem> hq(nq), hk(nk), hv(nk);
   std::mt19937 g(1); std::normal_distribution<float> nd;
@@ -33,7 +34,7 @@ float run(Run r, bool check, int iters) {
   CK(cudaMalloc(&lse, (size_t)r.B * r.H * S * 4));
   CK(cudaMemcpy(q, hq.data(), nq * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(k, hk.data(), nk * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(v, hv.data(), nk * 2, cudaMemcpyHostToDevice)); CK(cudaMemset(o, 0xff, nq * 2));
-  dlm::SequenceMask mask = dlm::block_diffusion(S, r.bs);
+  dlm::SequenceMask mask = r.causal ? dlm::block_causal(S, r.bs) : dlm::block_diffusion(S, r.bs);
   dlm::TilePlans plans = mask.fwd_tiles(Cfg::BM, Cfg::BN);
   int T = plans.count();
   std::vector<int64_t> area(T); for (int t = 0; t < T; ++t) area[t] = plans.area(t);
@@ -75,7 +76,7 @@ float run(Run r, bool check, int iters) {
       }
       double le = std::fabs(hl[((size_t)b * r.H + h) * S + i] - (mx + std::log(l))); max_lse_err = std::max(max_lse_err, le);
     }
-    printf("check B=%d n=%d H=%d/%d bs=%d: max |out err| %.4f, max |lse err| %.5f, bad %d\n", r.B, r.n, r.H, r.Hkv, r.bs, max_err, max_lse_err, bad);
+    printf("check B=%d n=%d H=%d/%d bs=%d%s: max |out err| %.4f, max |lse err| %.5f, bad %d\n", r.B, r.n, r.H, r.Hkv, r.bs, r.causal ? " causal" : "", max_err, max_lse_err, bad);
   }
   float ms = 0;
   if (iters) {
@@ -92,21 +93,34 @@ float run(Run r, bool check, int iters) {
 }
 
 template <class Cfg>
-void all(const char* name) {
+void all(const char* name, bool timing) {
   printf("== %s\n", name);
   run<Cfg>({1, 256, 2, 2, 16}, true, 0);
   run<Cfg>({2, 512, 4, 2, 16}, true, 0);
   run<Cfg>({1, 384, 2, 1, 5}, true, 0);
   run<Cfg>({1, 1024, 2, 2, 300}, true, 0);
+  run<Cfg>({1, 256, 2, 1, 1, true}, true, 0);
+  run<Cfg>({1, 384, 2, 2, 16, true}, true, 0);
+  if (!timing) return;
   for (int n : {1024, 2048, 4096, 8192}) run<Cfg>({16384 / (2 * n), n, 16, 16, 16}, false, 20);
   run<Cfg>({4, 2048, 32, 8, 16}, false, 20);
 }
 
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IONBF, 0);
+  using dlm::sm90::FwdConfig;
+  using bf16 = cutlass::bfloat16_t;
   const std::string v = argc > 1 ? argv[1] : "plain2";
-  if (v == "plain2") all<dlm::sm90::FwdConfig<Elem, 128, 128, 128, 2>>("plain, 2 stages");
-  if (v == "plain3") all<dlm::sm90::FwdConfig<Elem, 128, 128, 128, 3>>("plain, 3 stages");
-  if (v == "bn64") all<dlm::sm90::FwdConfig<Elem, 128, 128, 64, 3>>("plain, BN 64, 3 stages");
+  // The shipped instantiations (checks only, then bf16 D=128 timed): run this first after a change.
+  if (v == "shipped") {
+    all<FwdConfig<cutlass::half_t, 128>>("fp16 D=128", false);
+    all<FwdConfig<bf16, 64>>("bf16 D=64", false);
+    all<FwdConfig<cutlass::half_t, 64>>("fp16 D=64", false);
+    all<FwdConfig<bf16, 128>>("bf16 D=128", true);
+  }
+  // Tile / stage variants (csrc/NOTES.md), bf16 D=128.
+  if (v == "plain2") all<FwdConfig<bf16, 128, 128, 128, 2>>("plain, 2 stages", true);
+  if (v == "plain3") all<FwdConfig<bf16, 128, 128, 128, 3>>("plain, 3 stages", true);
+  if (v == "bn64") all<FwdConfig<bf16, 128, 128, 64, 3>>("plain, BN 64, 3 stages", true);
   return 0;
 }
