@@ -333,7 +333,8 @@ def block_decode_attn(q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_
     cache is never written). softmax_scale: None means 1/sqrt(D). backend: "triton", "torch" or
     None (best eligible: Triton on CUDA). A row that sees no key gets out 0 and lse -inf.
     Returns out (B, bs, H, D), or (out, lse (B, H, bs) float32 natural log) with return_lse.
-    Inference-only (no backward). The values of cache_seqlens are checked on the host (one sync);
+    Inference-only (no backward). The values of cache_seqlens are checked without a host sync (on
+    a GPU by a device-side assert that fires at the next sync, on CPU at once);
     torch.ops.dlm.block_decode_attn skips that check (its kernels clamp to [0, Smax]).
     """
     _check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale)
