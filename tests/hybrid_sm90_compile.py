@@ -10,15 +10,10 @@ at D=128, F=64; D=256 at F=32), with the backend's launch configs.
 """
 
 import argparse
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from tests import sm90_build
 
 try:  # the backend's own tile rules; without torch (a bare triton venv) the same rules, spelled out
     from dlm_ops.backends import hybrid_train as launch
@@ -31,17 +26,8 @@ LOW = {"Q", "K", "V", "O", "DO", "DQ", "X", "Y"}  # input-dtype tensors; every o
 STRIDE = re.compile(r"^s[a-z][bsh]$")
 
 
-def resources(compiled):
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S).groups()
-    return compiled.metadata.shared, int(regs), int(stack)
-
-
 def compile_sm90(fn, constexprs, warps, stages, dtype="bf16"):
+    """The signature by this script's argument-name rules; the compile itself: tests/sm90_build."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -55,9 +41,7 @@ def compile_sm90(fn, constexprs, warps, stages, dtype="bf16"):
             sig[name] = "i32"
             if STRIDE.match(name):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+    return sm90_build.compile_sm90(fn, sig, attrs, constexprs, warps, stages)
 
 
 SHAPES = (("bs32", 32, 128, 64), ("bs4", 4, 128, 64), ("bs64", 64, 128, 64),
@@ -111,7 +95,7 @@ def main(argv=None):
     for label, fn, consts, warps, stages in cases(a.warps, a.stages, a.ds):
         if a.only and label not in a.only.split(","):
             continue
-        smem, regs, stack = resources(compile_sm90(fn, consts, warps, stages))
+        smem, regs, stack = sm90_build.resources(compile_sm90(fn, consts, warps, stages))
         print(f"{label} {smem} {regs} {stack} warps={warps} stages={stages}", flush=True)
 
 

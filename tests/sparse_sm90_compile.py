@@ -7,21 +7,14 @@ lowers a kernel, so it cannot catch a GPU compile error). Prints one line per ke
 the strides marked divisible by 16 as Triton's launcher specialises them.
 """
 
-import os
-import re
-import subprocess
 import sys
-import tempfile
-
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 import dlm_ops.backends.sparse_triton as backend
 from dlm_ops.sparsity import _select_backend as select_backend
 from dlm_ops.templates import column_mass as column_kernels
 from dlm_ops.templates import sparse_attn as kernels
 from dlm_ops.templates import sparse_select as select_kernels
+from tests import sm90_build
 
 INT = {"IDX", "CNT", "ORDER", "REV_OFF", "REV_Q"}
 FLOAT32 = {"LSE", "DELTA", "DKP", "DVP", "LSE2", "MASS"}
@@ -29,6 +22,7 @@ TENSORS = INT | FLOAT32 | {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 
 
 def compile_sm90(fn, constexprs, warps, stages, dtype="bf16"):
+    """The signature by this script's argument-name rules; the compile itself: tests/sm90_build."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -42,19 +36,7 @@ def compile_sm90(fn, constexprs, warps, stages, dtype="bf16"):
             sig[name] = "i32"
             if name.startswith("s"):  # strides
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
-
-
-def resources(compiled):
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S).groups()
-    return compiled.metadata.shared, int(regs), int(stack)
+    return sm90_build.compile_sm90(fn, sig, attrs, constexprs, warps, stages)
 
 
 def main():
@@ -72,20 +54,20 @@ def main():
         consts = dict(D=128, BLOCK_D=128, IEEE=False, BLOCK_M=bm, BLOCK_N=bn)
         if blocks:
             consts.update(BSQ=blocks[0], BSK=blocks[1])
-        smem, regs, stack = resources(compile_sm90(fn, consts, warps, stages))
+        smem, regs, stack = sm90_build.resources(compile_sm90(fn, consts, warps, stages))
         print(f"{label.replace(' ', '_')} {smem} {regs} {stack}", flush=True)
     # Selection: SparseD's block mass at 128 x 128 blocks (8 warps, the launcher's choice there),
     # PulseCol's row LSE and column mass with the backend's bf16 tiles at D = 128 and 256 (fp32's
     # FMA dots spill at every tile: see _select_backend.column_tiles).
     consts = dict(D=128, BLOCK_D=128, IEEE=False, BLOCK_M=128, BLOCK_N=128)
-    smem, regs, stack = resources(compile_sm90(select_kernels.block_mass_kernel, consts, 8, 3))
+    smem, regs, stack = sm90_build.resources(compile_sm90(select_kernels.block_mass_kernel, consts, 8, 3))
     print(f"block_mass_bs128 {smem} {regs} {stack}", flush=True)
     for d in (128, 256):
         for fn, (bm, bn, warps, stages) in zip(
                 (column_kernels.row_lse_kernel, column_kernels.column_mass_kernel),
                 select_backend.column_tiles(d, 2, interpret=False)):
             consts = dict(D=d, BLOCK_D=d, IEEE=False, BLOCK_M=bm, BLOCK_N=bn)
-            smem, regs, stack = resources(compile_sm90(fn, consts, warps, stages))
+            smem, regs, stack = sm90_build.resources(compile_sm90(fn, consts, warps, stages))
             print(f"{fn.__name__.removesuffix('_kernel')}_d{d} {smem} {regs} {stack}", flush=True)
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ class Backend:
     priority: int  # higher wins among eligible backends
     capabilities: Capabilities
     auto_device_types: frozenset[str] | None = None  # where dispatch may pick it unforced (None: anywhere)
+    opt_in: str | None = None  # the setting that lets dispatch pick it unforced, if it is opt-in
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run in this process at all (missing package, no GPU), or None."""
