@@ -11,9 +11,10 @@ the rows i in ``sample_rows`` (a 1-D int tensor of query rows, repeats counted; 
 of p[b, h, i, j], p the softmax over all keys; per query head (GQA heads are not summed);
 ``check_rows`` range-checks the rows with one host sync (as ``check_indices`` in the sparse ops;
 PulseCol skips it for the rows it generates itself). The output shapes depend on shapes only,
-so both have fake functions and run inside torch.compile(fullgraph=True) graphs. No autograd: a selection score is not differentiated (a
-pattern is discrete). The backend (torch chunked / Triton fused) comes from the "sparse_select"
-registry (dlm_ops/sparsity/_select_backend.py); chunk_* apply to the torch path only.
+so both have fake functions and run inside torch.compile(fullgraph=True) graphs. No autograd: a
+selection score is not differentiated (a pattern is discrete). The backend (torch chunked /
+Triton fused) comes from the "sparse_select" registry (dlm_ops/sparsity/_select_backend.py);
+chunk_* apply to the torch path only.
 
 No ``from __future__ import annotations``: torch.library reads the annotations as types.
 """
