@@ -45,6 +45,9 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
               "both halves must be multiples of ", kFwdBlockM, " long");
   for (const auto& t : {q, k, v, out}) TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "layout");
   TORCH_CHECK(lse.dim() == 3 && lse.stride(2) == 1, "lse layout");
+  // The epilogue stores O two elements (4 bytes) at a time.
+  TORCH_CHECK(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && out.stride(2) % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0, "out must be 4-byte aligned");
   const c10::cuda::CUDAGuard guard(q.device());
   dlm::sm90::FwdArgs a{};
   a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr(), a.o = out.data_ptr();

@@ -8,8 +8,10 @@
 // "full" mbarrier (TMA transaction bytes) and an "empty" one (the consumers' release). Warpgroups 1
 // and 2 are consumers, each owning 64 of the 128 rows: S = Q K^T (wgmma from shared memory), the
 // online softmax in registers, O += P V (wgmma with P from registers, V^T read MN-major from shared
-// memory). The two consumers run independently, so one's softmax overlaps the other's matmuls; the
-// producer gives most of its registers to them (setmaxnreg 24 / 240).
+// memory). Each consumer issues S_i = Q K_i^T and then O += P_{i-1} V_{i-1} together and computes
+// the softmax of S_i while that P V runs (FlashAttention-3's in-warpgroup overlap); the two
+// consumers take turns at issuing (ping-pong), so one's softmax also overlaps the other's
+// matmuls. The producer gives most of its registers to them (setmaxnreg 24 / 240).
 //
 // What this first version leaves to the Triton kernel (dlm_ops/backends/cutlass_diffusion.py
 // checks): both halves must be multiples of 128 long (every tile starts on a tile boundary, so TMA
@@ -18,8 +20,7 @@
 // 0). Tiles that run past a half's end are masked by column, so the next half's rows they load get
 // probability 0.
 //
-// Versions, predictions and measurements: csrc/NOTES.md (this is v1; v2's in-warpgroup overlap
-// measured slower and is not here).
+// Versions, predictions and measurements: csrc/NOTES.md (this is v3).
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2 (s2 = q.k * scale * log2 e), lse
 // stored in natural log, (B, H, S) fp32.
@@ -40,10 +41,11 @@ namespace dlm::sm90 {
 
 using namespace cute;
 
-template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2>
+template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
+  static constexpr bool kPingPong = PINGPONG_;  // the consumers take turns at the tensor cores
   static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
   static constexpr int kConsumers = BM / kConsumerRows;
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -147,6 +149,52 @@ CUTE_DEVICE float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// Named barriers for the consumers' turns (0 is __syncthreads): each phase needs both consumer
+// warpgroups, one syncing (waiting for its turn) and the other arriving (handing it over).
+constexpr int kTurnBarrier = 1;
+CUTE_DEVICE void named_barrier_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id)); }
+CUTE_DEVICE void named_barrier_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id)); }
+
+// One tile of the online softmax, in base 2, on the scores this thread holds (two rows): scales
+// by scale_log2, masks PARTIAL tiles and columns past the visit's end (as selects: v2 wrote the
+// mask as a conditional store and it compiled to a branch per element, csrc/NOTES.md), updates the
+// running max and the quad-partial row sums, leaves exp2(s - max) in s and the factor that
+// rescales the accumulator in scale_row.
+template <class Scores, class Coords, int kRows>
+CUTE_DEVICE void online_softmax(Scores& acc_s, Coords const& tScS_rc, Visit const& visit,
+                                Intervals const (&seen)[kRows], float scale_log2,
+                                float (&row_max)[kRows], float (&row_sum)[kRows],
+                                float (&scale_row)[kRows]) {
+  Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
+  constexpr int BN = decltype(size<1>(s))::value;
+  const bool masked = !visit.full || visit.end - visit.start < BN;
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    float mx = row_max[i];
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(s); ++j) {
+      float x = s(i, j) * scale_log2;
+      if (masked) {
+        const int col = visit.start + get<1>(tScS_rc(i, j));
+        if (col >= visit.end || !seen[i].contains(col)) x = -INFINITY;
+      }
+      s(i, j) = x;
+      mx = fmaxf(mx, x);
+    }
+    mx = quad_max(mx);
+    const float m_use = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet
+    scale_row[i] = exp2_approx(row_max[i] - m_use);
+    row_max[i] = mx;
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(s); ++j) {
+      s(i, j) = exp2_approx(s(i, j) - m_use);
+      sum += s(i, j);
+    }
+    row_sum[i] = row_sum[i] * scale_row[i] + sum;  // quad-partial; reduced at the end
+  }
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     diffusion_fwd_kernel(__grid_constant__ const FwdParams<Cfg> p) {
@@ -245,76 +293,77 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   Barrier::wait(&ss.q_full, 0);
 
-  int it = 0;
-  for (int r = 0; r < 2; ++r) {
-    for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
-      const int stage = it % STAGES, phase = (it / STAGES) & 1;
-      const Visit visit = plans.visit(qt, kt);
-      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<Cfg::kConsumerRows>, Int<BN>>{});
-      Barrier::wait(&ss.k_full[stage], phase);
-      warpgroup_fence_operand(acc_s);
-      warpgroup_arrive();
-      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-        gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
-        mma_s.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      Barrier::arrive(&ss.k_empty[stage]);
+  const int n_first = runs.end[0] - runs.begin[0], n_tiles = runs.count();
+  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<Cfg::kConsumerRows>, Int<BN>>{});
+  Tensor p_elem = make_fragment_like<Elem>(acc_s);  // P of the previous tile, the A of O += P V
+  Tensor tOrP = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
+  float scale_row[kRows];
+  // Ping-pong: the two consumers take turns to issue their matmuls (named barriers 1 and 2), so
+  // one's softmax runs while the tensor cores work for the other. Consumer 1 pre-arrives on
+  // consumer 0's barrier so that consumer 0 goes first.
+  if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
+  Barrier::wait(&ss.q_full, 0);
 
-      // Online softmax over this tile's columns, in base 2.
-      Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
-      const bool masked = !visit.full || visit.end - visit.start < BN;
-      float scale_row[kRows];
-      CUTE_UNROLL
-      for (int i = 0; i < kRows; ++i) {
-        float mx = row_max[i];
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) {
-          float x = s(i, j) * p.scale_log2;
-          if (masked) {
-            const int col = visit.start + get<1>(tScS_rc(i, j));
-            if (col >= visit.end || !seen[i].contains(col)) x = -INFINITY;
-          }
-          s(i, j) = x;
-          mx = fmaxf(mx, x);
-        }
-        mx = quad_max(mx);
-        const float m_use = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet
-        scale_row[i] = exp2_approx(row_max[i] - m_use);
-        row_max[i] = mx;
-        float sum = 0.f;
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) {
-          s(i, j) = exp2_approx(s(i, j) - m_use);
-          sum += s(i, j);
-        }
-        row_sum[i] = row_sum[i] * scale_row[i] + sum;  // quad-partial; reduced at the end
-      }
-      Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-      CUTE_UNROLL
-      for (int i = 0; i < kRows; ++i)
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(o_rc); ++j) o_rc(i, j) *= scale_row[i];
-
-      Tensor p_elem = make_fragment_like<Elem>(acc_s);
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
-      Tensor tOrP = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
-
-      Barrier::wait(&ss.v_full[stage], phase);
-      warpgroup_fence_operand(acc_o);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, stage), acc_o);
-      warpgroup_commit_batch();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      Barrier::arrive(&ss.v_empty[stage]);
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it % STAGES, phase = (it / STAGES) & 1;
+    const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it - 1) / STAGES) & 1;
+    const int kt = it < n_first ? runs.begin[0] + it : runs.begin[1] + (it - n_first);
+    const Visit visit = plans.visit(qt, kt);
+    Barrier::wait(&ss.k_full[stage], phase);
+    if (it > 0) Barrier::wait(&ss.v_full[prev], prev_phase);
+    if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
+    // S_it = Q K_it^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{it-1} V_{it-1}
+    // behind it: the softmax of S_it below runs while the tensor cores do that P V.
+    warpgroup_fence_operand(acc_s);
+    warpgroup_arrive();
+    mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
+      mma_s.accumulate_ = GMMA::ScaleOut::One;
     }
+    warpgroup_commit_batch();
+    if (it > 0) {
+      warpgroup_fence_operand(acc_o);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
+      warpgroup_commit_batch();
+    }
+    if (it > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_it is ready
+    // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
+    // serialize the wgmmas (warning C7514; nvcc 13.0). The other consumer's S then queues behind
+    // our P V, which keeps the tensor cores busy all the same.
+    if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
+    warpgroup_fence_operand(acc_s);
+    Barrier::arrive(&ss.k_empty[stage]);
+
+    online_softmax(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
+
+    warpgroup_wait<0>();  // P_{it-1} V_{it-1} is in acc_o, and p_elem is free again
+    warpgroup_fence_operand(acc_o);
+    if (it > 0) Barrier::arrive(&ss.v_empty[prev]);
+    Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i)
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(o_rc); ++j) o_rc(i, j) *= scale_row[i];
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
+  }
+  // Consumer 1's last hand-over (and its pre-arrival) leave one phase of barrier 1 open: close it.
+  if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
+  if (n_tiles > 0) {  // the last tile's O += P V
+    const int last = (n_tiles - 1) % STAGES;
+    Barrier::wait(&ss.v_full[last], ((n_tiles - 1) / STAGES) & 1);
+    warpgroup_fence_operand(acc_o);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_o);
+    Barrier::arrive(&ss.v_empty[last]);
   }
 
   // Epilogue: O = acc / l straight from registers, lse = (m + log2 l) * ln 2.
@@ -328,9 +377,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int row = row_base + get<0>(tOcO_rc(i, 0));
     if (row < q_tile.hi) {
+      // Columns 2c and 2c + 1 are neighbours in this thread's registers: one 4-byte store each
+      // (the row stride is a multiple of D and the base 16-byte aligned, checked at launch).
       CUTE_UNROLL
-      for (int j = 0; j < size<1>(o_rc); ++j)
-        o_head[row * p.o_stride_s + get<1>(tOcO_rc(i, j))] = Elem(o_rc(i, j) * inv);
+      for (int j = 0; j < size<1>(o_rc); j += 2) {
+        const Elem pair[2] = {Elem(o_rc(i, j) * inv), Elem(o_rc(i, j + 1) * inv)};
+        *reinterpret_cast<uint32_t*>(o_head + row * p.o_stride_s + get<1>(tOcO_rc(i, j))) =
+            *reinterpret_cast<const uint32_t*>(pair);
+      }
       if (tid % 4 == 0)
         p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row] =
             l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;

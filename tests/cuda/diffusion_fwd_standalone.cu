@@ -122,5 +122,6 @@ int main(int argc, char** argv) {
   if (v == "plain2") all<FwdConfig<bf16, 128, 128, 128, 2>>("plain, 2 stages", true);
   if (v == "plain3") all<FwdConfig<bf16, 128, 128, 128, 3>>("plain, 3 stages", true);
   if (v == "bn64") all<FwdConfig<bf16, 128, 128, 64, 3>>("plain, BN 64, 3 stages", true);
+  if (v == "nopp") all<FwdConfig<bf16, 128, 128, 128, 2, false>>("overlap, no ping-pong", true);
   return 0;
 }
