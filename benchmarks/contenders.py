@@ -192,8 +192,10 @@ EXACT_CONTENDERS = {
 
 CONTENDERS = {
     "dlm_ops": ours,
-    # The Triton kernels alone: on sm90 "dlm_ops" runs the CUTLASS forward where it applies.
+    # "dlm_ops" is the default dispatch (Triton; the CUTLASS forward too on sm90 with
+    # DLM_OPS_CUTLASS=1); the other two force one backend.
     "dlm_ops triton": lambda c: ours(c, "triton"),
+    "dlm_ops cutlass": lambda c: ours(c, "cutlass"),  # the sm90 forward (opt-in), Triton's backward
     "cudnn causal halves": lambda c: causal_halves(c, SDPBackend.CUDNN_ATTENTION),
     "flash causal halves": lambda c: causal_halves(c, SDPBackend.FLASH_ATTENTION),
     "flex BD3": flex,
