@@ -70,7 +70,7 @@ struct FwdConfig {
     alignas(1024) Elem q[cosize_v<SmemLayoutQ>];
     alignas(1024) Elem k[cosize_v<SmemLayoutKV>];
     alignas(1024) Elem v[cosize_v<SmemLayoutKV>];
-    alignas(8) uint64_t q_full;
+    alignas(8) uint64_t q_full, q_empty;  // q_empty: the consumers' last S of a work item is done
     uint64_t k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
   };
   static constexpr int kTileBytesQ = BM * D * sizeof(Elem);
@@ -110,7 +110,20 @@ struct FwdParams {
   SequenceMask mask;
   float scale_log2;           // softmax scale * log2(e)
   const int32_t* tile_order;  // query tiles, most expensive first (geometry most_expensive_first)
+  int num_tiles;              // entries of tile_order
 };
+
+// The work: item w is query tile tile_order[w / (batch * heads)] of (batch, head) w % (batch *
+// heads), so the most expensive tiles of every head come first. CTA c takes items c, c + grid,
+// c + 2 grid, ... (persistent when the grid is smaller than the work).
+struct WorkItem {
+  int b, h, qt;
+};
+template <class Params>
+CUTE_DEVICE WorkItem work_item(Params const& p, int w) {
+  const int bh_count = p.batch * p.heads, bh = w % bh_count;
+  return {bh / p.heads, bh % p.heads, p.tile_order[w / bh_count]};
+}
 
 // The accumulator of a 64 x N wgmma holds, per thread, values (c, r, v) at column 2*(lane%4) + c +
 // 8*v and row 16*warp + lane/4 + 8*r. Viewed as (rows, columns) for the row-wise softmax:
@@ -210,16 +223,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutVt{});
 
-  const int bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads;
-  const int kvh = h / (p.heads / p.kv_heads);
   const TilePlans plans = p.mask.fwd_tiles(BM, BN);
-  const int qt = p.tile_order[blockIdx.y];
-  const Interval q_tile = plans.tile(qt);
-  const TileRuns runs = plans.runs(qt);
+  const int num_items = p.num_tiles * p.batch * p.heads;
   const int warp_group = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
     Barrier::init(&ss.q_full, 1);
+    Barrier::init(&ss.q_empty, 128 * Cfg::kConsumers);
     for (int s = 0; s < STAGES; ++s) {
       Barrier::init(&ss.k_full[s], 1);
       Barrier::init(&ss.v_full[s], 1);
@@ -234,32 +244,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (threadIdx.x == 0) {
       Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
-      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(q_tile.lo / BM, 0));
-      auto tma_q = p.tma_q.get_slice(0);
-      TxBarrier::arrive_and_expect_tx(&ss.q_full, Cfg::kTileBytesQ);
-      copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
-
       Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
       Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
-      Tensor gK = local_tile(mK(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0));
-      Tensor gV = local_tile(mV(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0));
+      auto tma_q = p.tma_q.get_slice(0);
       auto tma_k = p.tma_k.get_slice(0);
       auto tma_v = p.tma_v.get_slice(0);
-      Tensor tKgK = tma_k.partition_S(gK);  // (TMA, 1, 1, key tiles)
       Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
-      Tensor tVgV = tma_v.partition_S(gV);
       Tensor tVsV = tma_v.partition_D(sV);
-      int it = 0;
-      for (int r = 0; r < 2; ++r) {
-        for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
-          const int stage = it % STAGES, phase = (it / STAGES) & 1;
-          const int col_tile = plans.other.tile(kt).lo / BN;
-          Barrier::wait(&ss.k_empty[stage], phase ^ 1);
-          TxBarrier::arrive_and_expect_tx(&ss.k_full[stage], Cfg::kTileBytesKV);
-          copy(p.tma_k.with(ss.k_full[stage]), tKgK(_, _, _, col_tile), tKsK(_, _, _, stage));
-          Barrier::wait(&ss.v_empty[stage], phase ^ 1);
-          TxBarrier::arrive_and_expect_tx(&ss.v_full[stage], Cfg::kTileBytesKV);
-          copy(p.tma_v.with(ss.v_full[stage]), tVgV(_, _, _, col_tile), tVsV(_, _, _, stage));
+      int it = 0;  // K/V visits so far, over every work item of this CTA: the ring position
+      for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
+        const WorkItem wi = work_item(p, w);
+        const int kvh = wi.h / (p.heads / p.kv_heads);
+        const TileRuns runs = plans.runs(wi.qt);
+        // Q of this item once the consumers' last S of the previous one has read the buffer: the
+        // load overlaps their last P V and epilogue.
+        Barrier::wait(&ss.q_empty, (item & 1) ^ 1);
+        Tensor gQ = local_tile(mQ(_, _, wi.h, wi.b), Shape<Int<BM>, Int<D>>{},
+                               make_coord(plans.tile(wi.qt).lo / BM, 0));
+        TxBarrier::arrive_and_expect_tx(&ss.q_full, Cfg::kTileBytesQ);
+        copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
+        Tensor tKgK = tma_k.partition_S(
+            local_tile(mK(_, _, kvh, wi.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
+        Tensor tVgV = tma_v.partition_S(
+            local_tile(mV(_, _, kvh, wi.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
+        for (int r = 0; r < 2; ++r) {
+          for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
+            const int stage = it % STAGES, phase = (it / STAGES) & 1;
+            const int col_tile = plans.other.tile(kt).lo / BN;
+            Barrier::wait(&ss.k_empty[stage], phase ^ 1);
+            TxBarrier::arrive_and_expect_tx(&ss.k_full[stage], Cfg::kTileBytesKV);
+            copy(p.tma_k.with(ss.k_full[stage]), tKgK(_, _, _, col_tile), tKsK(_, _, _, stage));
+            Barrier::wait(&ss.v_empty[stage], phase ^ 1);
+            TxBarrier::arrive_and_expect_tx(&ss.v_full[stage], Cfg::kTileBytesKV);
+            copy(p.tma_v.with(ss.v_full[stage]), tVgV(_, _, _, col_tile), tVsV(_, _, _, stage));
+          }
         }
       }
     }
@@ -269,7 +287,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // ------------------------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<240>();
   const int consumer = warp_group - 1, tid = threadIdx.x % 128;
-  const int row_base = q_tile.lo + consumer * Cfg::kConsumerRows;  // this warpgroup's first row
   typename Cfg::MmaS mma_s;
   typename Cfg::MmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(tid);
@@ -279,115 +296,122 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, N, K, STAGES)
   Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, N=D, K=BN, STAGES)
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<Cfg::kConsumerRows>, Int<D>>{});
-  clear(acc_o);
-  // (row, column) of every score this thread holds, relative to (row_base, tile start).
-  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<BN>>{}));
-  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-  constexpr int kRows = 2;  // rows per thread (r = 0, 1: lane/4 and lane/4 + 8)
-  float row_max[kRows], row_sum[kRows];
-  Intervals seen[kRows];
-  for (int i = 0; i < kRows; ++i) {
-    row_max[i] = -INFINITY;
-    row_sum[i] = 0.f;
-    seen[i] = p.mask.row_intervals(row_base + get<0>(tScS_rc(i, 0)));
-  }
-  Barrier::wait(&ss.q_full, 0);
-
-  const int n_first = runs.end[0] - runs.begin[0], n_tiles = runs.count();
   Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<Cfg::kConsumerRows>, Int<BN>>{});
   Tensor p_elem = make_fragment_like<Elem>(acc_s);  // P of the previous tile, the A of O += P V
   Tensor tOrP = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
-  float scale_row[kRows];
-  // Ping-pong: the two consumers take turns to issue their matmuls (named barriers 1 and 2), so
-  // one's softmax runs while the tensor cores work for the other. Consumer 1 pre-arrives on
-  // consumer 0's barrier so that consumer 0 goes first.
-  if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
-  Barrier::wait(&ss.q_full, 0);
+  // (row, column) of every score this thread holds, relative to (row_base, tile start).
+  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<BN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<D>>{}));
+  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  constexpr int kRows = 2;  // rows per thread (r = 0, 1: lane/4 and lane/4 + 8)
 
-  for (int it = 0; it < n_tiles; ++it) {
-    const int stage = it % STAGES, phase = (it / STAGES) & 1;
-    const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it - 1) / STAGES) & 1;
-    const int kt = it < n_first ? runs.begin[0] + it : runs.begin[1] + (it - n_first);
-    const Visit visit = plans.visit(qt, kt);
-    Barrier::wait(&ss.k_full[stage], phase);
-    if (it > 0) Barrier::wait(&ss.v_full[prev], prev_phase);
-    if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
-    // S_it = Q K_it^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{it-1} V_{it-1}
-    // behind it: the softmax of S_it below runs while the tensor cores do that P V.
-    warpgroup_fence_operand(acc_s);
-    warpgroup_arrive();
-    mma_s.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-      gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
-      mma_s.accumulate_ = GMMA::ScaleOut::One;
+  int it = 0;  // the producer's ring position, kept in step
+  for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
+    const WorkItem wi = work_item(p, w);
+    const Interval q_tile = plans.tile(wi.qt);
+    const TileRuns runs = plans.runs(wi.qt);
+    const int row_base = q_tile.lo + consumer * Cfg::kConsumerRows;  // this warpgroup's first row
+    float row_max[kRows], row_sum[kRows], scale_row[kRows];
+    Intervals seen[kRows];
+    for (int i = 0; i < kRows; ++i) {
+      row_max[i] = -INFINITY;
+      row_sum[i] = 0.f;
+      seen[i] = p.mask.row_intervals(row_base + get<0>(tScS_rc(i, 0)));
     }
-    warpgroup_commit_batch();
-    if (it > 0) {
+    clear(acc_o);
+    const int n_first = runs.end[0] - runs.begin[0], n_tiles = runs.count();
+    // Ping-pong: the two consumers take turns to issue their matmuls (named barriers 1 and 2), so
+    // one's softmax runs while the tensor cores work for the other. Consumer 1 pre-arrives on
+    // consumer 0's barrier so that consumer 0 goes first.
+    if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
+    Barrier::wait(&ss.q_full, item & 1);
+    if (n_tiles == 0) Barrier::arrive(&ss.q_empty);
+
+    for (int j = 0; j < n_tiles; ++j, ++it) {
+      const int stage = it % STAGES, phase = (it / STAGES) & 1;
+      const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it - 1) / STAGES) & 1;
+      const int kt = j < n_first ? runs.begin[0] + j : runs.begin[1] + (j - n_first);
+      const Visit visit = plans.visit(wi.qt, kt);
+      Barrier::wait(&ss.k_full[stage], phase);
+      if (j > 0) Barrier::wait(&ss.v_full[prev], prev_phase);
+      if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
+      // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
+      // behind it: the softmax of S_j below runs while the tensor cores do that P V.
+      warpgroup_fence_operand(acc_s);
+      warpgroup_arrive();
+      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
+        mma_s.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      if (j > 0) {
+        warpgroup_fence_operand(acc_o);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
+        warpgroup_commit_batch();
+      }
+      if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
+      // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
+      // serialize the wgmmas (warning C7514; nvcc 13.0). The other consumer's S then queues behind
+      // our P V, which keeps the tensor cores busy all the same.
+      if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
+      warpgroup_fence_operand(acc_s);
+      Barrier::arrive(&ss.k_empty[stage]);
+      if (j == n_tiles - 1) Barrier::arrive(&ss.q_empty);  // the producer may load the next Q
+
+      online_softmax(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
+
+      warpgroup_wait<0>();  // P_{j-1} V_{j-1} is in acc_o, and p_elem is free again
+      warpgroup_fence_operand(acc_o);
+      if (j > 0) Barrier::arrive(&ss.v_empty[prev]);
+      Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i)
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= scale_row[i];
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
+    }
+    // Consumer 1's last hand-over (and its pre-arrival) leave one phase of barrier 1 open: close it.
+    if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
+    if (n_tiles > 0) {  // the last tile's O += P V
+      const int last = (it - 1) % STAGES;
+      Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
       warpgroup_fence_operand(acc_o);
       warpgroup_arrive();
       CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
+      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
       warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      Barrier::arrive(&ss.v_empty[last]);
     }
-    if (it > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_it is ready
-    // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
-    // serialize the wgmmas (warning C7514; nvcc 13.0). The other consumer's S then queues behind
-    // our P V, which keeps the tensor cores busy all the same.
-    if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
-    warpgroup_fence_operand(acc_s);
-    Barrier::arrive(&ss.k_empty[stage]);
 
-    online_softmax(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
-
-    warpgroup_wait<0>();  // P_{it-1} V_{it-1} is in acc_o, and p_elem is free again
-    warpgroup_fence_operand(acc_o);
-    if (it > 0) Barrier::arrive(&ss.v_empty[prev]);
+    // Epilogue: O = acc / l straight from registers, lse = (m + log2 l) * ln 2.
     Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+    Elem* o_head = p.o + wi.b * p.o_stride_b + wi.h * p.o_stride_h;
     CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i)
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(o_rc); ++j) o_rc(i, j) *= scale_row[i];
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
-  }
-  // Consumer 1's last hand-over (and its pre-arrival) leave one phase of barrier 1 open: close it.
-  if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
-  if (n_tiles > 0) {  // the last tile's O += P V
-    const int last = (n_tiles - 1) % STAGES;
-    Barrier::wait(&ss.v_full[last], ((n_tiles - 1) / STAGES) & 1);
-    warpgroup_fence_operand(acc_o);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_o);
-    Barrier::arrive(&ss.v_empty[last]);
-  }
-
-  // Epilogue: O = acc / l straight from registers, lse = (m + log2 l) * ln 2.
-  Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<D>>{}));
-  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  Elem* o_head = p.o + b * p.o_stride_b + h * p.o_stride_h;
-  CUTE_UNROLL
-  for (int i = 0; i < kRows; ++i) {
-    const float l = quad_sum(row_sum[i]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int row = row_base + get<0>(tOcO_rc(i, 0));
-    if (row < q_tile.hi) {
-      // Columns 2c and 2c + 1 are neighbours in this thread's registers: one 4-byte store each
-      // (the row stride is a multiple of D and the base 16-byte aligned, checked at launch).
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(o_rc); j += 2) {
-        const Elem pair[2] = {Elem(o_rc(i, j) * inv), Elem(o_rc(i, j + 1) * inv)};
-        *reinterpret_cast<uint32_t*>(o_head + row * p.o_stride_s + get<1>(tOcO_rc(i, j))) =
-            *reinterpret_cast<const uint32_t*>(pair);
+    for (int i = 0; i < kRows; ++i) {
+      const float l = quad_sum(row_sum[i]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int row = row_base + get<0>(tOcO_rc(i, 0));
+      if (row < q_tile.hi) {
+        // Columns 2c and 2c + 1 are neighbours in this thread's registers: one 4-byte store each
+        // (the row stride is a multiple of D and the base 16-byte aligned, checked at launch).
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o_rc); c += 2) {
+          const Elem pair[2] = {Elem(o_rc(i, c) * inv), Elem(o_rc(i, c + 1) * inv)};
+          *reinterpret_cast<uint32_t*>(o_head + row * p.o_stride_s + get<1>(tOcO_rc(i, c))) =
+              *reinterpret_cast<const uint32_t*>(pair);
+        }
+        if (tid % 4 == 0)
+          p.lse[wi.b * p.lse_stride_b + wi.h * p.lse_stride_h + row] =
+              l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
       }
-      if (tid % 4 == 0)
-        p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row] =
-            l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     }
   }
 }
@@ -406,6 +430,7 @@ struct FwdArgs {
   float scale;
   const int32_t* tile_order;
   int num_tiles;
+  int max_ctas;  // persistent grid: at most this many CTAs (the SM count); 0 = one CTA per work item
   cudaStream_t stream;
 };
 
@@ -422,13 +447,15 @@ cudaError_t launch_fwd(const FwdArgs& a) {
       static_cast<Elem*>(a.o), a.lse, a.o_stride[1], a.o_stride[2], a.o_stride[0],
       a.lse_stride[1], a.lse_stride[0], a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale * 1.4426950408889634f,
-      a.tile_order};
+      a.tile_order, a.num_tiles};
   auto kernel = diffusion_fwd_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured =  // once per instantiation: the attribute is per function
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (configured != cudaSuccess) return configured;
-  kernel<<<dim3(a.batch * a.heads, a.num_tiles), Cfg::kThreads, smem, a.stream>>>(p);
+  const int items = a.batch * a.heads * a.num_tiles;
+  const int ctas = a.max_ctas > 0 && a.max_ctas < items ? a.max_ctas : items;
+  kernel<<<ctas, Cfg::kThreads, smem, a.stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -7,7 +7,8 @@
 //     -I<cutlass_library/source/include> -Icsrc/include -Icsrc \
 //     -o fwd_standalone tests/cuda/diffusion_fwd_standalone.cu
 //   ./fwd_standalone shipped       # the four shipped instantiations (checks; bf16 D=128 timed)
-//   ./fwd_standalone plain2        # or plain3, bn64: the tile / stage variants of NOTES.md
+//   ./fwd_standalone plain2        # or plain3, bn64, nopp: the variants of NOTES.md
+//   ./fwd_standalone persist       # a persistent grid (one CTA per SM): checks, then timing
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -20,6 +21,7 @@
 #define CK(x) do { cudaError_t err_ = (x); if (err_ != cudaSuccess) { printf("CUDA error %s at %d\n", cudaGetErrorString(err_), __LINE__); exit(1); } } while (0)
 
 struct Run { int B, n, H, Hkv, bs; bool causal = false; };  // causal: block-causal over 2n
+int g_max_ctas = 0;  // persistent grid of at most this many CTAs; 0: one CTA per work item
 
 template <class Cfg>
 float run(Run r, bool check, int iters) {
@@ -45,11 +47,12 @@ float run(Run r, bool check, int iters) {
       dlm::sm90::make_tma_kv<Cfg>(k, S, r.Hkv, r.B, (int64_t)r.Hkv * D, D, (int64_t)S * r.Hkv * D),
       dlm::sm90::make_tma_kv<Cfg>(v, S, r.Hkv, r.B, (int64_t)r.Hkv * D, D, (int64_t)S * r.Hkv * D),
       o, lse, (int64_t)r.H * D, D, (int64_t)S * r.H * D, S, (int64_t)r.H * S, S, r.H, r.Hkv, r.B, mask,
-      (float)(1.4426950408889634 / std::sqrt((double)D)), order};
+      (float)(1.4426950408889634 / std::sqrt((double)D)), order, T};
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
   int smem = sizeof(typename Cfg::SharedStorage);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  dim3 grid(r.B * r.H, T);
+  const int items = r.B * r.H * T;
+  dim3 grid(g_max_ctas > 0 && g_max_ctas < items ? g_max_ctas : items);
   kern<<<grid, Cfg::kThreads, smem>>>(p);
   CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
   if (check) {
@@ -123,5 +126,14 @@ int main(int argc, char** argv) {
   if (v == "plain3") all<FwdConfig<bf16, 128, 128, 128, 3>>("plain, 3 stages", true);
   if (v == "bn64") all<FwdConfig<bf16, 128, 128, 64, 3>>("plain, BN 64, 3 stages", true);
   if (v == "nopp") all<FwdConfig<bf16, 128, 128, 128, 2, false>>("overlap, no ping-pong", true);
+  // Persistent grid (one CTA per SM walking work items): checks of all four, bf16 D=128 timed.
+  if (v == "persist" || v == "persist2") {
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    g_max_ctas = v == "persist" ? sms : 2 * sms;
+    printf("persistent grid: %d CTAs\n", g_max_ctas);
+    all<FwdConfig<cutlass::half_t, 64>>("fp16 D=64", false);
+    all<FwdConfig<bf16, 128>>("bf16 D=128", true);
+  }
   return 0;
 }
