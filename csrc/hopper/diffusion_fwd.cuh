@@ -15,7 +15,7 @@
 //
 // What this first version leaves to the Triton kernel (dlm_ops/backends/cutlass_diffusion.py
 // checks): both halves must be multiples of 128 long (every tile starts on a tile boundary, so TMA
-// addresses whole tiles), batched layout only (no varlen), head dim 64 or 128, bf16/fp16, no
+// addresses whole tiles), batched layout only (no varlen), head dim 64, 128 or 256, bf16/fp16, no
 // softcap. The mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy
 // 0). Tiles that run past a half's end are masked by column, so the next half's rows they load get
 // probability 0.
@@ -434,11 +434,15 @@ struct FwdArgs {
   cudaStream_t stream;
 };
 
-constexpr int kFwdBlockM = 128, kFwdBlockN = 128, kFwdStages = 2;
+// Tiles of the shipped instantiations. D = 256 takes 64-key tiles: a consumer thread then holds O
+// (64 x 256 fp32 over 128 threads: 128 registers), S (32) and P (16) within setmaxnreg's 240, and
+// Q (64 KB) plus two stages of K and V (2 x 2 x 32 KB) fit in shared memory.
+constexpr int kFwdBlockM = 128, kFwdStages = 2;
+constexpr int fwd_block_n(int d) { return d > 128 ? 64 : 128; }
 
 template <class Elem, int D>
 cudaError_t launch_fwd(const FwdArgs& a) {
-  using Cfg = FwdConfig<Elem, D, kFwdBlockM, kFwdBlockN, kFwdStages>;
+  using Cfg = FwdConfig<Elem, D, kFwdBlockM, fwd_block_n(D), kFwdStages>;
   auto ptr = [](const void* x) { return static_cast<const Elem*>(x); };
   const FwdParams<Cfg> p{
       make_tma_q<Cfg>(ptr(a.q), a.seqlen, a.heads, a.batch, a.q_stride[1], a.q_stride[2], a.q_stride[0]),
@@ -464,6 +468,8 @@ DLM_DECLARE_FWD(cutlass::bfloat16_t, 64)
 DLM_DECLARE_FWD(cutlass::bfloat16_t, 128)
 DLM_DECLARE_FWD(cutlass::half_t, 64)
 DLM_DECLARE_FWD(cutlass::half_t, 128)
+DLM_DECLARE_FWD(cutlass::bfloat16_t, 256)
+DLM_DECLARE_FWD(cutlass::half_t, 256)
 #undef DLM_DECLARE_FWD
 
 }  // namespace dlm::sm90

@@ -9,6 +9,7 @@
 //   ./fwd_standalone shipped       # the four shipped instantiations (checks; bf16 D=128 timed)
 //   ./fwd_standalone plain2        # or plain3, bn64, nopp: the variants of NOTES.md
 //   ./fwd_standalone persist       # a persistent grid (one CTA per SM): checks, then timing
+//   ./fwd_standalone d256          # head dim 256 (128 x 64 tiles): checks, then timing
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -125,6 +126,10 @@ int main(int argc, char** argv) {
   if (v == "plain2") all<FwdConfig<bf16, 128, 128, 128, 2>>("plain, 2 stages", true);
   if (v == "plain3") all<FwdConfig<bf16, 128, 128, 128, 3>>("plain, 3 stages", true);
   if (v == "bn64") all<FwdConfig<bf16, 128, 128, 64, 3>>("plain, BN 64, 3 stages", true);
+  if (v == "d256") {  // the shipped D = 256 tiles (csrc/hopper/diffusion_fwd.cuh: 128 x 64)
+    all<FwdConfig<cutlass::half_t, 256, 128, 64, 2>>("fp16 D=256", false);
+    all<FwdConfig<bf16, 256, 128, 64, 2>>("bf16 D=256", true);
+  }
   if (v == "nopp") all<FwdConfig<bf16, 128, 128, 128, 2, false>>("overlap, no ping-pong", true);
   // Persistent grid (one CTA per SM walking work items): checks of all four, bf16 D=128 timed.
   if (v == "persist" || v == "persist2") {
