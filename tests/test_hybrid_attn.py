@@ -336,15 +336,15 @@ def test_triton_train_declines_and_torch_takes_over(monkeypatch):
 
 
 def test_train_kernel_geometry():
-    """Tiles hold whole blocks: bs <= 16 packs 64 // bs of them, longer blocks take one tile."""
+    """Tiles hold whole blocks: bs <= 16 packs 32 // bs of them, longer blocks take one tile."""
     from dlm_ops.backends.hybrid_train import geometry
 
     g = geometry(100, 4)
-    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (64, 64, 2, True)
+    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (32, 32, 4, True)
     g = geometry(100, 3)
-    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (64, 63, 2, True)
+    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (32, 30, 4, True)
     g = geometry(100, 16)
-    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (64, 64, 2, True)
+    assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (32, 32, 4, True)
     g = geometry(100, 32)
     assert (g.block_t, g.tile_len, g.num_tiles, g.multi) == (32, 32, 4, False)
     g = geometry(40, 64)  # block_size > n: one block of n tokens
