@@ -37,11 +37,13 @@ tf32x3 keeps a high and a low copy of each fp32 operand: the state alone is 3 x 
   * backward: dp = dN S^T and dphi(k) = v dU^T reduce over D, which a D-sliced walk cannot finish
     on its own, so the backward writes the state of every tile (exclusive prefix S_t, Z_t; reverse
     suffix dU_t, dZ_t: B*H*nt*2F*D fp32 each, nt = n / TT) with a D-sliced scan kernel, and two
-    parallel kernels, one program per (tile, b, h), loop over D slices reading them:
+    parallel kernels, one program per (tile, b, h) (bwd_q: per half too), loop over D slices
+    reading them:
       scan fwd  S_t, Z_t from the clean keys
-      bwd_q     everything on the query side: recompute the rows (den, out), dN, the clamp-gated
-                dL, the gate gradient, in-block dq/dk/dv, dp -> du (softmax backward of both signs),
-                dq += du W^T; the intra-tile key-side terms; 1/den and dL for the reverse scan
+      bwd_q     everything on the query side: recompute den (not out: dO . out comes from the
+                D reductions, see the kernel), dN, the clamp-gated dL, the gate gradient, in-block
+                dq/dk/dv, dp -> du (softmax backward of both signs), dq += du W^T; 1/den and dL
+                for the reverse scan
       scan rev  dU_t, dZ_t from the queries (p^T (dO / den), dL p)
       bwd_k     the clean keys' state gradients: dphi(k) = v dU_t^T + dZ_t (+ intra), dv += phi(k)
                 dU_t, du_k, dk += du_k W^T
@@ -50,16 +52,18 @@ tf32x3 keeps a high and a low copy of each fp32 operand: the state alone is 3 x 
     so its gradient is kept and split among ties as torch.amax does.
 
 Parallelism: the walks and scans run B*H*(D/DS) programs (256 at B*H=32, D=128); the per-tile
-kernels B*H*nt. Small blocks: a 64-row tile packs R = 64 // bs blocks of bs <= 16 (the chunked
-linear-attention form), so a bs=4 call makes n/64 serial steps, not n/4; longer blocks take one
-tile each (32 rows for bs <= 32, 64 up to bs = 64).
+kernels B*H*nt. Small blocks: a 32-row tile packs R = 32 // bs blocks of bs <= 16 (the chunked
+linear-attention form), so a bs=4 call makes n/32 serial steps, not n/4; longer blocks take one
+tile each (32 rows for bs <= 32, 64 up to bs = 64). 32-row tiles run on mma.sync; 64-row tiles
+on wgmma (hybrid_train.geometry says why packed tiles are no longer 64 rows: issue 6).
 
 Registers: every (rows, F) fp32 tile costs F/2 registers per thread (16 rows per warp, whatever
 the warp count: a chain of dots puts every warp along the rows), and the kernels hold several
 (phi of q and k, both signs, their gradients), so at F=64, D=128 the walks and the per-tile
-kernels still spill on sm90: 0.2-0.9 KB per thread at bs=32, 1.6-3.0 KB with packed small blocks
+kernels still spill on sm90 (triton 3.6, the GPU's own specialisation): 0.1-0.2 KB per thread
+at bs=32, 0.8-1.1 KB with packed small blocks, 0.2-1.2 KB at bs=64
 (tests/hybrid_sm90_compile.py prints the numbers; hybrid_train.SLICE_D and launch_config discuss
-them); the scans, the logits and the dW kernels (nearly) do not.
+them); the scans, the logits and the dW kernels do not.
 The key-side intra-tile terms sit in bwd_k, not bwd_q, for the same reason.
 
 Precision (as the decode kernels): fp32 inputs take IEEE fp32 dots everywhere. Low-precision

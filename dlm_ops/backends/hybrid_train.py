@@ -22,9 +22,10 @@ MAX_FEATURES = 64  # each (rows, F) fp32 tile costs F/2 registers per thread (la
 MAX_STATE = 64 * 128  # BLOCK_F * BLOCK_D: the compiled and checked sizes (F=64/D=128, 32/256)
 PACK_BLOCK, PACKED_ROWS = 16, 32  # blocks of <= 16 tokens are packed 32 // bs to a 32-row tile
 # DS: the head-dim columns of the state per walk/scan program, and the step of the per-tile
-# kernels' loops over D. sm90 spills per thread at bs=32, F=64, D=128 for DS = 16 / 32 / 64:
-# fwd 0.4 / 1.6 / 0.2 KB, bwd_q 0.9 / 2.5 / 13 KB (a 32-register allocation), bwd_k 0.2 / 1.3 /
-# 0.3 KB. 16 costs the forward 8 programs per head that each recompute the (bs x bs) scores.
+# kernels' loops over D. sm90 spills per thread at bs=32, F=64, D=128 for DS = 16 / 32 / 64
+# (before issue 6's bwd_q): fwd 0.4 / 1.6 / 0.2 KB, bwd_q 0.9 / 2.5 / 13 KB (a 32-register
+# allocation), bwd_k 0.2 / 1.3 / 0.3 KB; bwd_q now 0.1 KB at 16. 16 costs the forward 8 programs
+# per head that each recompute the (bs x bs) scores.
 SLICE_D = 16
 ROWS = 64  # tokens per program of the logits and dW kernels
 
