@@ -266,7 +266,8 @@ def hybrid_scan_kernel(
 
 @triton.jit
 def _row_state(q_base, k_base, UQ, UK, sqs, sks, z_pos, z_neg, tok, seq, ok, same, earl, full,
-               f_ok, b, h, H, n, F, feats, feat_ok, scale2, MULTI: tl.constexpr, IEEE: tl.constexpr):
+               f_ok, b, h, H, n, F, feats, feat_ok, scale2,
+               MULTI: tl.constexpr, IEEE: tl.constexpr):
     """What a query row of the tile needs besides the D reductions: (a, ties, l) of the in-block
     softmax, phi(q) = (pos, neg), the intra-tile P (MULTI, else 0) and lin = phi(q).Z + sum P."""
     q = tl.load(q_base + tok[:, None] * sqs + full[None, :], mask=f_ok, other=0.0)
