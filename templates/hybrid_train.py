@@ -37,11 +37,13 @@ tf32x3 keeps a high and a low copy of each fp32 operand: the state alone is 3 x 
   * backward: dp = dN S^T and dphi(k) = v dU^T reduce over D, which a D-sliced walk cannot finish
     on its own, so the backward writes the state of every tile (exclusive prefix S_t, Z_t; reverse
     suffix dU_t, dZ_t: B*H*nt*2F*D fp32 each, nt = n / TT) with a D-sliced scan kernel, and two
-    parallel kernels, one program per (tile, b, h), loop over D slices reading them:
+    parallel kernels, one program per (tile, b, h) (bwd_q: per half too), loop over D slices
+    reading them:
       scan fwd  S_t, Z_t from the clean keys
-      bwd_q     everything on the query side: recompute the rows (den, out), dN, the clamp-gated
-                dL, the gate gradient, in-block dq/dk/dv, dp -> du (softmax backward of both signs),
-                dq += du W^T; the intra-tile key-side terms; 1/den and dL for the reverse scan
+      bwd_q     everything on the query side: recompute den (not out: dO . out comes from the
+                D reductions, see the kernel), dN, the clamp-gated dL, the gate gradient, in-block
+                dq/dk/dv, dp -> du (softmax backward of both signs), dq += du W^T; 1/den and dL
+                for the reverse scan
       scan rev  dU_t, dZ_t from the queries (p^T (dO / den), dL p)
       bwd_k     the clean keys' state gradients: dphi(k) = v dU_t^T + dZ_t (+ intra), dv += phi(k)
                 dU_t, du_k, dk += du_k W^T
@@ -50,16 +52,18 @@ tf32x3 keeps a high and a low copy of each fp32 operand: the state alone is 3 x 
     so its gradient is kept and split among ties as torch.amax does.
 
 Parallelism: the walks and scans run B*H*(D/DS) programs (256 at B*H=32, D=128); the per-tile
-kernels B*H*nt. Small blocks: a 64-row tile packs R = 64 // bs blocks of bs <= 16 (the chunked
-linear-attention form), so a bs=4 call makes n/64 serial steps, not n/4; longer blocks take one
-tile each (32 rows for bs <= 32, 64 up to bs = 64).
+kernels B*H*nt. Small blocks: a 32-row tile packs R = 32 // bs blocks of bs <= 16 (the chunked
+linear-attention form), so a bs=4 call makes n/32 serial steps, not n/4; longer blocks take one
+tile each (32 rows for bs <= 32, 64 up to bs = 64). 32-row tiles run on mma.sync; 64-row tiles
+on wgmma (hybrid_train.geometry says why packed tiles are no longer 64 rows: issue 6).
 
 Registers: every (rows, F) fp32 tile costs F/2 registers per thread (16 rows per warp, whatever
 the warp count: a chain of dots puts every warp along the rows), and the kernels hold several
 (phi of q and k, both signs, their gradients), so at F=64, D=128 the walks and the per-tile
-kernels still spill on sm90: 0.2-0.9 KB per thread at bs=32, 1.6-3.0 KB with packed small blocks
+kernels still spill on sm90 (triton 3.6, the GPU's own specialisation): 0.1-0.2 KB per thread
+at bs=32, 0.8-1.1 KB with packed small blocks, 0.2-1.2 KB at bs=64
 (tests/hybrid_sm90_compile.py prints the numbers; hybrid_train.SLICE_D and launch_config discuss
-them); the scans, the logits and the dW kernels (nearly) do not.
+them); the scans, the logits and the dW kernels do not.
 The key-side intra-tile terms sit in bwd_k, not bwd_q, for the same reason.
 
 Precision (as the decode kernels): fp32 inputs take IEEE fp32 dots everywhere. Low-precision
@@ -261,6 +265,27 @@ def hybrid_scan_kernel(
 
 
 @triton.jit
+def _row_state(q_base, k_base, UQ, UK, sqs, sks, z_pos, z_neg, tok, seq, ok, same, earl, full,
+               f_ok, b, h, H, n, F, feats, feat_ok, scale2,
+               MULTI: tl.constexpr, IEEE: tl.constexpr):
+    """What a query row of the tile needs besides the D reductions: (a, ties, l) of the in-block
+    softmax, phi(q) = (pos, neg), the intra-tile P (MULTI, else 0) and lin = phi(q).Z + sum P."""
+    q = tl.load(q_base + tok[:, None] * sqs + full[None, :], mask=f_ok, other=0.0)
+    kh = tl.load(k_base + tok[:, None] * sks + full[None, :], mask=f_ok, other=0.0)
+    a, ties, l = _scores(q, kh, same, scale2, IEEE)
+    pos, neg = _phi_u(UQ, b * 2 * n + tok, h, H, F, ok, feats, feat_ok)
+    lin = tl.sum(pos * z_pos[None, :], 1) + tl.sum(neg * z_neg[None, :], 1)
+    if MULTI:
+        pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
+        pk = tl.where(earl, _dot32(pos, tl.trans(pos_k), IEEE)
+                      + _dot32(neg, tl.trans(neg_k), IEEE), 0.0)
+        lin += tl.sum(pk, 1)
+    else:
+        pk = tl.zeros_like(a)
+    return a, ties, l, pos, neg, pk, lin
+
+
+@triton.jit
 def hybrid_train_bwd_q_kernel(
     Q, K, V, DO, UQ, UK, W, GATE, S_ST, Z_ST, DQ, DK, DV, DUQ, RDEN, DLIN, DGV,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
@@ -268,11 +293,20 @@ def hybrid_train_bwd_q_kernel(
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DS: tl.constexpr,
     BLOCK_F: tl.constexpr, MULTI: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """The query side of one (tile, b, h), both halves. Writes DQ (B, 2n, H, D) contiguous in q's
-    dtype (final); DK, DV (B, 2n, H, D) fp32 per query head, the in-block part (bwd_k adds the
-    linear part of the clean keys, intra-tile terms included); DUQ (B, 2n, H, F) fp32; RDEN, DLIN
-    (B, H, 2n); DGV (B, H, nt)."""
-    t, bh = tl.program_id(0), tl.program_id(1)
+    """The queries of one half (program axis 2: 0 noisy, 1 clean) of one (tile, b, h). Writes DQ
+    (B, 2n, H, D) contiguous in q's dtype (final); DK, DV (B, 2n, H, D) fp32 per query head, the
+    in-block part (bwd_k adds the linear part of the clean keys, intra-tile terms included); DUQ
+    (B, 2n, H, F) fp32; RDEN, DLIN (B, H, 2n); DGV (B, H, nt, 2).
+
+    Pass 1 over D slices accumulates only the four products that reduce over D (dN v^T over the
+    own half's and the clean keys, dN S^T of both signs). The output row itself is not rebuilt:
+    dO . out = w * sum(a * g1) + sum(pos * dp_pos) + sum(neg * dp_neg) + sum(P * g2) with
+    g1 = dN v^T etc. (each term of out = (w a v + phi S + P v) / den, contracted with dN = dO / den
+    over D first), so no dot of the forward (a v, phi S, P v) runs here. A first version rebuilt
+    out per slice: with the split operands of tf32x3 live across the loop it took 255 registers
+    and 1-3 KB of spills per thread, and ptxas 12.8 (triton 3.6) then built a wgmma descriptor
+    from the stack pointer: the illegal shared read of issue 6."""
+    t, bh, half = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // H, bh % H
     kvh = h // G
     rows, full, feats = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F)
@@ -288,95 +322,78 @@ def hybrid_train_bwd_q_kernel(
     z_pos = tl.load(Z_ST + st * 2 * F + feats, mask=feat_ok, other=0.0)
     z_neg = tl.load(Z_ST + st * 2 * F + F + feats, mask=feat_ok, other=0.0)
     s_base = S_ST + st * 2 * F * D
-    dgv = 0.0
     buf_row = b * 2 * n * H + h  # + position * H: a row of a contiguous (B, 2n, H, X) buffer
-    for half in tl.static_range(2):
-        tok = half * n + seq
-        q = tl.load(q_base + tok[:, None] * sqs + full[None, :], mask=f_ok, other=0.0)
-        kh = tl.load(k_base + tok[:, None] * sks + full[None, :], mask=f_ok, other=0.0)
-        a, ties, l = _scores(q, kh, same, scale2, IEEE)
-        pos, neg = _phi_u(UQ, b * 2 * n + tok, h, H, F, ok, feats, feat_ok)
-        lin = tl.sum(pos * z_pos[None, :], 1) + tl.sum(neg * z_neg[None, :], 1)
+    tok = half * n + seq
+    a, ties, l, pos, neg, pk, lin = _row_state(
+        q_base, k_base, UQ, UK, sqs, sks, z_pos, z_neg, tok, seq, ok, same, earl, full, f_ok,
+        b, h, H, n, F, feats, feat_ok, scale2, MULTI, IEEE)
+    wl = w * l
+    rden = 1.0 / (tl.maximum(wl, eps) + tl.maximum(lin, eps))
+    # Pass 1 over D slices: the reductions over D.
+    dp_pos = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
+    dp_neg = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
+    g1 = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)  # dN v^T over the own half's keys
+    g2 = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)  # dN v^T over the clean keys (MULTI)
+    for d0 in range(0, D, DS):
+        dims = d0 + sl
+        dim_ok = dims < D
+        s_ok = ok[:, None] & dim_ok[None, :]
+        vh = tl.load(v_base + tok[:, None] * svs + dims[None, :], mask=s_ok, other=0.0)
+        dn = tl.load(do_base + tok[:, None] * sds + dims[None, :], mask=s_ok,
+                     other=0.0).to(tl.float32) * rden[:, None]
+        sm = feat_ok[:, None] & dim_ok[None, :]
+        sp = tl.load(s_base + feats[:, None] * D + dims[None, :], mask=sm, other=0.0)
+        sn = tl.load(s_base + F * D + feats[:, None] * D + dims[None, :], mask=sm, other=0.0)
         if MULTI:
-            pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
-            pk = tl.where(earl, _dot32(pos, tl.trans(pos_k), IEEE)
-                          + _dot32(neg, tl.trans(neg_k), IEEE), 0.0)
-            lin += tl.sum(pk, 1)
-        wl = w * l
-        rden = 1.0 / (tl.maximum(wl, eps) + tl.maximum(lin, eps))
-        # Pass 1 over D slices: the rows again (out = N / den) and every reduction over D.
-        gout = tl.zeros([BLOCK_T], tl.float32)
-        dno = tl.zeros([BLOCK_T], tl.float32)
-        dp_pos = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
-        dp_neg = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
-        g1 = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)  # dN v^T over the own half's keys
-        g2 = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)  # dN v^T over the clean keys (MULTI)
-        for d0 in range(0, D, DS):
-            dims = d0 + sl
-            dim_ok = dims < D
-            s_ok = ok[:, None] & dim_ok[None, :]
-            vh = tl.load(v_base + tok[:, None] * svs + dims[None, :], mask=s_ok, other=0.0)
-            g = tl.load(do_base + tok[:, None] * sds + dims[None, :], mask=s_ok,
-                        other=0.0).to(tl.float32)
-            sm = feat_ok[:, None] & dim_ok[None, :]
-            sp = tl.load(s_base + feats[:, None] * D + dims[None, :], mask=sm, other=0.0)
-            sn = tl.load(s_base + F * D + feats[:, None] * D + dims[None, :], mask=sm, other=0.0)
-            o = _dot(a.to(vh.dtype), vh, IEEE)
-            num = _dot32(pos, sp, IEEE) + _dot32(neg, sn, IEEE)
-            dn = g * rden[:, None]
-            if MULTI:
-                if half == 0:
-                    vc32 = tl.load(v_base + (n + seq)[:, None] * svs + dims[None, :], mask=s_ok,
-                                   other=0.0).to(tl.float32)
-                else:
-                    vc32 = vh.to(tl.float32)
-                num += _dot32(pk, vc32, IEEE)
-                g2 += _dot32(dn, tl.trans(vc32), IEEE)
-            out = (w * o + num) * rden[:, None]
-            gout += tl.sum(g * out, 1)
-            dno += tl.sum(dn * o, 1)
-            dp_pos += _dot32(dn, tl.trans(sp), IEEE)
-            dp_neg += _dot32(dn, tl.trans(sn), IEEE)
-            g1 += _dot(dn.to(vh.dtype), tl.trans(vh), IEEE)
-        # out = N / den: dN = dO / den, dden = -(dO . out) / den; each clamp passes its gradient
-        # where its argument >= eps (torch.clamp's rule at the bound).
-        dden = -gout * rden
-        dwl = tl.where(wl >= eps, dden, 0.0)
-        dl = tl.where(lin >= eps, dden, 0.0)
-        dgv += tl.sum(dno + dwl * l, 0)
-        tt = a * (w * g1 + (w * dwl)[:, None])
-        nties = tl.maximum(tl.sum(ties.to(tl.float32), 1), 1.0)
-        ds = tt - tl.where(ties, 1.0, 0.0) * (tl.sum(tt, 1) / nties)[:, None]
-        dp_pos += dl[:, None] * z_pos[None, :]
-        dp_neg += dl[:, None] * z_neg[None, :]
-        if MULTI:  # dP = dN v^T + dL over the earlier blocks' clean keys
-            dpm = tl.where(earl, g2 + dl[:, None], 0.0)
-            pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
-            dp_pos += _dot32(dpm, pos_k, IEEE)
-            dp_neg += _dot32(dpm, neg_k, IEEE)
-        du = _phi_bwd(pos, neg, dp_pos, dp_neg)
-        tl.store(DUQ + (buf_row + tok * H)[:, None] * F + feats[None, :], du,
-                 mask=ok[:, None] & feat_ok[None, :])
-        tl.store(RDEN + bh * 2 * n + tok, rden, mask=ok)
-        tl.store(DLIN + bh * 2 * n + tok, dl, mask=ok)
-        # Pass 2 over D slices: the (rows, D) outputs.
-        for d0 in range(0, D, DS):
-            dims = d0 + sl
-            dim_ok = dims < D
-            s_ok = ok[:, None] & dim_ok[None, :]
-            k_s = tl.load(k_base + tok[:, None] * sks + dims[None, :], mask=s_ok, other=0.0)
-            q_s = tl.load(q_base + tok[:, None] * sqs + dims[None, :], mask=s_ok, other=0.0)
-            dn = tl.load(do_base + tok[:, None] * sds + dims[None, :], mask=s_ok,
-                         other=0.0).to(tl.float32) * rden[:, None]
-            wt = tl.load(W + h * D * F + dims[:, None] * F + feats[None, :],
-                         mask=dim_ok[:, None] & feat_ok[None, :], other=0.0)
-            dq = scale * _dot(ds.to(k_s.dtype), k_s, IEEE) + _dot32(du, tl.trans(wt), IEEE)
-            buf = (buf_row + tok * H)[:, None] * D + dims[None, :]
-            tl.store(DQ + buf, dq.to(DQ.dtype.element_ty), mask=s_ok)
-            tl.store(DK + buf, scale * _dot(tl.trans(ds).to(q_s.dtype), q_s, IEEE), mask=s_ok)
-            tl.store(DV + buf, _dot(tl.trans(a).to(q_s.dtype), (w * dn).to(q_s.dtype), IEEE),
-                     mask=s_ok)
-    tl.store(DGV + st, dgv)
+            vc32 = tl.load(v_base + (n + seq)[:, None] * svs + dims[None, :], mask=s_ok,
+                           other=0.0).to(tl.float32)
+            g2 += _dot32(dn, tl.trans(vc32), IEEE)
+        dp_pos += _dot32(dn, tl.trans(sp), IEEE)
+        dp_neg += _dot32(dn, tl.trans(sn), IEEE)
+        g1 += _dot(dn.to(vh.dtype), tl.trans(vh), IEEE)
+    # out = N / den: dN = dO / den, dden = -(dO . out) / den; each clamp passes its gradient
+    # where its argument >= eps (torch.clamp's rule at the bound).
+    dno = tl.sum(a * g1, 1)  # dN . (a v)
+    gout = w * dno + tl.sum(pos * dp_pos, 1) + tl.sum(neg * dp_neg, 1)
+    if MULTI:
+        gout += tl.sum(pk * g2, 1)
+    dden = -gout * rden
+    dwl = tl.where(wl >= eps, dden, 0.0)
+    dl = tl.where(lin >= eps, dden, 0.0)
+    dgv = tl.sum(dno + dwl * l, 0)
+    tt = a * (w * g1 + (w * dwl)[:, None])
+    nties = tl.maximum(tl.sum(ties.to(tl.float32), 1), 1.0)
+    ds = tt - tl.where(ties, 1.0, 0.0) * (tl.sum(tt, 1) / nties)[:, None]
+    dp_pos += dl[:, None] * z_pos[None, :]
+    dp_neg += dl[:, None] * z_neg[None, :]
+    if MULTI:  # dP = dN v^T + dL over the earlier blocks' clean keys
+        dpm = tl.where(earl, g2 + dl[:, None], 0.0)
+        pos_k, neg_k = _phi_u(UK, b * n + seq, h, H, F, ok, feats, feat_ok)
+        dp_pos += _dot32(dpm, pos_k, IEEE)
+        dp_neg += _dot32(dpm, neg_k, IEEE)
+    du = _phi_bwd(pos, neg, dp_pos, dp_neg)
+    tl.store(DUQ + (buf_row + tok * H)[:, None] * F + feats[None, :], du,
+             mask=ok[:, None] & feat_ok[None, :])
+    tl.store(RDEN + bh * 2 * n + tok, rden, mask=ok)
+    tl.store(DLIN + bh * 2 * n + tok, dl, mask=ok)
+    tl.store(DGV + st * 2 + half, dgv)
+    # Pass 2 over D slices: the (rows, D) outputs.
+    for d0 in range(0, D, DS):
+        dims = d0 + sl
+        dim_ok = dims < D
+        s_ok = ok[:, None] & dim_ok[None, :]
+        k_s = tl.load(k_base + tok[:, None] * sks + dims[None, :], mask=s_ok, other=0.0)
+        q_s = tl.load(q_base + tok[:, None] * sqs + dims[None, :], mask=s_ok, other=0.0)
+        dn = tl.load(do_base + tok[:, None] * sds + dims[None, :], mask=s_ok,
+                     other=0.0).to(tl.float32) * rden[:, None]
+        wt = tl.load(W + h * D * F + dims[:, None] * F + feats[None, :],
+                     mask=dim_ok[:, None] & feat_ok[None, :], other=0.0)
+        dq = scale * _dot(ds.to(k_s.dtype), k_s, IEEE) + _dot32(du, tl.trans(wt), IEEE)
+        buf = (buf_row + tok * H)[:, None] * D + dims[None, :]
+        tl.store(DQ + buf, dq.to(DQ.dtype.element_ty), mask=s_ok)
+        tl.store(DK + buf, scale * _dot(tl.trans(ds).to(q_s.dtype), q_s, IEEE), mask=s_ok)
+        tl.store(DV + buf, _dot(tl.trans(a).to(q_s.dtype), (w * dn).to(q_s.dtype), IEEE),
+                 mask=s_ok)
 
 
 @triton.jit

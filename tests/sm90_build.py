@@ -22,10 +22,38 @@ def compile_sm90(fn, signature, attrs, constexprs, warps, stages):
 
 def resources(compiled):
     """(shared memory bytes, registers per thread, stack bytes per thread) of a compiled kernel."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = _tool("cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
     regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S).groups()
     return compiled.metadata.shared, int(regs), int(stack)
+
+
+def _tool(name):
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+_SP = re.compile(r"R1(\.reuse)?")
+
+
+def stack_pointer_reads(compiled):
+    """SASS instructions that read R1, the stack pointer, as a value rather than as a local-memory
+    address [R1+x] (the prologue's R1 = stack top - frame aside). Issue 6: ptxas 12.8 (triton 3.6)
+    built a wgmma shared-memory descriptor as R1 + 2 in a spilling kernel, and the wgmma read
+    shared memory out of bounds; correct code never computes with the stack pointer."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True,
+                              text=True).stdout
+    bad = []
+    for line in sass.splitlines():
+        ins = line.split("*/", 1)[-1].strip().rstrip(" ;")
+        if ins.startswith("@"):
+            ins = ins.split(" ", 1)[-1]
+        ops = [o.strip() for o in ins.partition(" ")[2].split(",")]
+        if len(ops) > 1 and ops[0] != "R1" and any(_SP.fullmatch(o) for o in ops[1:]):
+            bad.append(ins)
+    return bad

@@ -20,11 +20,12 @@ from .base import new_output
 MAX_TRAIN_BLOCK = 64
 MAX_FEATURES = 64  # each (rows, F) fp32 tile costs F/2 registers per thread (launch_config)
 MAX_STATE = 64 * 128  # BLOCK_F * BLOCK_D: the compiled and checked sizes (F=64/D=128, 32/256)
-PACK_BLOCK, PACKED_ROWS = 16, 64  # blocks of <= 16 tokens are packed 64 // bs to a 64-row tile
+PACK_BLOCK, PACKED_ROWS = 16, 32  # blocks of <= 16 tokens are packed 32 // bs to a 32-row tile
 # DS: the head-dim columns of the state per walk/scan program, and the step of the per-tile
-# kernels' loops over D. sm90 spills per thread at bs=32, F=64, D=128 for DS = 16 / 32 / 64:
-# fwd 0.4 / 1.6 / 0.2 KB, bwd_q 0.9 / 2.5 / 13 KB (a 32-register allocation), bwd_k 0.2 / 1.3 /
-# 0.3 KB. 16 costs the forward 8 programs per head that each recompute the (bs x bs) scores.
+# kernels' loops over D. sm90 spills per thread at bs=32, F=64, D=128 for DS = 16 / 32 / 64
+# (before issue 6's bwd_q): fwd 0.4 / 1.6 / 0.2 KB, bwd_q 0.9 / 2.5 / 13 KB (a 32-register
+# allocation), bwd_k 0.2 / 1.3 / 0.3 KB; bwd_q now 0.1 KB at 16. 16 costs the forward 8 programs
+# per head that each recompute the (bs x bs) scores.
 SLICE_D = 16
 ROWS = 64  # tokens per program of the logits and dW kernels
 
@@ -69,10 +70,14 @@ class Geometry:
 
 
 def geometry(n: int, block_size: int) -> Geometry:
-    """Tiles of whole blocks. Packed tiles are 64 rows: at 32 rows (mma.sync) the packed backward
-    kernels fell into a 32-register allocation with 8-10 KB of spills per thread on sm90, at 64
-    rows (wgmma) 255 registers and 1.7-2.7 KB (DS=32). Blocks of 17-32 tokens keep 32-row
-    tiles: packing two in 64 rows spilled no less (2.7 against 2.5 KB) and adds the P products."""
+    """Tiles of whole blocks. Packed tiles are 32 rows (mma.sync, operands in registers): at 64
+    rows (wgmma) the packed bwd_q spilled 1.5-2.8 KB per thread, and under that pressure ptxas
+    12.8 (triton 3.6) built a wgmma shared-memory descriptor from the stack pointer, the illegal
+    shared read of issue 6 (tests/hybrid_sm90_compile.py checks the SASS for it); at 32 rows it
+    spills about 1 KB and has no descriptors. Per-thread registers hardly depend on the rows: a
+    chain of dots puts every warp along the rows, 16 rows each, so a (rows, 64) fp32 tile costs
+    32 registers per thread at 32 or 64 rows; what 32 rows saves is the (rows x rows) tiles.
+    Blocks of 17-32 tokens take one 32-row tile, 33-64 one 64-row tile."""
     bs = min(block_size, n)
     if bs <= PACK_BLOCK:
         block_t, tile_len = PACKED_ROWS, bs * (PACKED_ROWS // bs)
@@ -181,10 +186,10 @@ def train_bwd(dout, q, k, v, feature_weight, gate, block_size, scale, eps):
     dk, dv = (new_output(q, (b, s2, h, d), f32) for _ in range(2))  # per query head
     du_q, du_k = new_output(q, (b, s2, h, f), f32), new_output(q, (b, n, h, f), f32)
     rden, dlin = (new_output(q, (b, h, s2), f32) for _ in range(2))
-    dgv = new_output(q, (b, h, nt), f32)
+    dgv = new_output(q, (b, h, nt, 2), f32)
     consts = dict(D=d, BLOCK_T=geo.block_t, DS=ds, BLOCK_F=block_f, MULTI=geo.multi, IEEE=ieee)
     warps, stages = launch_config("bwd_q", block_f, block_d)
-    kernels.hybrid_train_bwd_q_kernel[(nt, b * h)](
+    kernels.hybrid_train_bwd_q_kernel[(nt, b * h, 2)](
         q, k, v, dout, u_q, u_k, w32, gate, s_st, z_st, dq, dk, dv, du_q, rden, dlin, dgv,
         *_strides(q, k, v, dout), h, h // hkv, n, geo.bs, geo.tile_len, nt, f, scale, eps,
         BLOCK_D=block_d, num_warps=warps, num_stages=stages, **consts)
@@ -196,7 +201,7 @@ def train_bwd(dout, q, k, v, feature_weight, gate, block_size, scale, eps):
 
     dw = _feature_grad(q, du_q, 0, s2, 1) + _feature_grad(k, du_k, n, n, h // hkv)
     sig = torch.sigmoid(gate.float())
-    dgate = dgv.sum((0, 2)) * sig * (1 - sig)
+    dgate = dgv.sum((0, 2, 3)) * sig * (1 - sig)
     return (dq,
             dk.view(b, s2, hkv, h // hkv, d).sum(3).to(k.dtype),
             dv.view(b, s2, hkv, h // hkv, d).sum(3).to(v.dtype),
