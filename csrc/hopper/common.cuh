@@ -1,0 +1,56 @@
+// Pieces every sm90 block-diffusion kernel needs (forward and backward): the (S, D, H, B) view TMA
+// descriptors are made of, the two register views of a wgmma accumulator, and exp2 as the SFU's
+// instruction.
+//
+// They live in dlm::sm90::common, not dlm::sm90, only while diffusion_fwd.cuh still defines its own
+// copies in dlm::sm90 (both headers are included together by tests/cuda/diffusion_bwd_standalone.cu
+// and the backward binding); once the forward includes this header instead, the namespace can fold
+// into dlm::sm90. Callers qualify the names (common::acc_rowcol): a using-directive would make an
+// unqualified call ambiguous against the forward's copies.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cstdint>
+
+namespace dlm::sm90::common {
+
+using namespace cute;
+
+// A (seqlen, D, heads, batch) view of a (B, S, H, D) tensor, the shape TMA descriptors are made of.
+template <class Elem>
+CUTE_HOST_DEVICE auto bshd_tensor(Elem const* ptr, int seqlen, int d, int heads, int batch,
+                                  int64_t stride_s, int64_t stride_h, int64_t stride_b) {
+  return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, d, heads, batch),
+                     make_stride(stride_s, _1{}, stride_h, stride_b));
+}
+
+// The accumulator of a 64 x N wgmma holds, per thread, values (c, r, v) at column 2*(lane%4) + c +
+// 8*v and row 16*warp + lane/4 + 8*r. Viewed as (rows, columns) for row-wise work:
+template <class Layout>
+CUTE_DEVICE auto acc_rowcol(Layout l) {  // ((2, 2, V), M, N) -> ((2, M), (2, V, N))
+  static_assert(rank_v<decltype(get<0>(l))> == 3);
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// ... and the same registers as the A operand of the next wgmma (K = 16 per instruction): column
+// blocks 2j and 2j+1 of 8 form k-block j, so a score tile becomes an operand without moving
+// between threads.
+template <class Layout>
+CUTE_DEVICE auto acc_as_operand_a(Layout l) {  // ((2, 2, V), M, N) -> ((2, 2, 2), M, (V / 2, N))
+  auto v = logical_divide(get<0>(l), Shape<_2, _2, _2>{});  // ((2, 1), (2, 1), (2, V / 2))
+  return make_layout(make_layout(get<0, 0>(v), get<1, 0>(v), get<2, 0>(v)), get<1>(l),
+                     make_layout(get<2, 1>(v), get<2>(l)));
+}
+
+// exp2 as the SFU's approximate instruction (what --use_fast_math makes of exp2f): the kernels
+// say so themselves instead of depending on a build flag. ex2.approx of -inf is +0, which masked
+// scores rely on.
+CUTE_DEVICE float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+}  // namespace dlm::sm90::common

@@ -1,0 +1,735 @@
+// Block-diffusion attention backward for Hopper (sm_90a), written with CuTe from the nvidia-cutlass
+// wheel: three kernels, in this order on one stream.
+//
+//   preprocess  one pass over O and dO: delta = rowsum(dO * O) - dlse and lse2 = lse * log2 e,
+//               fp32, (B, H, S) contiguous scratch (plain CUDA, memory bound).
+//   dK/dV       one CTA per (batch, kv head, key tile of BN = 128 keys). Warpgroup 0 produces: one
+//               thread loads K and V once, then for each query head of the kv head's group and
+//               each query tile of BM = 64 rows that sees the key tile (dlm/geometry.h bwd_tiles:
+//               at most two runs) it issues TMA copies of Q and dO plus bulk copies of that tile's
+//               lse2 and delta into a ring of STAGES buffers. Warpgroups 1 and 2 consume, each
+//               owning 64 of the 128 keys, in the transposed form (keys are the wgmma M side):
+//                 S^T = K Q^T, dP^T = V dO^T      (wgmma, both operands from shared memory)
+//                 P^T = exp2(S^T * scale log2 e - lse2)   (element mask only on PARTIAL tiles)
+//                 dS^T = P^T (dP^T - delta)
+//                 dV += P^T dO, dK += dS^T Q      (wgmma, P^T / dS^T from registers, dO^T / Q^T
+//                                                  read MN-major from shared memory)
+//               dK and dV stay in registers over the whole walk, so the GQA sum over the group's
+//               query heads is a loop inside the CTA: deterministic, no partials, no atomics.
+//   dQ          one CTA per (batch, head, query tile of 128 rows) over the key tiles it sees
+//               (fwd_tiles), the forward's shape: Q and dO loaded once, K and V per visit,
+//                 S = Q K^T, dP = dO V^T, P = exp2(S * scale log2 e - lse2), dS = P (dP - delta),
+//                 dQ += dS K.
+//               Three matmuls per tile pair on top of the dK/dV kernel's four (a fused dQ with
+//               fp32 atomics would need five in all): csrc/NOTES.md "Backward" gives the numbers
+//               behind that choice. Every output element is written by one CTA, in one order, so
+//               the whole backward is bitwise deterministic.
+//
+// Coverage as the forward's (dlm_ops/backends/cutlass_diffusion.py checks): both halves multiples
+// of 128, batched layout, head dim 64 or 128, bf16/fp16, no softcap; any [n_noisy | n_clean]
+// SequenceMask (BD3, or block-causal with n_noisy 0).
+//
+// Notation as in templates/diffusion_attn.py: logits in base 2, lse in natural log on the outside,
+// scale the softmax scale (dS is the gradient of the scaled logits, hence the final * scale).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+#include <cmath>
+
+#include "dlm/geometry.h"
+#include "hopper/common.cuh"
+
+namespace dlm::sm90 {
+
+using namespace cute;
+
+// ------------------------------------------------------------------------------ configurations
+// 128-byte swizzled, K-major (head dim contiguous): the layout TMA writes and wgmma reads. A
+// transposed view (MN-major, the other dimension contiguous) over the same bytes is what the
+// P^T dO / dS^T Q / dS K matmuls read as their B operand.
+template <class Elem, int ROWS, int D>
+using SwizzledTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                            Shape<Int<ROWS>, Int<D>>{}));
+template <class Elem, int ROWS, int D, int STAGES>
+using SwizzledTiles = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                             Shape<Int<ROWS>, Int<D>, Int<STAGES>>{}));
+template <class Elem, int ROWS, int D, int STAGES>
+using SwizzledTilesT = decltype(composition(
+    SwizzledTiles<Elem, ROWS, D, STAGES>{},
+    make_ordered_layout(Shape<Int<D>, Int<ROWS>, Int<STAGES>>{}, Step<_2, _1, _3>{})));
+
+template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2>
+struct DkDvConfig {
+  using Elem = Elem_;
+  // BM: queries per visited tile; BN: keys per CTA, 64 per consumer warpgroup. BM = 64 keeps the
+  // four accumulators of a warpgroup (dK, dV: 64 x D; S^T, dP^T: 64 x BM) at 192 fp32 registers
+  // per thread for D = 128, under setmaxnreg's 240.
+  static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
+  static constexpr int kConsumerRows = 64;
+  static constexpr int kConsumers = BN / kConsumerRows;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static_assert(kConsumers == 2, "the register split below assumes two consumer warpgroups");
+
+  using SmemLayoutQ = SwizzledTiles<Elem, BM, D, STAGES>;    // Q and dO: (BM, D, STAGES)
+  using SmemLayoutQt = SwizzledTilesT<Elem, BM, D, STAGES>;  // their transpose: (D, BM, STAGES)
+  using SmemLayoutKV = SwizzledTile<Elem, BN, D>;            // K and V, loaded once
+
+  // S^T = K Q^T and dP^T = V dO^T: (64 keys) x (BM queries), reduced over D.
+  using MmaSdp = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<BM>, Int<D>>>()));
+  // dV += P^T dO and dK += dS^T Q: (64 keys) x D, reduced over the BM queries.
+  using MmaKV = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<D>, Int<BM>>,
+                                 GMMA::Major::K, GMMA::Major::MN>()));
+
+  struct SharedStorage {
+    alignas(1024) Elem k[cosize_v<SmemLayoutKV>];
+    alignas(1024) Elem v[cosize_v<SmemLayoutKV>];
+    alignas(1024) Elem q[cosize_v<SmemLayoutQ>];
+    alignas(1024) Elem dout[cosize_v<SmemLayoutQ>];
+    alignas(16) float lse2[STAGES][BM];  // bulk copies need 16-byte aligned destinations
+    alignas(16) float delta[STAGES][BM];
+    alignas(8) uint64_t kv_full;
+    uint64_t q_full[STAGES], do_full[STAGES], empty[STAGES];
+  };
+  static constexpr int kTileBytesQ = BM * D * sizeof(Elem);
+  static constexpr int kTileBytesKV = BN * D * sizeof(Elem);
+  static constexpr int kRowBytes = BM * sizeof(float);  // one tile's lse2 or delta
+};
+
+template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2>
+struct DqConfig {
+  using Elem = Elem_;
+  static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
+  static constexpr int kConsumerRows = 64;
+  static constexpr int kConsumers = BM / kConsumerRows;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static_assert(kConsumers == 2, "the register split below assumes two consumer warpgroups");
+
+  using SmemLayoutQ = SwizzledTile<Elem, BM, D>;             // Q and dO, loaded once
+  using SmemLayoutKV = SwizzledTiles<Elem, BN, D, STAGES>;   // K and V per visit
+  using SmemLayoutKt = SwizzledTilesT<Elem, BN, D, STAGES>;  // K^T: (D, BN, STAGES)
+
+  // S = Q K^T and dP = dO V^T: (64 rows) x BN, reduced over D.
+  using MmaSdp = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<BN>, Int<D>>>()));
+  // dQ += dS K: (64 rows) x D, reduced over BN.
+  using MmaDq = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<D>, Int<BN>>,
+                                 GMMA::Major::K, GMMA::Major::MN>()));
+
+  struct SharedStorage {
+    alignas(1024) Elem q[cosize_v<SmemLayoutQ>];
+    alignas(1024) Elem dout[cosize_v<SmemLayoutQ>];
+    alignas(1024) Elem k[cosize_v<SmemLayoutKV>];
+    alignas(1024) Elem v[cosize_v<SmemLayoutKV>];
+    alignas(8) uint64_t q_full;
+    uint64_t k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
+  };
+  static constexpr int kTileBytesQ = BM * D * sizeof(Elem);
+  static constexpr int kTileBytesKV = BN * D * sizeof(Elem);
+};
+
+// TMA descriptors: one box of ROWS x D of a (B, S, H, D) tensor.
+template <class Elem, int ROWS, int D>
+auto make_tma_rows(Elem const* p, int s, int h, int b, int64_t ss, int64_t sh, int64_t sb) {
+  return make_tma_copy(SM90_TMA_LOAD{}, common::bshd_tensor(p, s, D, h, b, ss, sh, sb),
+                       SwizzledTile<Elem, ROWS, D>{});
+}
+template <class Elem, int ROWS, int D>
+using TmaRows = decltype(make_tma_rows<Elem, ROWS, D>(nullptr, 1, 1, 1, 1, 1, 1));
+
+// Everything both gradient kernels read: Q, K, V and dO through TMA, lse2 / delta from the
+// preprocess, the mask, and the walk order of their work tiles.
+template <class Cfg, int Q_ROWS, int KV_ROWS>
+struct BwdParams {
+  using Elem = typename Cfg::Elem;
+  TmaRows<Elem, Q_ROWS, Cfg::D> tma_q, tma_do;
+  TmaRows<Elem, KV_ROWS, Cfg::D> tma_k, tma_v;
+  const float* lse2;   // (B, H, S) contiguous: lse * log2 e
+  const float* delta;  // (B, H, S) contiguous: rowsum(dO * O) - dlse
+  Elem *grad_a, *grad_b;  // dK/dV kernel: dK, dV; dQ kernel: dQ, unused
+  int64_t a_stride_s, a_stride_h, a_stride_b, b_stride_s, b_stride_h, b_stride_b;
+  int seqlen, heads, kv_heads, batch;
+  SequenceMask mask;
+  float scale, scale_log2;    // softmax scale, and times log2 e
+  const int32_t* tile_order;  // own tiles, most expensive first (geometry most_expensive_first)
+};
+template <class Cfg>
+using DkDvParams = BwdParams<Cfg, Cfg::BM, Cfg::BN>;  // Q tiles of BM rows, one K/V tile of BN
+template <class Cfg>
+using DqParams = BwdParams<Cfg, Cfg::BM, Cfg::BN>;    // one Q tile of BM rows, K/V tiles of BN
+
+// Stores a 64 x N fp32 accumulator (times `mul`) as Elem rows of a strided tensor, two adjacent
+// columns per 32-bit store (the accumulator's pairs (c = 0, 1) are neighbours).
+template <class Elem, class Acc, class Coords>
+CUTE_DEVICE void store_rows(Acc const& acc, Coords const& coords, float mul, Elem* base,
+                            int64_t stride_row, int row_base, int row_end) {
+  Tensor a = make_tensor(acc.data(), common::acc_rowcol(acc.layout()));
+  Tensor c = make_tensor(coords.data(), common::acc_rowcol(coords.layout()));
+  CUTE_UNROLL
+  for (int i = 0; i < size<0>(a); ++i) {
+    const int row = row_base + get<0>(c(i, 0));
+    if (row >= row_end) continue;
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(a); j += 2) {
+      alignas(4) Elem pair[2] = {Elem(a(i, j) * mul), Elem(a(i, j + 1) * mul)};
+      *reinterpret_cast<uint32_t*>(base + row * stride_row + get<1>(c(i, j))) =
+          *reinterpret_cast<uint32_t*>(pair);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------- preprocess
+// delta and lse2, one row (b, s, h) per D / 8 threads, 16 bytes of O and dO per thread.
+template <class Elem>
+struct PreParams {
+  const Elem *o, *dout;
+  const float *lse, *dlse;  // dlse may be null (no gradient flows into lse)
+  float *lse2, *delta;      // (B, H, S) contiguous
+  int64_t o_stride[3], do_stride[3];            // (batch, seq, head)
+  int64_t lse_stride[2], dlse_stride[2];        // (batch, head)
+  int batch, seqlen, heads;
+};
+
+template <class Elem, int D>
+__global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PreParams<Elem> p) {
+  constexpr int kLanes = D / 8;  // threads per row
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.seqlen * p.heads;
+  const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+  const int lane = threadIdx.x % kLanes;
+  const bool live = r < rows;
+  const int h = static_cast<int>(r % p.heads), s = static_cast<int>((r / p.heads) % p.seqlen);
+  const int b = static_cast<int>(r / (static_cast<int64_t>(p.heads) * p.seqlen));
+  float acc = 0.f;
+  if (live) {
+    const uint4 o = *reinterpret_cast<const uint4*>(
+        p.o + b * p.o_stride[0] + s * p.o_stride[1] + h * p.o_stride[2] + lane * 8);
+    const uint4 g = *reinterpret_cast<const uint4*>(
+        p.dout + b * p.do_stride[0] + s * p.do_stride[1] + h * p.do_stride[2] + lane * 8);
+    const Elem* oe = reinterpret_cast<const Elem*>(&o);
+    const Elem* ge = reinterpret_cast<const Elem*>(&g);
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) acc += static_cast<float>(oe[i]) * static_cast<float>(ge[i]);
+  }
+  CUTE_UNROLL
+  for (int m = kLanes / 2; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffff, acc, m);
+  if (live && lane == 0) {
+    const int64_t out = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen + s;
+    if (p.dlse) acc -= p.dlse[b * p.dlse_stride[0] + h * p.dlse_stride[1] + s];
+    p.delta[out] = acc;
+    p.lse2[out] = p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + s] * 1.4426950408889634f;
+  }
+}
+
+// ------------------------------------------------------------------------------------- dK / dV
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    diffusion_bwd_dkdv_kernel(__grid_constant__ const DkDvParams<Cfg> p) {
+  using Elem = typename Cfg::Elem;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
+  constexpr int kRowsW = Cfg::kConsumerRows;  // keys per consumer warpgroup
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutKV{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout), typename Cfg::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout), typename Cfg::SmemLayoutQt{});
+
+  const int bh = blockIdx.x, b = bh / p.kv_heads, kvh = bh % p.kv_heads;
+  const int group = p.heads / p.kv_heads;
+  const TilePlans plans = p.mask.bwd_tiles(BM, BN);  // own: key tiles; other: query tiles
+  const int kt = p.tile_order[blockIdx.y];
+  const Interval k_tile = plans.tile(kt);
+  const TileRuns runs = plans.runs(kt);
+  const int warp_group = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    Barrier::init(&ss.kv_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      Barrier::init(&ss.q_full[s], 1);
+      Barrier::init(&ss.do_full[s], 1);
+      Barrier::init(&ss.empty[s], 128 * Cfg::kConsumers);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp_group == 0) {  // ---------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (threadIdx.x == 0) {
+      Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
+      Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
+      Tensor gK = local_tile(mK(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(k_tile.lo / BN, 0));
+      Tensor gV = local_tile(mV(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(k_tile.lo / BN, 0));
+      auto tma_k = p.tma_k.get_slice(0);
+      auto tma_v = p.tma_v.get_slice(0);
+      TxBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Cfg::kTileBytesKV);
+      copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+      copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+
+      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
+      Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
+      auto tma_q = p.tma_q.get_slice(0);
+      auto tma_do = p.tma_do.get_slice(0);
+      Tensor tQsQ = tma_q.partition_D(sQ);     // (TMA, 1, 1, STAGES)
+      Tensor tdOsdO = tma_do.partition_D(sdO);
+      int it = 0;
+      for (int g = 0; g < group; ++g) {
+        const int h = kvh * group + g;
+        Tensor tQgQ = tma_q.partition_S(
+            local_tile(mQ(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(_, 0)));  // (.., tiles)
+        Tensor tdOgdO = tma_do.partition_S(
+            local_tile(mdO(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(_, 0)));
+        const int64_t rows_bh = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen;
+        for (int r = 0; r < 2; ++r) {
+          for (int qt = runs.begin[r]; qt < runs.end[r]; ++qt, ++it) {
+            const int stage = it % STAGES, phase = (it / STAGES) & 1;
+            const int row0 = plans.other.tile(qt).lo;
+            Barrier::wait(&ss.empty[stage], phase ^ 1);
+            TxBarrier::arrive_and_expect_tx(&ss.q_full[stage], Cfg::kTileBytesQ + Cfg::kRowBytes);
+            copy(p.tma_q.with(ss.q_full[stage]), tQgQ(_, _, _, row0 / BM), tQsQ(_, _, _, stage));
+            SM90_BULK_COPY_G2S::copy(p.lse2 + rows_bh + row0, &ss.q_full[stage], ss.lse2[stage],
+                                     Cfg::kRowBytes);
+            TxBarrier::arrive_and_expect_tx(&ss.do_full[stage], Cfg::kTileBytesQ + Cfg::kRowBytes);
+            copy(p.tma_do.with(ss.do_full[stage]), tdOgdO(_, _, _, row0 / BM), tdOsdO(_, _, _, stage));
+            SM90_BULK_COPY_G2S::copy(p.delta + rows_bh + row0, &ss.do_full[stage], ss.delta[stage],
+                                     Cfg::kRowBytes);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int consumer = warp_group - 1, tid = threadIdx.x % 128;
+  const int key_base = k_tile.lo + consumer * kRowsW;  // this warpgroup's first key
+  typename Cfg::MmaSdp mma_sdp;
+  typename Cfg::MmaKV mma_kv;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_kv = mma_kv.get_thread_slice(tid);
+  Tensor sKc = local_tile(sK, Shape<Int<kRowsW>, Int<D>>{}, make_coord(consumer, 0));
+  Tensor sVc = local_tile(sV, Shape<Int<kRowsW>, Int<D>>{}, make_coord(consumer, 0));
+  Tensor tSrK = thr_sdp.partition_fragment_A(sKc);    // smem descriptors: (MMA, M, K)
+  Tensor tSrV = thr_sdp.partition_fragment_A(sVc);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, N, K, STAGES)
+  Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tKrQt = thr_kv.partition_fragment_B(sQt);    // (MMA, N = D, K = BM, STAGES)
+  Tensor tVrdOt = thr_kv.partition_fragment_B(sdOt);
+  Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kRowsW>, Int<D>>{});
+  Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kRowsW>, Int<D>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  // (key, query) of every score this thread holds, relative to (key_base, query tile start).
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<BM>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), common::acc_rowcol(tScS.layout()));
+  constexpr int kRows = 2;  // keys per thread (lane/4 and lane/4 + 8 of its warp's 16)
+  Barrier::wait(&ss.kv_full, 0);
+
+  int it = 0;
+  for (int g = 0; g < group; ++g) {
+    for (int r = 0; r < 2; ++r) {
+      for (int qt = runs.begin[r]; qt < runs.end[r]; ++qt, ++it) {
+        const int stage = it % STAGES, phase = (it / STAGES) & 1;
+        const Visit visit = plans.visit(kt, qt);
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
+        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
+        // S^T and dP^T issued back to back: P^T's exponentials run while dP^T is computed.
+        Barrier::wait(&ss.q_full[stage], phase);
+        warpgroup_fence_operand(acc_s);
+        warpgroup_arrive();
+        mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tSrK); ++kb) {
+          gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb, stage), acc_s);
+          mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        Barrier::wait(&ss.do_full[stage], phase);
+        warpgroup_fence_operand(acc_dp);
+        warpgroup_arrive();
+        mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tSrV); ++kb) {
+          gemm(mma_sdp, tSrV(_, _, kb), tSrdO(_, _, kb, stage), acc_dp);
+          mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(acc_s);
+
+        // P^T = exp2(s * scale log2 e - lse2[query]); masked pairs get exp2(-inf) = 0.
+        Tensor s = make_tensor(acc_s.data(), common::acc_rowcol(acc_s.layout()));  // (keys, queries)
+        const bool masked = !visit.full || visit.end - visit.start < BM;
+        const float* lse2 = ss.lse2[stage];
+        // The query rows that see each of this thread's keys, recomputed per PARTIAL tile rather
+        // than held over the loop: 8 registers the accumulators need (4 bytes spilled otherwise).
+        Intervals seen_by[kRows];
+        if (masked) {
+          CUTE_UNROLL
+          for (int i = 0; i < kRows; ++i)
+            seen_by[i] = p.mask.col_intervals(key_base + get<0>(tScS_rc(i, 0)));
+        }
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          const int col = get<1>(tScS_rc(0, j));
+          const float l = lse2[col];
+          CUTE_UNROLL
+          for (int i = 0; i < kRows; ++i) {
+            float x = s(i, j) * p.scale_log2 - l;
+            if (masked) {
+              const int row = visit.start + col;
+              x = row < visit.end && seen_by[i].contains(row) ? x : -INFINITY;
+            }
+            s(i, j) = common::exp2_approx(x);
+          }
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dp);
+        // dS^T = P^T (dP^T - delta[query]), in dP^T's registers.
+        Tensor dp = make_tensor(acc_dp.data(), common::acc_rowcol(acc_dp.layout()));
+        const float* delta = ss.delta[stage];
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(dp); ++j) {
+          const float dl = delta[get<1>(tScS_rc(0, j))];
+          CUTE_UNROLL
+          for (int i = 0; i < kRows; ++i) dp(i, j) = s(i, j) * (dp(i, j) - dl);
+        }
+        Tensor p_elem = make_fragment_like<Elem>(acc_s);
+        Tensor ds_elem = make_fragment_like<Elem>(acc_dp);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) {
+          p_elem(i) = Elem(acc_s(i));
+          ds_elem(i) = Elem(acc_dp(i));
+        }
+        Tensor tPa = make_tensor(p_elem.data(), common::acc_as_operand_a(p_elem.layout()));
+        Tensor tdSa = make_tensor(ds_elem.data(), common::acc_as_operand_a(ds_elem.layout()));
+
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tPa); ++kb)
+          gemm(mma_kv, tPa(_, _, kb), tVrdOt(_, _, kb, stage), acc_dv);
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tdSa); ++kb)
+          gemm(mma_kv, tdSa(_, _, kb), tKrQt(_, _, kb, stage), acc_dk);
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        Barrier::arrive(&ss.empty[stage]);
+      }
+    }
+  }
+
+  // Epilogue: dK = scale * sum dS^T Q and dV straight from registers; rows are keys.
+  Tensor tKcK = thr_kv.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));
+  Elem* dk = p.grad_a + b * p.a_stride_b + kvh * p.a_stride_h;
+  Elem* dv = p.grad_b + b * p.b_stride_b + kvh * p.b_stride_h;
+  store_rows(acc_dk, tKcK, p.scale, dk, p.a_stride_s, key_base, k_tile.hi);
+  store_rows(acc_dv, tKcK, 1.f, dv, p.b_stride_s, key_base, k_tile.hi);
+}
+
+// ------------------------------------------------------------------------------------------ dQ
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    diffusion_bwd_dq_kernel(__grid_constant__ const DqParams<Cfg> p) {
+  using Elem = typename Cfg::Elem;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
+  constexpr int kRowsW = Cfg::kConsumerRows;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout), typename Cfg::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKt{});
+
+  const int bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads;
+  const int kvh = h / (p.heads / p.kv_heads);
+  const TilePlans plans = p.mask.fwd_tiles(BM, BN);
+  const int qt = p.tile_order[blockIdx.y];
+  const Interval q_tile = plans.tile(qt);
+  const TileRuns runs = plans.runs(qt);
+  const int warp_group = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    Barrier::init(&ss.q_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      Barrier::init(&ss.k_full[s], 1);
+      Barrier::init(&ss.v_full[s], 1);
+      Barrier::init(&ss.k_empty[s], 128 * Cfg::kConsumers);
+      Barrier::init(&ss.v_empty[s], 128 * Cfg::kConsumers);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp_group == 0) {  // ---------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (threadIdx.x == 0) {
+      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
+      Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
+      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(q_tile.lo / BM, 0));
+      Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(q_tile.lo / BM, 0));
+      auto tma_q = p.tma_q.get_slice(0);
+      auto tma_do = p.tma_do.get_slice(0);
+      TxBarrier::arrive_and_expect_tx(&ss.q_full, 2 * Cfg::kTileBytesQ);
+      copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
+      copy(p.tma_do.with(ss.q_full), tma_do.partition_S(gdO), tma_do.partition_D(sdO));
+
+      Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
+      Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
+      auto tma_k = p.tma_k.get_slice(0);
+      auto tma_v = p.tma_v.get_slice(0);
+      Tensor tKgK = tma_k.partition_S(local_tile(mK(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
+      Tensor tVgV = tma_v.partition_S(local_tile(mV(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
+      Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
+      Tensor tVsV = tma_v.partition_D(sV);
+      int it = 0;
+      for (int r = 0; r < 2; ++r) {
+        for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
+          const int stage = it % STAGES, phase = (it / STAGES) & 1;
+          const int col_tile = plans.other.tile(kt).lo / BN;
+          Barrier::wait(&ss.k_empty[stage], phase ^ 1);
+          TxBarrier::arrive_and_expect_tx(&ss.k_full[stage], Cfg::kTileBytesKV);
+          copy(p.tma_k.with(ss.k_full[stage]), tKgK(_, _, _, col_tile), tKsK(_, _, _, stage));
+          Barrier::wait(&ss.v_empty[stage], phase ^ 1);
+          TxBarrier::arrive_and_expect_tx(&ss.v_full[stage], Cfg::kTileBytesKV);
+          copy(p.tma_v.with(ss.v_full[stage]), tVgV(_, _, _, col_tile), tVsV(_, _, _, stage));
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int consumer = warp_group - 1, tid = threadIdx.x % 128;
+  const int row_base = q_tile.lo + consumer * kRowsW;
+  typename Cfg::MmaSdp mma_sdp;
+  typename Cfg::MmaDq mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor sQc = local_tile(sQ, Shape<Int<kRowsW>, Int<D>>{}, make_coord(consumer, 0));
+  Tensor sdOc = local_tile(sdO, Shape<Int<kRowsW>, Int<D>>{}, make_coord(consumer, 0));
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQc);  // smem descriptors: (MMA, M, K)
+  Tensor tSrdO = thr_sdp.partition_fragment_A(sdOc);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);   // (MMA, N, K, STAGES)
+  Tensor tSrV = thr_sdp.partition_fragment_B(sV);
+  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);  // (MMA, N = D, K = BN, STAGES)
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kRowsW>, Int<D>>{});
+  clear(acc_dq);
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<BN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), common::acc_rowcol(tScS.layout()));
+  constexpr int kRows = 2;
+  Intervals seen[kRows];
+  float lse2[kRows], delta[kRows];
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    const int row = row_base + get<0>(tScS_rc(i, 0));
+    const int64_t at = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen + row;
+    seen[i] = p.mask.row_intervals(row);
+    lse2[i] = row < q_tile.hi ? p.lse2[at] : INFINITY;  // rows past the tile: P = 0
+    delta[i] = row < q_tile.hi ? p.delta[at] : 0.f;
+  }
+  Barrier::wait(&ss.q_full, 0);
+
+  int it = 0;
+  for (int r = 0; r < 2; ++r) {
+    for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
+      const int stage = it % STAGES, phase = (it / STAGES) & 1;
+      const Visit visit = plans.visit(qt, kt);
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
+      Barrier::wait(&ss.k_full[stage], phase);
+      warpgroup_fence_operand(acc_s);
+      warpgroup_arrive();
+      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        gemm(mma_sdp, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
+        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      Barrier::wait(&ss.v_full[stage], phase);
+      warpgroup_fence_operand(acc_dp);
+      warpgroup_arrive();
+      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrdO); ++kb) {
+        gemm(mma_sdp, tSrdO(_, _, kb), tSrV(_, _, kb, stage), acc_dp);
+        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc_s);
+
+      Tensor s = make_tensor(acc_s.data(), common::acc_rowcol(acc_s.layout()));  // (rows, keys)
+      const bool masked = !visit.full || visit.end - visit.start < BN;
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          float x = s(i, j) * p.scale_log2 - lse2[i];
+          if (masked) {
+            const int col = visit.start + get<1>(tScS_rc(i, j));
+            x = col < visit.end && seen[i].contains(col) ? x : -INFINITY;
+          }
+          s(i, j) = common::exp2_approx(x);
+        }
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dp);
+      Barrier::arrive(&ss.v_empty[stage]);  // V is read only by dP
+      Tensor dp = make_tensor(acc_dp.data(), common::acc_rowcol(acc_dp.layout()));
+      Tensor ds_elem = make_fragment_like<Elem>(acc_dp);
+      Tensor ds_rc = make_tensor(ds_elem.data(), common::acc_rowcol(ds_elem.layout()));
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i)
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(dp); ++j) ds_rc(i, j) = Elem(s(i, j) * (dp(i, j) - delta[i]));
+      Tensor tdSa = make_tensor(ds_elem.data(), common::acc_as_operand_a(ds_elem.layout()));
+
+      warpgroup_fence_operand(acc_dq);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tdSa); ++kb)
+        gemm(mma_dq, tdSa(_, _, kb), tQrKt(_, _, kb, stage), acc_dq);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dq);
+      Barrier::arrive(&ss.k_empty[stage]);
+    }
+  }
+
+  Tensor tQcQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));
+  Elem* dq = p.grad_a + b * p.a_stride_b + h * p.a_stride_h;
+  store_rows(acc_dq, tQcQ, p.scale, dq, p.a_stride_s, row_base, q_tile.hi);
+}
+
+// ------------------------------------------------------------------------------------- launch
+// Plain arguments (no torch), like FwdArgs: one (dtype, head dim) instantiation per translation
+// unit (csrc/hopper/diffusion_bwd_*.cu); the torch binding only fills BwdArgs.
+struct BwdArgs {
+  const void *q, *k, *v, *o, *dout;
+  void *dq, *dk, *dv;
+  const float *lse, *dlse;  // dlse may be null
+  float *lse2, *delta;      // scratch, (B, H, S) contiguous fp32 each
+  int64_t q_stride[3], k_stride[3], v_stride[3], o_stride[3], do_stride[3];  // (batch, seq, head)
+  int64_t dq_stride[3], dk_stride[3], dv_stride[3];
+  int64_t lse_stride[2], dlse_stride[2];  // (batch, head)
+  int batch, seqlen, heads, kv_heads, n_noisy, block_size;  // mask: [n_noisy | seqlen - n_noisy]
+  float scale;
+  const int32_t* dkdv_order;  // key tiles of bwd_tiles(kBwdBlockM, kBwdBlockN), most expensive first
+  int dkdv_tiles;
+  const int32_t* dq_order;    // query tiles of fwd_tiles(kDqBlockM, kDqBlockN), most expensive first
+  int dq_tiles;
+  cudaStream_t stream;
+};
+
+// The tile shapes the shipped instantiations use (the binding builds the orders for them).
+constexpr int kBwdBlockM = 64, kBwdBlockN = 128, kBwdStages = 2;
+constexpr int kDqBlockM = 128, kDqBlockN = 128, kDqStages = 2;
+
+template <class Kernel>
+cudaError_t set_smem(Kernel kernel, int smem) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+}
+
+template <class Elem, int D>
+cudaError_t launch_preprocess(const BwdArgs& a) {
+  PreParams<Elem> p{static_cast<const Elem*>(a.o), static_cast<const Elem*>(a.dout), a.lse, a.dlse,
+                    a.lse2, a.delta, {a.o_stride[0], a.o_stride[1], a.o_stride[2]},
+                    {a.do_stride[0], a.do_stride[1], a.do_stride[2]},
+                    {a.lse_stride[0], a.lse_stride[1]}, {a.dlse_stride[0], a.dlse_stride[1]},
+                    a.batch, a.seqlen, a.heads};
+  const int64_t threads = static_cast<int64_t>(a.batch) * a.seqlen * a.heads * (D / 8);
+  bwd_preprocess_kernel<Elem, D><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, a.stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <class Cfg>
+cudaError_t launch_dkdv(const BwdArgs& a) {
+  using Elem = typename Cfg::Elem;
+  constexpr int D = Cfg::D;
+  auto ptr = [](const void* x) { return static_cast<const Elem*>(x); };
+  const DkDvParams<Cfg> p{
+      make_tma_rows<Elem, Cfg::BM, D>(ptr(a.q), a.seqlen, a.heads, a.batch, a.q_stride[1], a.q_stride[2], a.q_stride[0]),
+      make_tma_rows<Elem, Cfg::BM, D>(ptr(a.dout), a.seqlen, a.heads, a.batch, a.do_stride[1], a.do_stride[2], a.do_stride[0]),
+      make_tma_rows<Elem, Cfg::BN, D>(ptr(a.k), a.seqlen, a.kv_heads, a.batch, a.k_stride[1], a.k_stride[2], a.k_stride[0]),
+      make_tma_rows<Elem, Cfg::BN, D>(ptr(a.v), a.seqlen, a.kv_heads, a.batch, a.v_stride[1], a.v_stride[2], a.v_stride[0]),
+      a.lse2, a.delta, static_cast<Elem*>(a.dk), static_cast<Elem*>(a.dv),
+      a.dk_stride[1], a.dk_stride[2], a.dk_stride[0], a.dv_stride[1], a.dv_stride[2], a.dv_stride[0],
+      a.seqlen, a.heads, a.kv_heads, a.batch,
+      SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale,
+      a.scale * 1.4426950408889634f, a.dkdv_order};
+  auto kernel = diffusion_bwd_dkdv_kernel<Cfg>;
+  constexpr int smem = sizeof(typename Cfg::SharedStorage);
+  static const cudaError_t configured = set_smem(kernel, smem);  // once: the attribute is per function
+  if (configured != cudaSuccess) return configured;
+  kernel<<<dim3(a.batch * a.kv_heads, a.dkdv_tiles), Cfg::kThreads, smem, a.stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <class Cfg>
+cudaError_t launch_dq(const BwdArgs& a) {
+  using Elem = typename Cfg::Elem;
+  constexpr int D = Cfg::D;
+  auto ptr = [](const void* x) { return static_cast<const Elem*>(x); };
+  const DqParams<Cfg> p{
+      make_tma_rows<Elem, Cfg::BM, D>(ptr(a.q), a.seqlen, a.heads, a.batch, a.q_stride[1], a.q_stride[2], a.q_stride[0]),
+      make_tma_rows<Elem, Cfg::BM, D>(ptr(a.dout), a.seqlen, a.heads, a.batch, a.do_stride[1], a.do_stride[2], a.do_stride[0]),
+      make_tma_rows<Elem, Cfg::BN, D>(ptr(a.k), a.seqlen, a.kv_heads, a.batch, a.k_stride[1], a.k_stride[2], a.k_stride[0]),
+      make_tma_rows<Elem, Cfg::BN, D>(ptr(a.v), a.seqlen, a.kv_heads, a.batch, a.v_stride[1], a.v_stride[2], a.v_stride[0]),
+      a.lse2, a.delta, static_cast<Elem*>(a.dq), nullptr,
+      a.dq_stride[1], a.dq_stride[2], a.dq_stride[0], 0, 0, 0,
+      a.seqlen, a.heads, a.kv_heads, a.batch,
+      SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale,
+      a.scale * 1.4426950408889634f, a.dq_order};
+  auto kernel = diffusion_bwd_dq_kernel<Cfg>;
+  constexpr int smem = sizeof(typename Cfg::SharedStorage);
+  static const cudaError_t configured = set_smem(kernel, smem);
+  if (configured != cudaSuccess) return configured;
+  kernel<<<dim3(a.batch * a.heads, a.dq_tiles), Cfg::kThreads, smem, a.stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The whole backward: preprocess, dK/dV, dQ (one stream, so each sees the previous one's writes).
+template <class Elem, int D>
+cudaError_t launch_bwd(const BwdArgs& a) {
+  if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
+  cudaError_t err = launch_preprocess<Elem, D>(a);
+  if (err == cudaSuccess && a.dkdv_tiles)
+    err = launch_dkdv<DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages>>(a);
+  if (err == cudaSuccess && a.dq_tiles)
+    err = launch_dq<DqConfig<Elem, D, kDqBlockM, kDqBlockN, kDqStages>>(a);
+  return err;
+}
+
+#define DLM_DECLARE_BWD(ELEM, D) extern template cudaError_t launch_bwd<ELEM, D>(const BwdArgs&);
+DLM_DECLARE_BWD(cutlass::bfloat16_t, 64)
+DLM_DECLARE_BWD(cutlass::bfloat16_t, 128)
+DLM_DECLARE_BWD(cutlass::half_t, 64)
+DLM_DECLARE_BWD(cutlass::half_t, 128)
+#undef DLM_DECLARE_BWD
+
+}  // namespace dlm::sm90
