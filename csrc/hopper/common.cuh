@@ -1,6 +1,6 @@
 // Pieces every sm90 block-diffusion kernel needs (forward and backward): the (S, D, H, B) view TMA
-// descriptors are made of, the two register views of a wgmma accumulator, and exp2 as the SFU's
-// instruction.
+// descriptors are made of, the two register views of a wgmma accumulator, exp2 as the SFU's
+// instruction, and the bounds of a tile run without a stack frame.
 //
 // They live in dlm::sm90::common, not dlm::sm90, only while diffusion_fwd.cuh still defines its own
 // copies in dlm::sm90 (both headers are included together by tests/cuda/diffusion_bwd_standalone.cu
@@ -12,6 +12,8 @@
 #include <cute/tensor.hpp>
 
 #include <cstdint>
+
+#include "dlm/geometry.h"
 
 namespace dlm::sm90::common {
 
@@ -52,5 +54,11 @@ CUTE_DEVICE float exp2_approx(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+
+// A run's bounds by selects. Indexing runs.begin[r] with r a loop counter puts TileRuns on the
+// stack where the run loop is not unrolled (16-byte stack frame, LDL / STL in the SASS: the
+// forward's producer has them as of v1; the backward's kernels have none with these).
+CUTE_HOST_DEVICE int run_begin(const TileRuns& t, int r) { return r ? t.begin[1] : t.begin[0]; }
+CUTE_HOST_DEVICE int run_end(const TileRuns& t, int r) { return r ? t.end[1] : t.end[0]; }
 
 }  // namespace dlm::sm90::common

@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             local_tile(mdO(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(_, 0)));
         const int64_t rows_bh = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen;
         for (int r = 0; r < 2; ++r) {
-          for (int qt = runs.begin[r]; qt < runs.end[r]; ++qt, ++it) {
+          for (int qt = common::run_begin(runs, r); qt < common::run_end(runs, r); ++qt, ++it) {
             const int stage = it % STAGES, phase = (it / STAGES) & 1;
             const int row0 = plans.other.tile(qt).lo;
             Barrier::wait(&ss.empty[stage], phase ^ 1);
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   int it = 0;
   for (int g = 0; g < group; ++g) {
     for (int r = 0; r < 2; ++r) {
-      for (int qt = runs.begin[r]; qt < runs.end[r]; ++qt, ++it) {
+      for (int qt = common::run_begin(runs, r); qt < common::run_end(runs, r); ++qt, ++it) {
         const int stage = it % STAGES, phase = (it / STAGES) & 1;
         const Visit visit = plans.visit(kt, qt);
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
@@ -506,7 +506,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tVsV = tma_v.partition_D(sV);
       int it = 0;
       for (int r = 0; r < 2; ++r) {
-        for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
+        for (int kt = common::run_begin(runs, r); kt < common::run_end(runs, r); ++kt, ++it) {
           const int stage = it % STAGES, phase = (it / STAGES) & 1;
           const int col_tile = plans.other.tile(kt).lo / BN;
           Barrier::wait(&ss.k_empty[stage], phase ^ 1);
@@ -555,7 +555,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   int it = 0;
   for (int r = 0; r < 2; ++r) {
-    for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
+    for (int kt = common::run_begin(runs, r); kt < common::run_end(runs, r); ++kt, ++it) {
       const int stage = it % STAGES, phase = (it / STAGES) & 1;
       const Visit visit = plans.visit(qt, kt);
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});

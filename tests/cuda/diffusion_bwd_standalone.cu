@@ -1,0 +1,415 @@
+// Standalone check + timing of csrc/hopper/diffusion_bwd.cuh without torch: random inputs, the
+// forward of csrc/hopper/diffusion_fwd.cuh for O and lse, then the backward; an fp64 CPU reference
+// of dQ / dK / dV (written from the mask's definition, not from geometry.h's tiles) on sampled rows
+// and key columns; then CUDA-event timing at the benchmark shapes. Build (nvcc >= 12.3, CUTLASS
+// headers from the nvidia-cutlass wheel) and run on an H100/H200:
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr \
+//     -I<cutlass_library/source/include> -Icsrc/include -Icsrc \
+//     -o bwd_standalone tests/cuda/diffusion_bwd_standalone.cu
+//   ./bwd_standalone            # = shipped: checks of the four instantiations, bf16 D=128 timed
+//   ./bwd_standalone check      # checks only;  ./bwd_standalone time: timing only
+//   ./bwd_standalone dkdv3      # timing variants: dK/dV with 3 stages, dq64: dQ over 64-key tiles
+//   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
+//                               # to F (tests the reference itself against torch autograd)
+// A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
+// element is NaN (outputs are NaN-poisoned before the kernels run).
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <cmath>
+#include <vector>
+#include <random>
+#include <algorithm>
+#include <string>
+#include <initializer_list>
+#include <type_traits>
+#include <cuda_runtime.h>
+#include "hopper/diffusion_fwd.cuh"
+#include "hopper/diffusion_bwd.cuh"
+
+#define CK(x) do { cudaError_t err_ = (x); if (err_ != cudaSuccess) { printf("CUDA error %s at %d\n", cudaGetErrorString(err_), __LINE__); exit(1); } } while (0)
+
+using bf16 = cutlass::bfloat16_t;
+using fp16 = cutlass::half_t;
+template cudaError_t dlm::sm90::launch_fwd<bf16, 64>(const dlm::sm90::FwdArgs&);
+template cudaError_t dlm::sm90::launch_fwd<bf16, 128>(const dlm::sm90::FwdArgs&);
+template cudaError_t dlm::sm90::launch_fwd<fp16, 64>(const dlm::sm90::FwdArgs&);
+template cudaError_t dlm::sm90::launch_fwd<fp16, 128>(const dlm::sm90::FwdArgs&);
+
+struct Run {
+  int B, n, H, Hkv, bs;
+  bool causal = false;  // block-causal over 2n tokens (n_noisy = 0)
+  int stride = 1;       // check every stride-th row and key column
+};
+
+static int g_failures = 0;
+
+// ------------------------------------------------------------------------------ fp64 reference
+// Visibility straight from the definition (DESIGN.md 1), not from geometry.h.
+struct RefMask {
+  int n_noisy, S, bs;
+  bool visible(int q, int k) const {
+    const bool qc = q >= n_noisy, kc = k >= n_noisy;
+    const int qb = (qc ? q - n_noisy : q) / bs, kb = (kc ? k - n_noisy : k) / bs;
+    if (qc == kc && qb == kb) return true;
+    if (!qc && kc) return kb < qb;
+    if (qc && kc) return kb <= qb;
+    return false;
+  }
+};
+
+// Per (b, h): lse and delta of every row (needed by every key's dK / dV), then the gradients of
+// the sampled rows / columns. Inputs as doubles, (B, S, H, D) / (B, S, Hkv, D).
+struct Reference {
+  int B, S, H, Hkv, D;
+  RefMask mask;
+  double scale;
+  const std::vector<double>&q, &k, &v, &g;  // g = dO
+  std::vector<double> lse, delta;           // (B, H, S)
+
+  double at(const std::vector<double>& x, int heads, int b, int s, int h, int d) const {
+    return x[(((size_t)b * S + s) * heads + h) * D + d];
+  }
+  double logit(int b, int h, int i, int j) const {
+    const int kvh = h / (H / Hkv);
+    double acc = 0;
+    for (int d = 0; d < D; ++d) acc += at(q, H, b, i, h, d) * at(k, Hkv, b, j, kvh, d);
+    return acc * scale;
+  }
+  double dp(int b, int h, int i, int j) const {  // dO_i . v_j
+    const int kvh = h / (H / Hkv);
+    double acc = 0;
+    for (int d = 0; d < D; ++d) acc += at(g, H, b, i, h, d) * at(v, Hkv, b, j, kvh, d);
+    return acc;
+  }
+  void row_stats() {
+    lse.assign((size_t)B * H * S, 0);
+    delta.assign((size_t)B * H * S, 0);
+    std::vector<double> sc(S), o(D);
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < S; ++i) {
+          double mx = -1e300;
+          for (int j = 0; j < S; ++j)
+            if (mask.visible(i, j)) mx = std::max(mx, sc[j] = logit(b, h, i, j));
+          double l = 0;
+          for (int j = 0; j < S; ++j)
+            if (mask.visible(i, j)) l += std::exp(sc[j] - mx);
+          std::fill(o.begin(), o.end(), 0.0);
+          const int kvh = h / (H / Hkv);
+          for (int j = 0; j < S; ++j)
+            if (mask.visible(i, j)) {
+              const double pr = std::exp(sc[j] - mx) / l;
+              for (int d = 0; d < D; ++d) o[d] += pr * at(v, Hkv, b, j, kvh, d);
+            }
+          double dl = 0;
+          for (int d = 0; d < D; ++d) dl += o[d] * at(g, H, b, i, h, d);
+          lse[((size_t)b * H + h) * S + i] = mx + std::log(l);
+          delta[((size_t)b * H + h) * S + i] = dl;
+        }
+  }
+  double p(int b, int h, int i, int j) const {
+    return std::exp(logit(b, h, i, j) - lse[((size_t)b * H + h) * S + i]);
+  }
+  // dq of row i (D values).
+  void dq_row(int b, int h, int i, double* out) const {
+    const int kvh = h / (H / Hkv);
+    for (int d = 0; d < D; ++d) out[d] = 0;
+    const double dl = delta[((size_t)b * H + h) * S + i];
+    for (int j = 0; j < S; ++j) {
+      if (!mask.visible(i, j)) continue;
+      const double ds = p(b, h, i, j) * (dp(b, h, i, j) - dl) * scale;
+      for (int d = 0; d < D; ++d) out[d] += ds * at(k, Hkv, b, j, kvh, d);
+    }
+  }
+  // dk and dv of key j of kv head kvh: sums over the group's query heads and the rows that see j.
+  void dkv_col(int b, int kvh, int j, double* dk, double* dv) const {
+    for (int d = 0; d < D; ++d) dk[d] = dv[d] = 0;
+    const int group = H / Hkv;
+    for (int h = kvh * group; h < (kvh + 1) * group; ++h)
+      for (int i = 0; i < S; ++i) {
+        if (!mask.visible(i, j)) continue;
+        const double pr = p(b, h, i, j);
+        const double ds = pr * (dp(b, h, i, j) - delta[((size_t)b * H + h) * S + i]) * scale;
+        for (int d = 0; d < D; ++d) {
+          dv[d] += pr * at(g, H, b, i, h, d);
+          dk[d] += ds * at(q, H, b, i, h, d);
+        }
+      }
+  }
+};
+
+// ------------------------------------------------------------------------------------ problems
+template <class Elem>
+struct Problem {
+  Run r;
+  int S, D;
+  dlm::SequenceMask mask;
+  size_t nq, nk;
+  std::vector<Elem> hq, hk, hv, hg;
+  Elem *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *g = nullptr, *dq = nullptr,
+       *dk = nullptr, *dv = nullptr;
+  float *lse = nullptr, *lse2 = nullptr, *delta = nullptr;
+
+  Problem(Run r_, int D_) : r(r_), S(2 * r_.n), D(D_) {
+    mask = r.causal ? dlm::block_causal(S, r.bs) : dlm::block_diffusion(S, r.bs);
+    nq = (size_t)r.B * S * r.H * D;
+    nk = (size_t)r.B * S * r.Hkv * D;
+    hq.resize(nq), hk.resize(nk), hv.resize(nk), hg.resize(nq);
+    std::mt19937 gen(1);
+    std::normal_distribution<float> nd;
+    for (auto* x : {&hq, &hk, &hv, &hg})
+      for (auto& e : *x) e = Elem(nd(gen));
+  }
+  void to_device() {
+    for (Elem** p : {&q, &o, &g, &dq}) CK(cudaMalloc(p, nq * sizeof(Elem)));
+    for (Elem** p : {&k, &v, &dk, &dv}) CK(cudaMalloc(p, nk * sizeof(Elem)));
+    for (float** p : {&lse, &lse2, &delta}) CK(cudaMalloc(p, (size_t)r.B * r.H * S * 4));
+    CK(cudaMemcpy(q, hq.data(), nq * sizeof(Elem), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(k, hk.data(), nk * sizeof(Elem), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(v, hv.data(), nk * sizeof(Elem), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(g, hg.data(), nq * sizeof(Elem), cudaMemcpyHostToDevice));
+    // NaN poison (0xffff is a NaN in bf16 and fp16): an element no kernel writes fails the check.
+    CK(cudaMemset(dq, 0xff, nq * sizeof(Elem)));
+    CK(cudaMemset(dk, 0xff, nk * sizeof(Elem)));
+    CK(cudaMemset(dv, 0xff, nk * sizeof(Elem)));
+  }
+  ~Problem() {
+    if (!q) return;
+    for (void* p : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)g, (void*)dq, (void*)dk,
+                    (void*)dv, (void*)lse, (void*)lse2, (void*)delta})
+      cudaFree(p);
+  }
+  std::vector<double> doubles(const std::vector<Elem>& x) const {
+    std::vector<double> out(x.size());
+    for (size_t i = 0; i < x.size(); ++i) out[i] = (double)(float)x[i];
+    return out;
+  }
+  double scale() const { return 1.0 / std::sqrt((double)D); }
+};
+
+static std::vector<int32_t> order_of(const dlm::TilePlans& plans, int32_t** dev) {
+  const int T = plans.count();
+  std::vector<int64_t> area(T);
+  for (int t = 0; t < T; ++t) area[t] = plans.area(t);
+  std::vector<int32_t> ord(T);
+  dlm::most_expensive_first(area.data(), T, ord.data());
+  CK(cudaMalloc(dev, std::max(T, 1) * 4));
+  CK(cudaMemcpy(*dev, ord.data(), T * 4, cudaMemcpyHostToDevice));
+  return ord;
+}
+
+// Forward (for O and lse), then launchers for the backward's three kernels.
+template <class Elem, int D, class DkCfg, class DqCfg>
+struct Bwd {
+  Problem<Elem>& P;
+  dlm::sm90::BwdArgs a{};
+  int32_t *fwd_order = nullptr, *dkdv_order = nullptr, *dq_order = nullptr;
+
+  explicit Bwd(Problem<Elem>& p) : P(p) {
+    const Run& r = P.r;
+    const int S = P.S;
+    const int64_t sq[3] = {(int64_t)S * r.H * D, (int64_t)r.H * D, D};
+    const int64_t sk[3] = {(int64_t)S * r.Hkv * D, (int64_t)r.Hkv * D, D};
+    auto fwd_ord = order_of(P.mask.fwd_tiles(dlm::sm90::kFwdBlockM, dlm::sm90::kFwdBlockN), &fwd_order);
+    dlm::sm90::FwdArgs f{};
+    f.q = P.q, f.k = P.k, f.v = P.v, f.o = P.o, f.lse = P.lse;
+    for (int i = 0; i < 3; ++i)
+      f.q_stride[i] = f.o_stride[i] = sq[i], f.k_stride[i] = f.v_stride[i] = sk[i];
+    f.lse_stride[0] = (int64_t)r.H * S, f.lse_stride[1] = S;
+    f.batch = r.B, f.seqlen = S, f.heads = r.H, f.kv_heads = r.Hkv, f.n_noisy = P.mask.n_noisy;
+    f.block_size = r.bs, f.scale = (float)P.scale(), f.tile_order = fwd_order;
+    f.num_tiles = (int)fwd_ord.size(), f.stream = nullptr;
+    CK((dlm::sm90::launch_fwd<Elem, D>(f)));
+    CK(cudaDeviceSynchronize());
+
+    a.q = P.q, a.k = P.k, a.v = P.v, a.o = P.o, a.dout = P.g, a.dq = P.dq, a.dk = P.dk, a.dv = P.dv;
+    a.lse = P.lse, a.dlse = nullptr, a.lse2 = P.lse2, a.delta = P.delta;
+    for (int i = 0; i < 3; ++i) {
+      a.q_stride[i] = a.o_stride[i] = a.do_stride[i] = a.dq_stride[i] = sq[i];
+      a.k_stride[i] = a.v_stride[i] = a.dk_stride[i] = a.dv_stride[i] = sk[i];
+    }
+    a.lse_stride[0] = (int64_t)r.H * S, a.lse_stride[1] = S;
+    a.batch = r.B, a.seqlen = S, a.heads = r.H, a.kv_heads = r.Hkv, a.n_noisy = P.mask.n_noisy;
+    a.block_size = r.bs, a.scale = (float)P.scale();
+    a.dkdv_tiles = (int)order_of(P.mask.bwd_tiles(DkCfg::BM, DkCfg::BN), &dkdv_order).size();
+    a.dq_tiles = (int)order_of(P.mask.fwd_tiles(DqCfg::BM, DqCfg::BN), &dq_order).size();
+    a.dkdv_order = dkdv_order, a.dq_order = dq_order, a.stream = nullptr;
+  }
+  ~Bwd() { cudaFree(fwd_order), cudaFree(dkdv_order), cudaFree(dq_order); }
+  void pre() { CK((dlm::sm90::launch_preprocess<Elem, D>(a))); }
+  void dkdv() { CK(dlm::sm90::launch_dkdv<DkCfg>(a)); }
+  void dq() { CK(dlm::sm90::launch_dq<DqCfg>(a)); }
+  void all() { pre(), dkdv(), dq(); }
+};
+
+struct Err {
+  double max_err = 0, max_ref = 0;
+  int nan = 0;
+  void add(double got, double ref) {
+    if (std::isnan(got)) { ++nan; return; }
+    max_err = std::max(max_err, std::fabs(got - ref));
+    max_ref = std::max(max_ref, std::fabs(ref));
+  }
+  bool ok(double tol) const { return nan == 0 && max_err <= tol * std::max(max_ref, 1e-6); }
+};
+
+template <class Elem, int D, class DkCfg, class DqCfg>
+void check(const char* name, Run r) {
+  Problem<Elem> P(r, D);
+  P.to_device();
+  Bwd<Elem, D, DkCfg, DqCfg> bwd(P);
+  bwd.all();
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+  const int S = P.S;
+  std::vector<Elem> gq(P.nq), gk(P.nk), gv(P.nk);
+  CK(cudaMemcpy(gq.data(), P.dq, P.nq * sizeof(Elem), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(gk.data(), P.dk, P.nk * sizeof(Elem), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(gv.data(), P.dv, P.nk * sizeof(Elem), cudaMemcpyDeviceToHost));
+
+  const auto q = P.doubles(P.hq), k = P.doubles(P.hk), v = P.doubles(P.hv), g = P.doubles(P.hg);
+  Reference ref{r.B, S, r.H, r.Hkv, D, {P.mask.n_noisy, S, r.bs}, P.scale(), q, k, v, g, {}, {}};
+  ref.row_stats();
+  Err eq, ek, ev;
+  std::vector<double> a(D), c(D);
+  for (int b = 0; b < r.B; ++b) {
+    for (int h = 0; h < r.H; ++h)
+      for (int i = (b + h) % r.stride; i < S; i += r.stride) {
+        ref.dq_row(b, h, i, a.data());
+        for (int d = 0; d < D; ++d) eq.add((float)gq[(((size_t)b * S + i) * r.H + h) * D + d], a[d]);
+      }
+    for (int h = 0; h < r.Hkv; ++h)
+      for (int j = (b + h + 1) % r.stride; j < S; j += r.stride) {
+        ref.dkv_col(b, h, j, a.data(), c.data());
+        for (int d = 0; d < D; ++d) {
+          ek.add((float)gk[(((size_t)b * S + j) * r.Hkv + h) * D + d], a[d]);
+          ev.add((float)gv[(((size_t)b * S + j) * r.Hkv + h) * D + d], c[d]);
+        }
+      }
+  }
+  const double tol = std::is_same<Elem, bf16>::value ? 2e-2 : 1e-2;
+  const bool ok = eq.ok(tol) && ek.ok(tol) && ev.ok(tol);
+  g_failures += !ok;
+  printf("%s %s B=%d n=%d H=%d/%d bs=%d%s: dq %.4f/%.3f dk %.4f/%.3f dv %.4f/%.3f (max err / max ref)%s\n",
+         ok ? "PASS" : "FAIL", name, r.B, r.n, r.H, r.Hkv, r.bs, r.causal ? " block-causal" : "",
+         eq.max_err, eq.max_ref, ek.max_err, ek.max_ref, ev.max_err, ev.max_ref,
+         eq.nan + ek.nan + ev.nan ? " NaN!" : "");
+}
+
+template <class Elem, int D, class DkCfg, class DqCfg>
+void checks(const char* name, bool all) {
+  check<Elem, D, DkCfg, DqCfg>(name, {1, 128, 2, 2, 16});
+  check<Elem, D, DkCfg, DqCfg>(name, {2, 256, 4, 2, 16});
+  check<Elem, D, DkCfg, DqCfg>(name, {1, 256, 2, 2, 1, true});  // causal
+  check<Elem, D, DkCfg, DqCfg>(name, {1, 384, 2, 1, 300});
+  if (!all) return;
+  check<Elem, D, DkCfg, DqCfg>(name, {1, 256, 2, 1, 1});
+  check<Elem, D, DkCfg, DqCfg>(name, {1, 256, 2, 2, 128});
+  check<Elem, D, DkCfg, DqCfg>(name, {1, 384, 2, 2, 5});
+  check<Elem, D, DkCfg, DqCfg>(name, {1, 256, 2, 2, 16, true});
+  check<Elem, D, DkCfg, DqCfg>(name, {1, 256, 32, 8, 16, false, 3});  // GQA 32 / 8
+  check<Elem, D, DkCfg, DqCfg>(name, {1, 1024, 2, 1, 16, false, 7});
+}
+
+// Milliseconds per call of f over `iters` calls (after 3 warm-up calls).
+template <class F>
+float time_ms(F f, int iters) {
+  cudaEvent_t a, e;
+  cudaEventCreate(&a), cudaEventCreate(&e);
+  for (int i = 0; i < 3; ++i) f();
+  cudaEventRecord(a);
+  for (int i = 0; i < iters; ++i) f();
+  cudaEventRecord(e);
+  CK(cudaEventSynchronize(e));
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, e);
+  cudaEventDestroy(a), cudaEventDestroy(e);
+  return ms / iters;
+}
+
+template <class DkCfg, class DqCfg>
+void timing(const char* name) {
+  printf("== timing %s (bf16, D=128, 16K tokens, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n", name);
+  const Run runs[] = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
+                      {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4}, {4, 2048, 32, 8, 16}};
+  for (const Run& r : runs) {
+    Problem<bf16> P(r, 128);
+    P.to_device();
+    Bwd<bf16, 128, DkCfg, DqCfg> bwd(P);
+    const float t_all = time_ms([&] { bwd.all(); }, 20);
+    const float t_pre = time_ms([&] { bwd.pre(); }, 20);
+    const float t_dkdv = time_ms([&] { bwd.dkdv(); }, 20);
+    const float t_dq = time_ms([&] { bwd.dq(); }, 20);
+    CK(cudaGetLastError());
+    const double flops = 2.5 * 4.0 * (double)P.mask.num_pairs() * 128 * r.H * r.B;
+    printf("time B=%d n=%d H=%d/%d bs=%d: bwd %.3f ms = %.0f TFLOPS (preprocess %.3f, dK/dV %.3f, dQ %.3f ms)\n",
+           r.B, r.n, r.H, r.Hkv, r.bs, t_all, flops / t_all / 1e9, t_pre, t_dkdv, t_dq);
+  }
+}
+
+// The reference alone on one small problem, written out for tests against torch autograd:
+// header (B, S, H, Hkv, D, n_noisy, bs) as 7 int32, then q, k, v, dO, dq, dk, dv as float64.
+void refdump(const char* path) {
+  const Run r{1, 64, 4, 2, 8};
+  const int D = 16, S = 2 * r.n;
+  Problem<bf16> P(r, D);
+  const auto q = P.doubles(P.hq), k = P.doubles(P.hk), v = P.doubles(P.hv), g = P.doubles(P.hg);
+  Reference ref{r.B, S, r.H, r.Hkv, D, {P.mask.n_noisy, S, r.bs}, P.scale(), q, k, v, g, {}, {}};
+  ref.row_stats();
+  std::vector<double> dq(P.nq), dk(P.nk), dv(P.nk);
+  for (int h = 0; h < r.H; ++h)
+    for (int i = 0; i < S; ++i) {
+      std::vector<double> row(D);
+      ref.dq_row(0, h, i, row.data());
+      for (int d = 0; d < D; ++d) dq[((size_t)i * r.H + h) * D + d] = row[d];
+    }
+  for (int h = 0; h < r.Hkv; ++h)
+    for (int j = 0; j < S; ++j) {
+      std::vector<double> a(D), c(D);
+      ref.dkv_col(0, h, j, a.data(), c.data());
+      for (int d = 0; d < D; ++d) dk[((size_t)j * r.Hkv + h) * D + d] = a[d], dv[((size_t)j * r.Hkv + h) * D + d] = c[d];
+    }
+  FILE* f = fopen(path, "wb");
+  const int32_t hdr[7] = {r.B, S, r.H, r.Hkv, D, P.mask.n_noisy, r.bs};
+  fwrite(hdr, 4, 7, f);
+  const std::vector<double>* parts[] = {&q, &k, &v, &g, &dq, &dk, &dv};
+  for (const std::vector<double>* x : parts) fwrite(x->data(), 8, x->size(), f);
+  fclose(f);
+  printf("wrote %s\n", path);
+}
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IONBF, 0);
+  using namespace dlm::sm90;
+  const std::string mode = argc > 1 ? argv[1] : "shipped";
+  if (mode == "refdump") {
+    refdump(argc > 2 ? argv[2] : "bwd_reference.bin");
+    return 0;
+  }
+  using Dk = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages>;
+  using Dq = DqConfig<bf16, 128, kDqBlockM, kDqBlockN, kDqStages>;
+  if (mode == "shipped" || mode == "check") {
+    const bool all = mode == "check";
+    checks<bf16, 128, Dk, Dq>("bf16 D=128", true);
+    checks<fp16, 128, DkDvConfig<fp16, 128, kBwdBlockM, kBwdBlockN, kBwdStages>,
+           DqConfig<fp16, 128, kDqBlockM, kDqBlockN, kDqStages>>("fp16 D=128", all);
+    checks<bf16, 64, DkDvConfig<bf16, 64, kBwdBlockM, kBwdBlockN, kBwdStages>,
+           DqConfig<bf16, 64, kDqBlockM, kDqBlockN, kDqStages>>("bf16 D=64", all);
+    checks<fp16, 64, DkDvConfig<fp16, 64, kBwdBlockM, kBwdBlockN, kBwdStages>,
+           DqConfig<fp16, 64, kDqBlockM, kDqBlockN, kDqStages>>("fp16 D=64", all);
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+  }
+  if (mode == "shipped" || mode == "time") timing<Dk, Dq>("shipped");
+  if (mode == "dkdv3") {
+    using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;
+    checks<bf16, 128, Dk3, Dq>("bf16 D=128, dK/dV 3 stages", false);
+    timing<Dk3, Dq>("dK/dV 3 stages");
+  }
+  if (mode == "dq64") {
+    using Dq64 = DqConfig<bf16, 128, kDqBlockM, 64, kDqStages>;
+    checks<bf16, 128, Dk, Dq64>("bf16 D=128, dQ over 64-key tiles", false);
+    timing<Dk, Dq64>("dQ over 64-key tiles");
+  }
+  return g_failures ? 1 : 0;
+}
