@@ -1,6 +1,7 @@
 // torch binding of the sm90 block-diffusion forward (csrc/hopper/diffusion_fwd.cuh), JIT-built by
-// dlm_ops.backends.cutlass_diffusion. The checks here are the kernel's own preconditions; the
-// Python backend declines every call that would fail them, so a failure here is a bug.
+// dlm_ops.backends.cutlass_diffusion with the backward into one extension (diffusion_sm90.cpp).
+// The checks here are the kernel's own preconditions; the Python backend declines every call that
+// would fail them, so a failure here is a bug.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -76,7 +77,9 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+namespace dlm_bindings {
+void add_fwd(pybind11::module_& m) {  // the module: csrc/bindings/diffusion_sm90.cpp
   m.def("tile_order", &tile_order);
   m.def("fwd", &fwd);
 }
+}  // namespace dlm_bindings

@@ -1,25 +1,28 @@
-"""The ``cutlass`` backend of the block-diffusion family: the Hopper forward kernel of
-csrc/hopper/diffusion_fwd.cuh (TMA, wgmma, a producer and two consumer warpgroups), JIT-built on
-first use by ``cutlass.build``; everything its kernels do not cover runs the Triton kernels.
+"""The ``cutlass`` backend of the block-diffusion family: the Hopper kernels of
+csrc/hopper/diffusion_fwd.cuh and diffusion_bwd.cuh (TMA, wgmma, a producer and two consumer
+warpgroups), JIT-built on first use by ``cutlass.build``; everything its kernels do not cover runs
+the Triton kernels.
 
-Coverage of the CUTLASS forward (first version): sm90, fp16/bf16, head dim 64 or 128, batched
-layout, no softcap (both declared as capabilities, so such calls select ``triton``), and at run
-time a noisy length that is a multiple of 128 (every tile starts on a TMA tile boundary) with
-16-byte aligned rows; a call outside that runs Triton's forward, counted in ``STATS``. The backward
-is Triton's (two deterministic kernels): this backend subclasses the Triton one and replaces only
-the forward.
+Coverage of the CUTLASS kernels (first versions, forward and backward alike): sm90, fp16/bf16,
+head dim 64 or 128, batched layout, no softcap (both declared as capabilities, so such calls select
+``triton``), and at run time a noisy length that is a multiple of 128 (every tile starts on a TMA
+tile boundary) with 16-byte aligned rows; a call outside that runs Triton's kernel, counted in
+``STATS``. The backward (preprocess, dK/dV per key tile, dQ per query tile: three kernels with
+disjoint writes) is bitwise deterministic, so ``deterministic=True`` takes it too. This backend
+subclasses the Triton one: varlen and every uncovered call are Triton's.
 
-The build happens at the first forward (one WARNING line; 70-80 s on the H200 machine's 16 cores,
-four instantiations compiled in parallel by ninja). If it fails, the failure is remembered,
-reported by ``unavailable_reason`` (so ``python -m dlm_ops`` shows it and dispatch picks Triton
-from then on) and warned once.
+The build happens at the first call (one WARNING line; 70-80 s on the H200 machine's 16 cores for
+the forward alone, four instantiations compiled in parallel by ninja; the backward adds four more
+and its binding). If it fails, the failure is remembered, reported by ``unavailable_reason`` (so
+``python -m dlm_ops`` shows it and dispatch picks Triton from then on) and warned once.
 
 Opt-in for now: dispatch picks ``cutlass`` automatically only with ``DLM_OPS_CUTLASS=1`` in the
 environment; ``backend="cutlass"`` forces it. On the H200 the GPU tests of the built extension
 passed (tests/test_gpu.py: test_cutlass_forward, 12 cases of the accuracy rule fwd + bwd and
-agreement with Triton, and the hand-over test), but with the kernel's v2b loop; the v1 loop that
-ships (measured faster) was checked in the standalone harness (tests/cuda), and the speed through
-torch is not measured yet (csrc/NOTES.md). One more GPU run makes it the default on sm90.
+agreement with Triton, and the hand-over test), but with the forward's v2b loop and Triton's
+backward; the v1 loop that ships (measured faster) was checked in the standalone harness
+(tests/cuda), and the CUTLASS backward has not run on a GPU yet (tests/cuda/
+diffusion_bwd_standalone.cu and test_cutlass_backward are its first checks; csrc/NOTES.md).
 """
 
 from __future__ import annotations
@@ -35,14 +38,14 @@ from .base import DETERMINISTIC, GQA, Capabilities, new_output
 from .triton_backend import TritonBackend
 
 SOURCES = [
+    "bindings/diffusion_sm90.cpp",
     "bindings/diffusion_fwd_sm90.cu",
-    "hopper/diffusion_fwd_bf16_d64.cu",
-    "hopper/diffusion_fwd_bf16_d128.cu",
-    "hopper/diffusion_fwd_fp16_d64.cu",
-    "hopper/diffusion_fwd_fp16_d128.cu",
-]
-TILE = 128  # BM = BN of the kernel: tiles must start on multiples of it
-STATS = {"fwd": 0, "fwd_fallback": 0}  # CUTLASS forwards run, and forwards handed to Triton
+    "bindings/diffusion_bwd_sm90.cu",
+] + [f"hopper/diffusion_{d}_{t}_d{h}.cu" for d in ("fwd", "bwd") for t in ("bf16", "fp16")
+     for h in (64, 128)]
+TILE = 128  # the kernels' largest tile: both halves must be multiples of it
+# CUTLASS calls run, and calls handed to Triton, per direction
+STATS = {"fwd": 0, "fwd_fallback": 0, "bwd": 0, "bwd_fallback": 0}
 
 _EXT = None
 _BUILD_ERROR: str | None = None
@@ -56,7 +59,7 @@ def _extension():
     global _EXT, _BUILD_ERROR
     if _EXT is None and _BUILD_ERROR is None:
         try:
-            _EXT = cutlass.build("dlm_diffusion_fwd_sm90", SOURCES)
+            _EXT = cutlass.build("dlm_diffusion_sm90", SOURCES)
         except Exception as e:  # a compiler error must not take the op down: Triton still runs
             _BUILD_ERROR = f"the sm90 build failed ({type(e).__name__}: {str(e)[-300:]})"
             warnings.warn(f"dlm_ops: {_BUILD_ERROR}; the triton backend runs instead")
@@ -66,6 +69,12 @@ def _extension():
 @lru_cache(maxsize=64)
 def _tile_order(n_noisy: int, n_clean: int, block_size: int, device: str) -> torch.Tensor:
     return _EXT.tile_order(n_noisy, n_clean, block_size).to(device)
+
+
+@lru_cache(maxsize=64)
+def _bwd_tile_orders(n_noisy: int, n_clean: int, block_size: int, device: str):
+    """(key tiles of the dK/dV kernel, query tiles of the dQ kernel), most expensive first."""
+    return tuple(t.to(device) for t in _EXT.bwd_tile_orders(n_noisy, n_clean, block_size))
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -97,10 +106,14 @@ class CutlassDiffusionBackend(TritonBackend):
             _TOOLCHAIN.append(cutlass.unavailable_reason())
         return super().unavailable_reason() or _TOOLCHAIN[0] or _BUILD_ERROR
 
+    @staticmethod
+    def _covers(mask, *tensors) -> bool:
+        return not (mask.n_noisy % TILE or mask.n_clean % TILE
+                    or not all(_tma_ready(t) for t in tensors))
+
     def fwd(self, q, k, v, mask, scale, softcap, deterministic):
         ext = _extension() if softcap == 0 else None
-        if (ext is None or mask.n_noisy % TILE or mask.n_clean % TILE
-                or not all(_tma_ready(t) for t in (q, k, v))):
+        if ext is None or not self._covers(mask, q, k, v):
             STATS["fwd_fallback"] += 1
             return super().fwd(q, k, v, mask, scale, softcap, deterministic)
         b, s, h, _ = q.shape
@@ -110,6 +123,28 @@ class CutlassDiffusionBackend(TritonBackend):
         ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale)
         STATS["fwd"] += 1
         return out, lse
+
+    def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
+        ext = _extension() if softcap == 0 else None
+        if ext is not None and not _tma_ready(dout):
+            # dout comes from autograd in any layout (an expand, a transpose): one copy makes it
+            # TMA-ready rather than handing the whole backward to Triton.
+            dout = dout.contiguous()
+        if ext is None or not self._covers(mask, q, k, v, dout, out):
+            STATS["bwd_fallback"] += 1
+            return super().bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic)
+        b, s, h, _ = q.shape
+        lse = lse.float().contiguous()
+        dlse = None if dlse is None else dlse.float().contiguous()
+        dq, dk, dv = new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape)
+        lse2 = torch.empty((b, h, s), dtype=torch.float32, device=q.device)  # scratch
+        delta = torch.empty_like(lse2)
+        dkdv_order, dq_order = _bwd_tile_orders(mask.n_noisy, mask.n_clean, mask.block_size,
+                                                str(q.device))
+        ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
+                mask.n_noisy, mask.block_size, scale)
+        STATS["bwd"] += 1
+        return dq, dk, dv
 
 
 register(CutlassDiffusionBackend())

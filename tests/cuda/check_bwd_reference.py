@@ -1,3 +1,7 @@
+"""Checks the fp64 reference of tests/cuda/diffusion_bwd_standalone.cu against torch autograd (CPU,
+no GPU needed): `bwd_standalone refdump ref.bin && python tests/cuda/check_bwd_reference.py ref.bin`
+prints max |reference - autograd| and max |autograd| per gradient and exits 1 if they differ by more
+than 1e-9 relative. The harness's CUDA checks are only as good as that reference."""
 import numpy as np, torch, sys
 raw = open(sys.argv[1], 'rb').read()
 B, S, H, Hkv, D, nn, bs = np.frombuffer(raw[:28], dtype=np.int32)
@@ -20,5 +24,9 @@ s = s.masked_fill(~vis, float('-inf'))
 p = s.softmax(-1)
 out = torch.einsum('bhij,bjhd->bihd', p, vv)
 out.backward(g)
+bad = False
 for name, ref, got in [('dq', q.grad, dq.view(B,S,H,D)), ('dk', k.grad, dk.view(B,S,Hkv,D)), ('dv', v.grad, dv.view(B,S,Hkv,D))]:
-    print(name, float((ref - got).abs().max()), float(ref.abs().max()))
+    err, mag = float((ref - got).abs().max()), float(ref.abs().max())
+    print(f"{name}: max |reference - autograd| {err:.2e}, max |autograd| {mag:.3f}")
+    bad = bad or not err <= 1e-9 * mag
+sys.exit(1 if bad else 0)

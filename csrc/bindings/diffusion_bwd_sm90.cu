@@ -1,0 +1,105 @@
+// torch binding of the sm90 block-diffusion backward (csrc/hopper/diffusion_bwd.cuh), JIT-built
+// with the forward into one extension by dlm_ops.backends.cutlass_diffusion (the module itself is
+// csrc/bindings/diffusion_sm90.cpp). The checks here are the kernels' own preconditions; the Python
+// backend declines every call that would fail them, so a failure here is a bug.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#include "hopper/diffusion_bwd.cuh"
+
+namespace {
+
+using dlm::sm90::kBwdBlockM;
+using dlm::sm90::kBwdBlockN;
+using dlm::sm90::kDqBlockM;
+using dlm::sm90::kDqBlockN;
+
+torch::Tensor order_of(const dlm::TilePlans& plans) {
+  const int count = plans.count();
+  std::vector<int64_t> area(count);
+  for (int t = 0; t < count; ++t) area[t] = plans.area(t);
+  auto order = torch::empty({count}, torch::dtype(torch::kInt32));
+  dlm::most_expensive_first(area.data(), count, order.data_ptr<int32_t>());
+  return order;
+}
+
+// The two CTA schedules as CPU int32 tensors, most expensive first: key tiles of the dK/dV kernel,
+// query tiles of the dQ kernel.
+std::vector<torch::Tensor> bwd_tile_orders(int64_t n_noisy, int64_t n_clean, int64_t block_size) {
+  const dlm::SequenceMask mask{static_cast<int>(n_noisy), static_cast<int>(n_clean),
+                               static_cast<int>(block_size)};
+  return {order_of(mask.bwd_tiles(kBwdBlockM, kBwdBlockN)), order_of(mask.fwd_tiles(kDqBlockM, kDqBlockN))};
+}
+
+void strides3(const torch::Tensor& t, int64_t* out) {
+  for (int i = 0; i < 3; ++i) out[i] = t.stride(i);
+}
+
+// Writes dq (B, S, H, D), dk and dv (B, S, Hkv, D); lse2 and delta are (B, H, S) fp32 scratch.
+void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
+         torch::Tensor lse, std::optional<torch::Tensor> dlse, torch::Tensor dq, torch::Tensor dk,
+         torch::Tensor dv, torch::Tensor lse2, torch::Tensor delta, torch::Tensor dkdv_order,
+         torch::Tensor dq_order, int64_t n_noisy, int64_t block_size, double scale) {
+  const auto dev = q.device();
+  for (const auto& t : {dout, k, v, out, lse, dq, dk, dv, lse2, delta, dkdv_order, dq_order})
+    TORCH_CHECK(t.device() == dev, "all tensors on one CUDA device");
+  TORCH_CHECK(q.is_cuda(), "CUDA tensors");
+  for (const auto& t : {dout, k, v, out, dq, dk, dv})
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "one dtype for q, k, v, out, dout and the grads");
+  for (const auto& t : {lse, lse2, delta}) TORCH_CHECK(t.scalar_type() == torch::kFloat32, "fp32 lse");
+  TORCH_CHECK(dkdv_order.scalar_type() == torch::kInt32 && dq_order.scalar_type() == torch::kInt32,
+              "int32 tile orders");
+  TORCH_CHECK(n_noisy % 128 == 0 && (q.size(1) - n_noisy) % 128 == 0 && n_noisy >= 0 &&
+                  n_noisy <= q.size(1) && block_size >= 1,
+              "both halves must be multiples of 128 long");
+  for (const auto& t : {dout, q, k, v, out, dq, dk, dv})
+    TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "(B, S, H, D) layout with unit stride in D");
+  for (const auto& t : {lse, lse2, delta}) TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, "lse layout");
+  TORCH_CHECK(lse2.is_contiguous() && delta.is_contiguous(), "contiguous scratch");
+  if (dlse) {
+    TORCH_CHECK(dlse->device() == dev && dlse->scalar_type() == torch::kFloat32 && dlse->dim() == 3 &&
+                    dlse->stride(2) == 1, "dlse: fp32 (B, H, S) with unit stride in S");
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  dlm::sm90::BwdArgs a{};
+  a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr(), a.o = out.data_ptr();
+  a.dout = dout.data_ptr(), a.dq = dq.data_ptr(), a.dk = dk.data_ptr(), a.dv = dv.data_ptr();
+  a.lse = lse.data_ptr<float>(), a.dlse = dlse ? dlse->data_ptr<float>() : nullptr;
+  a.lse2 = lse2.data_ptr<float>(), a.delta = delta.data_ptr<float>();
+  strides3(q, a.q_stride), strides3(k, a.k_stride), strides3(v, a.v_stride);
+  strides3(out, a.o_stride), strides3(dout, a.do_stride);
+  strides3(dq, a.dq_stride), strides3(dk, a.dk_stride), strides3(dv, a.dv_stride);
+  a.lse_stride[0] = lse.stride(0), a.lse_stride[1] = lse.stride(1);
+  if (dlse) a.dlse_stride[0] = dlse->stride(0), a.dlse_stride[1] = dlse->stride(1);
+  a.batch = q.size(0), a.seqlen = q.size(1), a.heads = q.size(2), a.kv_heads = k.size(2);
+  a.n_noisy = static_cast<int>(n_noisy), a.block_size = static_cast<int>(block_size);
+  a.scale = static_cast<float>(scale);
+  a.dkdv_order = dkdv_order.data_ptr<int32_t>(), a.dkdv_tiles = dkdv_order.size(0);
+  a.dq_order = dq_order.data_ptr<int32_t>(), a.dq_tiles = dq_order.size(0);
+  a.stream = c10::cuda::getCurrentCUDAStream();
+  const int d = q.size(3);
+  const bool bf16 = q.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || q.scalar_type() == torch::kHalf, "bf16 or fp16");
+  TORCH_CHECK(d == 64 || d == 128, "head dim 64 or 128, got ", d);
+  cudaError_t err;
+  if (d == 128)
+    err = bf16 ? dlm::sm90::launch_bwd<cutlass::bfloat16_t, 128>(a)
+               : dlm::sm90::launch_bwd<cutlass::half_t, 128>(a);
+  else
+    err = bf16 ? dlm::sm90::launch_bwd<cutlass::bfloat16_t, 64>(a)
+               : dlm::sm90::launch_bwd<cutlass::half_t, 64>(a);
+  C10_CUDA_CHECK(err);
+}
+
+}  // namespace
+
+namespace dlm_bindings {
+void add_bwd(pybind11::module_& m) {
+  m.def("bwd_tile_orders", &bwd_tile_orders);
+  m.def("bwd", &bwd);
+}
+}  // namespace dlm_bindings
