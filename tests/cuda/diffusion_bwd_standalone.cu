@@ -9,6 +9,7 @@
 //   ./bwd_standalone            # = shipped: checks of the four instantiations, bf16 D=128 timed
 //   ./bwd_standalone check      # checks only;  ./bwd_standalone time: timing only
 //   ./bwd_standalone dkdv3      # timing variants: dK/dV with 3 stages, dq64: dQ over 64-key tiles
+//   ./bwd_standalone small      # two small checks, for compute-sanitizer (memcheck, racecheck)
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -407,6 +408,11 @@ int main(int argc, char** argv) {
     checks<fp16, 64, DkDvConfig<fp16, 64, kBwdBlockM, kBwdBlockN, kBwdStages>,
            DqConfig<fp16, 64, kDqBlockM, kDqBlockN, kDqStages>>("fp16 D=64", all);
     printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+  }
+  if (mode == "small") {  // one small problem per head dim, e.g. under compute-sanitizer
+    check<bf16, 128, Dk, Dq>("bf16 D=128", {1, 128, 2, 1, 16});
+    check<fp16, 64, DkDvConfig<fp16, 64, kBwdBlockM, kBwdBlockN, kBwdStages>,
+          DqConfig<fp16, 64, kDqBlockM, kDqBlockN, kDqStages>>("fp16 D=64", {1, 128, 2, 2, 5, true});
   }
   if (mode == "shipped" || mode == "time") timing<Dk, Dq>("shipped");
   if (mode == "dkdv3") {
