@@ -13,7 +13,8 @@
 namespace {
 
 using dlm::sm90::kFwdBlockM;
-using dlm::sm90::kFwdBlockN;
+// The key tile of the head dims this binding dispatches (64, 128): the order's areas use it.
+constexpr int kFwdBlockN = dlm::sm90::fwd_block_n(128);
 
 // Query tiles of the forward, most expensive first (the CTA schedule), as a CPU int32 tensor.
 torch::Tensor tile_order(int64_t n_noisy, int64_t n_clean, int64_t block_size) {

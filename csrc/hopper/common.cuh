@@ -56,8 +56,8 @@ CUTE_DEVICE float exp2_approx(float x) {
 }
 
 // A run's bounds by selects. Indexing runs.begin[r] with r a loop counter puts TileRuns on the
-// stack where the run loop is not unrolled (16-byte stack frame, LDL / STL in the SASS: the
-// forward's producer has them as of v1; the backward's kernels have none with these).
+// stack where the run loop is not unrolled (a 16-byte stack frame, LDL / STL in the backward's
+// SASS before these).
 CUTE_HOST_DEVICE int run_begin(const TileRuns& t, int r) { return r ? t.begin[1] : t.begin[0]; }
 CUTE_HOST_DEVICE int run_end(const TileRuns& t, int r) { return r ? t.end[1] : t.end[0]; }
 

@@ -216,7 +216,7 @@ struct Bwd {
     const int S = P.S;
     const int64_t sq[3] = {(int64_t)S * r.H * D, (int64_t)r.H * D, D};
     const int64_t sk[3] = {(int64_t)S * r.Hkv * D, (int64_t)r.Hkv * D, D};
-    auto fwd_ord = order_of(P.mask.fwd_tiles(dlm::sm90::kFwdBlockM, dlm::sm90::kFwdBlockN), &fwd_order);
+    auto fwd_ord = order_of(P.mask.fwd_tiles(dlm::sm90::kFwdBlockM, dlm::sm90::fwd_block_n(D)), &fwd_order);
     dlm::sm90::FwdArgs f{};
     f.q = P.q, f.k = P.k, f.v = P.v, f.o = P.o, f.lse = P.lse;
     for (int i = 0; i < 3; ++i)
