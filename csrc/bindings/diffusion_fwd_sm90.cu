@@ -13,14 +13,14 @@
 namespace {
 
 using dlm::sm90::kFwdBlockM;
-// The key tile of the head dims this binding dispatches (64, 128): the order's areas use it.
-constexpr int kFwdBlockN = dlm::sm90::fwd_block_n(128);
 
-// Query tiles of the forward, most expensive first (the CTA schedule), as a CPU int32 tensor.
-torch::Tensor tile_order(int64_t n_noisy, int64_t n_clean, int64_t block_size) {
+// Query tiles of the forward for head dim d, most expensive first (the CTA schedule), as a CPU
+// int32 tensor.
+torch::Tensor tile_order(int64_t n_noisy, int64_t n_clean, int64_t block_size, int64_t d) {
   const dlm::SequenceMask mask{static_cast<int>(n_noisy), static_cast<int>(n_clean),
                                static_cast<int>(block_size)};
-  const dlm::TilePlans plans = mask.fwd_tiles(kFwdBlockM, kFwdBlockN);
+  const dlm::TilePlans plans =
+      mask.fwd_tiles(kFwdBlockM, dlm::sm90::fwd_block_n(static_cast<int>(d)));
   const int count = plans.count();
   std::vector<int64_t> area(count);
   for (int t = 0; t < count; ++t) area[t] = plans.area(t);
@@ -35,7 +35,7 @@ void strides3(const torch::Tensor& t, int64_t* out) {
 
 // Writes out (B, S, H, D) and lse (B, H, S) fp32; q (B, S, H, D), k/v (B, S, Hkv, D).
 void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
-         torch::Tensor order, int64_t n_noisy, int64_t block_size, double scale) {
+         torch::Tensor order, int64_t n_noisy, int64_t block_size, double scale, int64_t max_ctas) {
   TORCH_CHECK(q.is_cuda() && k.device() == q.device() && v.device() == q.device() &&
                   out.device() == q.device() && lse.device() == q.device() &&
                   order.device() == q.device(), "all tensors on one CUDA device");
@@ -60,14 +60,18 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   a.n_noisy = static_cast<int>(n_noisy), a.block_size = static_cast<int>(block_size);
   a.scale = static_cast<float>(scale);
   a.tile_order = order.data_ptr<int32_t>(), a.num_tiles = order.size(0);
+  a.max_ctas = static_cast<int>(max_ctas);
   a.stream = c10::cuda::getCurrentCUDAStream();
   if (a.batch * a.heads == 0 || a.num_tiles == 0) return;
   const int d = q.size(3);
   const bool bf16 = q.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || q.scalar_type() == torch::kHalf, "bf16 or fp16");
-  TORCH_CHECK(d == 64 || d == 128, "head dim 64 or 128, got ", d);
+  TORCH_CHECK(d == 64 || d == 128 || d == 256, "head dim 64, 128 or 256, got ", d);
   cudaError_t err;
-  if (d == 128)
+  if (d == 256)
+    err = bf16 ? dlm::sm90::launch_fwd<cutlass::bfloat16_t, 256>(a)
+               : dlm::sm90::launch_fwd<cutlass::half_t, 256>(a);
+  else if (d == 128)
     err = bf16 ? dlm::sm90::launch_fwd<cutlass::bfloat16_t, 128>(a)
                : dlm::sm90::launch_fwd<cutlass::half_t, 128>(a);
   else

@@ -41,8 +41,9 @@ SOURCES = [
     "bindings/diffusion_sm90.cpp",
     "bindings/diffusion_fwd_sm90.cu",
     "bindings/diffusion_bwd_sm90.cu",
-] + [f"hopper/diffusion_{d}_{t}_d{h}.cu" for d in ("fwd", "bwd") for t in ("bf16", "fp16")
-     for h in (64, 128)]
+] + [f"hopper/diffusion_{d}_{t}_d{h}.cu"
+     for d, dims in (("fwd", (64, 128, 256)), ("bwd", (64, 128)))
+     for t in ("bf16", "fp16") for h in dims]
 TILE = 128  # the kernels' largest tile: both halves must be multiples of it
 # CUTLASS calls run, and calls handed to Triton, per direction
 STATS = {"fwd": 0, "fwd_fallback": 0, "bwd": 0, "bwd_fallback": 0}
@@ -67,8 +68,19 @@ def _extension():
 
 
 @lru_cache(maxsize=64)
-def _tile_order(n_noisy: int, n_clean: int, block_size: int, device: str) -> torch.Tensor:
-    return _EXT.tile_order(n_noisy, n_clean, block_size).to(device)
+def _tile_order(n_noisy: int, n_clean: int, block_size: int, head_dim: int,
+                device: str) -> torch.Tensor:
+    return _EXT.tile_order(n_noisy, n_clean, block_size, head_dim).to(device)
+
+
+# The forward's grid: one CTA per SM walking its work items (the next tile's Q and K/V load while
+# this one's last P V and stores run) when True, one CTA per query tile when False.
+PERSISTENT = True
+
+
+@lru_cache(maxsize=16)
+def _max_ctas(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if PERSISTENT else 0
 
 
 @lru_cache(maxsize=64)
@@ -90,8 +102,8 @@ class CutlassDiffusionBackend(TritonBackend):
     capabilities = Capabilities(
         device_types=frozenset({"cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16}),
-        max_head_dim=128,
-        head_dim_multiple=64,
+        max_head_dim=256,
+        head_dim_multiple=64,  # 64, 128, 256 (the forward; the backward 64, 128): 192 runs Triton
         features=frozenset({GQA, DETERMINISTIC}),
     )
 
@@ -107,20 +119,21 @@ class CutlassDiffusionBackend(TritonBackend):
         return super().unavailable_reason() or _TOOLCHAIN[0] or _BUILD_ERROR
 
     @staticmethod
-    def _covers(mask, *tensors) -> bool:
+    def _covers(mask, head_dims, *tensors) -> bool:
         return not (mask.n_noisy % TILE or mask.n_clean % TILE
+                    or tensors[0].shape[-1] not in head_dims
                     or not all(_tma_ready(t) for t in tensors))
 
     def fwd(self, q, k, v, mask, scale, softcap, deterministic):
         ext = _extension() if softcap == 0 else None
-        if ext is None or not self._covers(mask, q, k, v):
+        if ext is None or not self._covers(mask, (64, 128, 256), q, k, v):
             STATS["fwd_fallback"] += 1
             return super().fwd(q, k, v, mask, scale, softcap, deterministic)
         b, s, h, _ = q.shape
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, s), torch.float32)
-        order = _tile_order(mask.n_noisy, mask.n_clean, mask.block_size, str(q.device))
-        ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale)
+        order = _tile_order(mask.n_noisy, mask.n_clean, mask.block_size, q.shape[-1], str(q.device))
+        ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale, _max_ctas(q.device))
         STATS["fwd"] += 1
         return out, lse
 
@@ -130,7 +143,7 @@ class CutlassDiffusionBackend(TritonBackend):
             # dout comes from autograd in any layout (an expand, a transpose): one copy makes it
             # TMA-ready rather than handing the whole backward to Triton.
             dout = dout.contiguous()
-        if ext is None or not self._covers(mask, q, k, v, dout, out):
+        if ext is None or not self._covers(mask, (64, 128), q, k, v, dout, out):
             STATS["bwd_fallback"] += 1
             return super().bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic)
         b, s, h, _ = q.shape
