@@ -184,12 +184,16 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file name stem of the results (default h200_PRESET)")
+    p.add_argument("--only", default=None,
+                   help="keep the preset's cases whose label contains this text (e.g. 'bs=16')")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("the benchmarks need a CUDA GPU")
         return 1
     meta = run_meta()
     cases, modes = _preset(a.preset), a.modes.split(",")
+    if a.only:
+        cases = [c for c in cases if a.only in c.label]
     table_of = EXACT_CONTENDERS if a.preset == "exact" else CONTENDERS
     refs = ("sdpa cudnn", "sdpa flash") if a.preset == "exact" else (YARDSTICK, "flex BD3")
     names = a.contenders.split(",") if a.contenders else list(table_of)

@@ -192,8 +192,8 @@ EXACT_CONTENDERS = {
 
 CONTENDERS = {
     "dlm_ops": ours,
-    # "dlm_ops" is the default dispatch (Triton; the CUTLASS forward too on sm90 with
-    # DLM_OPS_CUTLASS=1); the other two force one backend.
+    # "dlm_ops" is the default dispatch (on sm90 the cutlass backend: CUTLASS backward, and forward
+    # at D=256; Triton elsewhere); the other two force one backend.
     "dlm_ops triton": lambda c: ours(c, "triton"),
     "dlm_ops cutlass": lambda c: ours(c, "cutlass"),  # the sm90 forward (opt-in), Triton's backward
     "cudnn causal halves": lambda c: causal_halves(c, SDPBackend.CUDNN_ATTENTION),

@@ -225,9 +225,9 @@ def test_wgmma_tile_with_the_element_mask(smoke, mask, where, seed):
     assert err <= 2 * plain_err + 1e-5, (err, plain_err)  # DESIGN.md section 4
 
 
-def test_the_cutlass_backend_is_opt_in(monkeypatch):
-    """Chosen automatically only with DLM_OPS_CUTLASS=1 (its GPU tests have not run yet:
-    cutlass_diffusion's docstring); backend="cutlass" forces it regardless."""
+def test_the_cutlass_backend_is_the_default_unless_opted_out(monkeypatch):
+    """Chosen automatically wherever it can run, unless DLM_OPS_CUTLASS=0 (no JIT build then);
+    backend="cutlass" forces it regardless."""
     from dlm_ops.backends import _auto_reasons
     from dlm_ops.backends.base import Problem
     from dlm_ops.backends.cutlass_diffusion import CutlassDiffusionBackend
@@ -235,8 +235,8 @@ def test_the_cutlass_backend_is_opt_in(monkeypatch):
     b = CutlassDiffusionBackend()
     monkeypatch.setattr(b, "not_supported_reasons", lambda problem: [])  # as on a ready H200
     problem = Problem("cuda", torch.bfloat16, 128)
-    monkeypatch.delenv("DLM_OPS_CUTLASS", raising=False)
+    monkeypatch.setenv("DLM_OPS_CUTLASS", "0")
     assert _auto_reasons(b, problem) == [
-        "chosen automatically only when DLM_OPS_CUTLASS=1 is set (force it with backend='cutlass')"]
-    monkeypatch.setenv("DLM_OPS_CUTLASS", "1")
+        "chosen automatically only when DLM_OPS_CUTLASS is not 0 (force it with backend='cutlass')"]
+    monkeypatch.delenv("DLM_OPS_CUTLASS")
     assert _auto_reasons(b, problem) == []

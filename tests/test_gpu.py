@@ -26,12 +26,15 @@ def _qkv(b, s, h, hkv, d, dtype, seed=0):
     return q, k, v
 
 
-def test_default_backend_on_cuda_is_triton():
-    from dlm_ops.backends import select
+def test_default_backend_on_cuda():
+    """cutlass where it can be built (sm90 + toolchain: its uncovered calls run Triton inside it),
+    Triton elsewhere."""
+    from dlm_ops.backends import cutlass_diffusion, select
     from dlm_ops.ops.diffusion import _problem
 
     q, k, _ = _qkv(1, 8, 2, 2, 64, torch.bfloat16)
-    assert select(_problem(q, k, 0.0, False, False)).name == "triton"
+    ready = cutlass_diffusion.CutlassDiffusionBackend().unavailable_reason() is None
+    assert select(_problem(q, k, 0.0, False, False)).name == ("cutlass" if ready else "triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -149,11 +152,14 @@ def test_torch_compile_on_cuda():
     (1024, 300, 128, (2, 2), "bd3"), (256, 4, 64, (4, 2), "packed"), (256, 16, 128, (4, 2), "causal"),
     (256, 16, 256, (4, 2), "bd3"),  # 128 x 64 tiles; the backward of D = 256 is Triton's
 ])
-def test_cutlass_forward(dtype, n, block_size, d, heads, layout):
-    """The sm90 CUTLASS forward (csrc/hopper/diffusion_fwd.cuh), forced, meets the accuracy rule
-    (the forced backend's backward rides along: test_cutlass_backward checks it) and agrees with
-    the Triton forward."""
+def test_cutlass_forward(monkeypatch, dtype, n, block_size, d, heads, layout):
+    """The sm90 CUTLASS forward (csrc/hopper/diffusion_fwd.cuh), forced for every head dim it
+    supports (the backend runs it by default only where it is faster than Triton's), meets the
+    accuracy rule (the backward rides along: test_cutlass_backward checks it) and agrees with the
+    Triton forward."""
     from dlm_ops.backends import cutlass_diffusion as cd
+
+    monkeypatch.setattr(cd, "FORWARD_HEAD_DIMS", cd.SUPPORTED_HEAD_DIMS["fwd"])
 
     h, hkv = heads
     if layout == "packed":  # q, k, v views into one (B, S, 3, H, D) tensor: strided rows

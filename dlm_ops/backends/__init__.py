@@ -33,7 +33,7 @@ def _auto_reasons(b: Backend, problem: Problem) -> list[str]:
     reasons = b.not_supported_reasons(problem)
     if not reasons and b.auto_device_types is not None and problem.device_type not in b.auto_device_types:
         where = (f"only on {sorted(b.auto_device_types)}" if b.auto_device_types
-                 else f"only when {b.opt_in} is set" if b.opt_in else "never")
+                 else f"only when {b.opt_in}" if b.opt_in else "never")
         reasons.append(f"chosen automatically {where} (force it with backend={b.name!r})")
     return reasons
 

@@ -80,7 +80,7 @@ class Backend:
     priority: int  # higher wins among eligible backends
     capabilities: Capabilities
     auto_device_types: frozenset[str] | None = None  # where dispatch may pick it unforced (None: anywhere)
-    opt_in: str | None = None  # the setting that lets dispatch pick it unforced, if it is opt-in
+    opt_in: str | None = None  # when dispatch may pick it unforced, if a setting decides ("X is set")
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run in this process at all (missing package, no GPU), or None."""

@@ -73,9 +73,19 @@ def _tile_order(n_noisy: int, n_clean: int, block_size: int, head_dim: int,
     return _EXT.tile_order(n_noisy, n_clean, block_size, head_dim).to(device)
 
 
+# Which head dims run which CUTLASS kernel; the rest run Triton's. Measured on the H200 through
+# torch in one process (bf16, H=16, 16K tokens, csrc/NOTES.md): the CUTLASS backward beats Triton's
+# (n = 1K: 222 vs 173 TFLOPS, n = 4K: 377 vs 269), the CUTLASS forward does not at D = 64 / 128
+# (209 vs 252, 299 vs 354) but does at D = 256 (367 vs 246 standalone at n = 2K), where Triton's
+# forward is weakest. The kernels cover every head dim listed in SUPPORTED_HEAD_DIMS.
+SUPPORTED_HEAD_DIMS = {"fwd": (64, 128, 256), "bwd": (64, 128)}
+FORWARD_HEAD_DIMS = (256,)
+BACKWARD_HEAD_DIMS = (64, 128)
+
 # The forward's grid: one CTA per SM walking its work items (the next tile's Q and K/V load while
-# this one's last P V and stores run) when True, one CTA per query tile when False.
-PERSISTENT = True
+# this one's last P V and stores run) when True, one CTA per query tile when False. Persistent
+# measured +6% at n = 1K, -2% / -4% at n = 4K / 8K (bf16 D=128, standalone): off.
+PERSISTENT = False
 
 
 @lru_cache(maxsize=16)
@@ -107,11 +117,11 @@ class CutlassDiffusionBackend(TritonBackend):
         features=frozenset({GQA, DETERMINISTIC}),
     )
 
-    opt_in = "DLM_OPS_CUTLASS=1"
+    opt_in = "DLM_OPS_CUTLASS is not 0"
 
     @property
-    def auto_device_types(self):  # opt-in: see the module docstring
-        return frozenset({"cuda"}) if os.environ.get("DLM_OPS_CUTLASS") == "1" else frozenset()
+    def auto_device_types(self):  # DLM_OPS_CUTLASS=0 opts out (no JIT build): the module docstring
+        return frozenset() if os.environ.get("DLM_OPS_CUTLASS") == "0" else frozenset({"cuda"})
 
     def unavailable_reason(self) -> str | None:
         if not _TOOLCHAIN:
@@ -126,7 +136,7 @@ class CutlassDiffusionBackend(TritonBackend):
 
     def fwd(self, q, k, v, mask, scale, softcap, deterministic):
         ext = _extension() if softcap == 0 else None
-        if ext is None or not self._covers(mask, (64, 128, 256), q, k, v):
+        if ext is None or not self._covers(mask, FORWARD_HEAD_DIMS, q, k, v):
             STATS["fwd_fallback"] += 1
             return super().fwd(q, k, v, mask, scale, softcap, deterministic)
         b, s, h, _ = q.shape
@@ -143,7 +153,7 @@ class CutlassDiffusionBackend(TritonBackend):
             # dout comes from autograd in any layout (an expand, a transpose): one copy makes it
             # TMA-ready rather than handing the whole backward to Triton.
             dout = dout.contiguous()
-        if ext is None or not self._covers(mask, (64, 128), q, k, v, dout, out):
+        if ext is None or not self._covers(mask, BACKWARD_HEAD_DIMS, q, k, v, dout, out):
             STATS["bwd_fallback"] += 1
             return super().bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic)
         b, s, h, _ = q.shape
