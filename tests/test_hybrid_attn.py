@@ -311,13 +311,14 @@ def test_triton_train_declines_and_torch_takes_over(monkeypatch):
     from dlm_ops.errors import UnsupportedConfig
 
     triton = HybridTritonBackend()
-    monkeypatch.delenv("DLM_OPS_HYBRID_TRAIN_TRITON", raising=False)
+    monkeypatch.setenv("DLM_OPS_HYBRID_TRAIN_TRITON", "0")
     opted_out = HybridProblem("cuda", torch.bfloat16, 128, frozenset(), num_features=64,
                               train_block=32)
-    assert "opt-in on GPUs" in " ".join(triton.not_supported_reasons(opted_out))
+    assert "switched off (DLM_OPS_HYBRID_TRAIN_TRITON=0)" in " ".join(
+        triton.not_supported_reasons(opted_out))
     if not CUDA:
         assert select(opted_out, family="hybrid").name == "torch"
-    monkeypatch.setenv("DLM_OPS_HYBRID_TRAIN_TRITON", "1")
+    monkeypatch.delenv("DLM_OPS_HYBRID_TRAIN_TRITON")
     big = HybridProblem("cuda", torch.bfloat16, 128, frozenset(), num_features=64, train_block=65)
     assert "training block of 65 tokens > 64" in " ".join(triton.not_supported_reasons(big))
     wide = HybridProblem("cuda", torch.bfloat16, 256, frozenset(), num_features=64, train_block=32)
@@ -472,22 +473,22 @@ def test_gpu_decode_accuracy_and_triton_vs_torch(dtype, b, bs, h, hkv, d, f, blo
 @pytest.mark.parametrize("n,bs,heads", [(512, 32, (8, 2)), (300, 7, (4, 4)), (64, 100, (4, 1)),
                                         (1024, 4, (4, 1)), (256, 64, (2, 2)), (97, 16, (3, 1))])
 def test_gpu_train_accuracy(monkeypatch, dtype, n, bs, heads):
-    """The fused Triton kernels (opted in; every case here fits them)."""
-    monkeypatch.setenv("DLM_OPS_HYBRID_TRAIN_TRITON", "1")
+    """The fused Triton kernels (the default on CUDA; every case here fits them)."""
+    monkeypatch.delenv("DLM_OPS_HYBRID_TRAIN_TRITON", raising=False)
     _check_train(2, n, *heads, 128, 64, bs, dtype, n, device="cuda")
 
 
 @pytest.mark.gpu
-def test_gpu_train_backend_is_torch_unless_the_kernels_are_opted_in(monkeypatch):
+def test_gpu_train_backend_is_triton_unless_switched_off(monkeypatch):
     from dlm_ops.backends import select
     from dlm_ops.backends.hybrid import HybridProblem
 
     p = HybridProblem("cuda", torch.bfloat16, 128, frozenset({"gqa"}), num_features=64,
                       train_block=32)
     monkeypatch.delenv("DLM_OPS_HYBRID_TRAIN_TRITON", raising=False)
-    assert select(p, family="hybrid").name == "torch"
-    monkeypatch.setenv("DLM_OPS_HYBRID_TRAIN_TRITON", "1")
     assert select(p, family="hybrid").name == "triton"
+    monkeypatch.setenv("DLM_OPS_HYBRID_TRAIN_TRITON", "0")
+    assert select(p, family="hybrid").name == "torch"
 
 
 @pytest.mark.gpu
@@ -495,7 +496,7 @@ def test_gpu_train_backend_is_torch_unless_the_kernels_are_opted_in(monkeypatch)
 def test_gpu_train_triton_vs_torch(monkeypatch, n, bs, d, f):
     """The two backends on the same bf16 inputs, each against the fp32 reference: the rule with
     the torch backend as the reference side (both compute in fp32 from bf16 inputs)."""
-    monkeypatch.setenv("DLM_OPS_HYBRID_TRAIN_TRITON", "1")
+    monkeypatch.delenv("DLM_OPS_HYBRID_TRAIN_TRITON", raising=False)
     dtype = torch.bfloat16
     inputs = (*_seq(2, 2 * n, 8, 2, d, dtype, n, "cuda"), *_params(8, d, f, n, "cuda"))
     dout = torch.randn(2, 2 * n, 8, d, generator=torch.Generator().manual_seed(n))
