@@ -1,28 +1,25 @@
 """The ``cutlass`` backend of the block-diffusion family: the Hopper kernels of
 csrc/hopper/diffusion_fwd.cuh and diffusion_bwd.cuh (TMA, wgmma, a producer and two consumer
-warpgroups), JIT-built on first use by ``cutlass.build``; everything its kernels do not cover runs
-the Triton kernels.
+warpgroups), JIT-built on first use by ``cutlass.build``; everything else runs the Triton kernels
+(this backend subclasses the Triton one).
 
-Coverage of the CUTLASS kernels (first versions, forward and backward alike): sm90, fp16/bf16,
-head dim 64 or 128, batched layout, no softcap (both declared as capabilities, so such calls select
-``triton``), and at run time a noisy length that is a multiple of 128 (every tile starts on a TMA
+Which kernel runs where is data (FORWARD_HEAD_DIMS, BACKWARD_HEAD_DIMS below): each CUTLASS kernel
+runs for the head dims where it measured faster than Triton's through torch on the H200, the
+backward at D = 64 / 128 and the forward at D = 256; the D = 64 / 128 forward is supported
+(SUPPORTED_HEAD_DIMS, the GPU tests force it) but slower than Triton's for now. Both kernels need
+sm90, fp16/bf16, the batched layout, no softcap (declared capabilities: such calls select
+``triton``) and, checked per call, both halves multiples of 128 long (every tile starts on a TMA
 tile boundary) with 16-byte aligned rows; a call outside that runs Triton's kernel, counted in
 ``STATS``. The backward (preprocess, dK/dV per key tile, dQ per query tile: three kernels with
-disjoint writes) is bitwise deterministic, so ``deterministic=True`` takes it too. This backend
-subclasses the Triton one: varlen and every uncovered call are Triton's.
+disjoint writes) is bitwise deterministic, so ``deterministic=True`` takes it too.
 
-The build happens at the first call (one WARNING line; 70-80 s on the H200 machine's 16 cores for
-the forward alone, four instantiations compiled in parallel by ninja; the backward adds four more
-and its binding). If it fails, the failure is remembered, reported by ``unavailable_reason`` (so
-``python -m dlm_ops`` shows it and dispatch picks Triton from then on) and warned once.
-
-Opt-in for now: dispatch picks ``cutlass`` automatically only with ``DLM_OPS_CUTLASS=1`` in the
-environment; ``backend="cutlass"`` forces it. On the H200 the GPU tests of the built extension
-passed (tests/test_gpu.py: test_cutlass_forward, 12 cases of the accuracy rule fwd + bwd and
-agreement with Triton, and the hand-over test), but with the forward's v2b loop and Triton's
-backward; the v1 loop that ships (measured faster) was checked in the standalone harness
-(tests/cuda), and the CUTLASS backward has not run on a GPU yet (tests/cuda/
-diffusion_bwd_standalone.cu and test_cutlass_backward are its first checks; csrc/NOTES.md).
+The build happens at the first call (one WARNING line; 80-90 s on the H200 machine's 16 cores, 13
+translation units compiled in parallel by ninja). If it fails, the failure is remembered, reported
+by ``unavailable_reason`` (so ``python -m dlm_ops`` shows it and dispatch picks Triton from then
+on) and warned once. Dispatch picks this backend automatically wherever it can be built;
+``DLM_OPS_CUTLASS=0`` opts out (no build, Triton everywhere) and ``backend="cutlass"`` forces it.
+GPU tests: tests/test_gpu.py (test_cutlass_*), torch-free harnesses in tests/cuda; results and
+versions in csrc/NOTES.md.
 """
 
 from __future__ import annotations
