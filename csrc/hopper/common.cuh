@@ -2,11 +2,6 @@
 // descriptors are made of, the two register views of a wgmma accumulator, exp2 as the SFU's
 // instruction, and the bounds of a tile run without a stack frame.
 //
-// They live in dlm::sm90::common, not dlm::sm90, only while diffusion_fwd.cuh still defines its own
-// copies in dlm::sm90 (both headers are included together by tests/cuda/diffusion_bwd_standalone.cu
-// and the backward binding); once the forward includes this header instead, the namespace can fold
-// into dlm::sm90. Callers qualify the names (common::acc_rowcol): a using-directive would make an
-// unqualified call ambiguous against the forward's copies.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -15,7 +10,7 @@
 
 #include "dlm/geometry.h"
 
-namespace dlm::sm90::common {
+namespace dlm::sm90 {
 
 using namespace cute;
 
@@ -61,4 +56,4 @@ CUTE_DEVICE float exp2_approx(float x) {
 CUTE_HOST_DEVICE int run_begin(const TileRuns& t, int r) { return r ? t.begin[1] : t.begin[0]; }
 CUTE_HOST_DEVICE int run_end(const TileRuns& t, int r) { return r ? t.end[1] : t.end[0]; }
 
-}  // namespace dlm::sm90::common
+}  // namespace dlm::sm90

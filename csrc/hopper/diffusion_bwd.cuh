@@ -140,7 +140,7 @@ struct DqConfig {
 // TMA descriptors: one box of ROWS x D of a (B, S, H, D) tensor.
 template <class Elem, int ROWS, int D>
 auto make_tma_rows(Elem const* p, int s, int h, int b, int64_t ss, int64_t sh, int64_t sb) {
-  return make_tma_copy(SM90_TMA_LOAD{}, common::bshd_tensor(p, s, D, h, b, ss, sh, sb),
+  return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor(p, s, D, h, b, ss, sh, sb),
                        SwizzledTile<Elem, ROWS, D>{});
 }
 template <class Elem, int ROWS, int D>
@@ -172,8 +172,8 @@ using DqParams = BwdParams<Cfg, Cfg::BM, Cfg::BN>;    // one Q tile of BM rows, 
 template <class Elem, class Acc, class Coords>
 CUTE_DEVICE void store_rows(Acc const& acc, Coords const& coords, float mul, Elem* base,
                             int64_t stride_row, int row_base, int row_end) {
-  Tensor a = make_tensor(acc.data(), common::acc_rowcol(acc.layout()));
-  Tensor c = make_tensor(coords.data(), common::acc_rowcol(coords.layout()));
+  Tensor a = make_tensor(acc.data(), acc_rowcol(acc.layout()));
+  Tensor c = make_tensor(coords.data(), acc_rowcol(coords.layout()));
   CUTE_UNROLL
   for (int i = 0; i < size<0>(a); ++i) {
     const int row = row_base + get<0>(c(i, 0));
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             local_tile(mdO(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(_, 0)));
         const int64_t rows_bh = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen;
         for (int r = 0; r < 2; ++r) {
-          for (int qt = common::run_begin(runs, r); qt < common::run_end(runs, r); ++qt, ++it) {
+          for (int qt = run_begin(runs, r); qt < run_end(runs, r); ++qt, ++it) {
             const int stage = it % STAGES, phase = (it / STAGES) & 1;
             const int row0 = plans.other.tile(qt).lo;
             Barrier::wait(&ss.empty[stage], phase ^ 1);
@@ -336,14 +336,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   clear(acc_dv);
   // (key, query) of every score this thread holds, relative to (key_base, query tile start).
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<BM>>{}));
-  Tensor tScS_rc = make_tensor(tScS.data(), common::acc_rowcol(tScS.layout()));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
   constexpr int kRows = 2;  // keys per thread (lane/4 and lane/4 + 8 of its warp's 16)
   Barrier::wait(&ss.kv_full, 0);
 
   int it = 0;
   for (int g = 0; g < group; ++g) {
     for (int r = 0; r < 2; ++r) {
-      for (int qt = common::run_begin(runs, r); qt < common::run_end(runs, r); ++qt, ++it) {
+      for (int qt = run_begin(runs, r); qt < run_end(runs, r); ++qt, ++it) {
         const int stage = it % STAGES, phase = (it / STAGES) & 1;
         const Visit visit = plans.visit(kt, qt);
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         warpgroup_fence_operand(acc_s);
 
         // P^T = exp2(s * scale log2 e - lse2[query]); masked pairs get exp2(-inf) = 0.
-        Tensor s = make_tensor(acc_s.data(), common::acc_rowcol(acc_s.layout()));  // (keys, queries)
+        Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (keys, queries)
         const bool masked = !visit.full || visit.end - visit.start < BM;
         const float* lse2 = ss.lse2[stage];
         // The query rows that see each of this thread's keys, recomputed per PARTIAL tile rather
@@ -395,13 +395,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               const int row = visit.start + col;
               x = row < visit.end && seen_by[i].contains(row) ? x : -INFINITY;
             }
-            s(i, j) = common::exp2_approx(x);
+            s(i, j) = exp2_approx(x);
           }
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dp);
         // dS^T = P^T (dP^T - delta[query]), in dP^T's registers.
-        Tensor dp = make_tensor(acc_dp.data(), common::acc_rowcol(acc_dp.layout()));
+        Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
         const float* delta = ss.delta[stage];
         CUTE_UNROLL
         for (int j = 0; j < size<1>(dp); ++j) {
@@ -416,8 +416,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           p_elem(i) = Elem(acc_s(i));
           ds_elem(i) = Elem(acc_dp(i));
         }
-        Tensor tPa = make_tensor(p_elem.data(), common::acc_as_operand_a(p_elem.layout()));
-        Tensor tdSa = make_tensor(ds_elem.data(), common::acc_as_operand_a(ds_elem.layout()));
+        Tensor tPa = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
+        Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
 
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
@@ -506,7 +506,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tVsV = tma_v.partition_D(sV);
       int it = 0;
       for (int r = 0; r < 2; ++r) {
-        for (int kt = common::run_begin(runs, r); kt < common::run_end(runs, r); ++kt, ++it) {
+        for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
           const int stage = it % STAGES, phase = (it / STAGES) & 1;
           const int col_tile = plans.other.tile(kt).lo / BN;
           Barrier::wait(&ss.k_empty[stage], phase ^ 1);
@@ -539,7 +539,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kRowsW>, Int<D>>{});
   clear(acc_dq);
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<BN>>{}));
-  Tensor tScS_rc = make_tensor(tScS.data(), common::acc_rowcol(tScS.layout()));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
   constexpr int kRows = 2;
   Intervals seen[kRows];
   float lse2[kRows], delta[kRows];
@@ -555,7 +555,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   int it = 0;
   for (int r = 0; r < 2; ++r) {
-    for (int kt = common::run_begin(runs, r); kt < common::run_end(runs, r); ++kt, ++it) {
+    for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
       const int stage = it % STAGES, phase = (it / STAGES) & 1;
       const Visit visit = plans.visit(qt, kt);
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
@@ -583,7 +583,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_s);
 
-      Tensor s = make_tensor(acc_s.data(), common::acc_rowcol(acc_s.layout()));  // (rows, keys)
+      Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, keys)
       const bool masked = !visit.full || visit.end - visit.start < BN;
       CUTE_UNROLL
       for (int i = 0; i < kRows; ++i) {
@@ -594,20 +594,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             const int col = visit.start + get<1>(tScS_rc(i, j));
             x = col < visit.end && seen[i].contains(col) ? x : -INFINITY;
           }
-          s(i, j) = common::exp2_approx(x);
+          s(i, j) = exp2_approx(x);
         }
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dp);
       Barrier::arrive(&ss.v_empty[stage]);  // V is read only by dP
-      Tensor dp = make_tensor(acc_dp.data(), common::acc_rowcol(acc_dp.layout()));
+      Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       Tensor ds_elem = make_fragment_like<Elem>(acc_dp);
-      Tensor ds_rc = make_tensor(ds_elem.data(), common::acc_rowcol(ds_elem.layout()));
+      Tensor ds_rc = make_tensor(ds_elem.data(), acc_rowcol(ds_elem.layout()));
       CUTE_UNROLL
       for (int i = 0; i < kRows; ++i)
         CUTE_UNROLL
         for (int j = 0; j < size<1>(dp); ++j) ds_rc(i, j) = Elem(s(i, j) * (dp(i, j) - delta[i]));
-      Tensor tdSa = make_tensor(ds_elem.data(), common::acc_as_operand_a(ds_elem.layout()));
+      Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
 
       warpgroup_fence_operand(acc_dq);
       warpgroup_arrive();

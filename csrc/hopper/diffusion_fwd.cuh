@@ -36,6 +36,7 @@
 #include <cmath>
 
 #include "dlm/geometry.h"
+#include "hopper/common.cuh"
 
 namespace dlm::sm90 {
 
@@ -77,14 +78,6 @@ struct FwdConfig {
   static constexpr int kTileBytesKV = BN * D * sizeof(Elem);
 };
 
-// A (seqlen, D, heads, batch) view of a (B, S, H, D) tensor, the shape TMA descriptors are made of.
-template <class Elem>
-CUTE_HOST_DEVICE auto bshd_tensor(Elem const* ptr, int seqlen, int d, int heads, int batch,
-                                  int64_t stride_s, int64_t stride_h, int64_t stride_b) {
-  return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, d, heads, batch),
-                     make_stride(stride_s, _1{}, stride_h, stride_b));
-}
-
 template <class Cfg>
 auto make_tma_q(typename Cfg::Elem const* p, int s, int h, int b, int64_t ss, int64_t sh, int64_t sb) {
   return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor(p, s, Cfg::D, h, b, ss, sh, sb),
@@ -123,33 +116,6 @@ template <class Params>
 CUTE_DEVICE WorkItem work_item(Params const& p, int w) {
   const int bh_count = p.batch * p.heads, bh = w % bh_count;
   return {bh / p.heads, bh % p.heads, p.tile_order[w / bh_count]};
-}
-
-// The accumulator of a 64 x N wgmma holds, per thread, values (c, r, v) at column 2*(lane%4) + c +
-// 8*v and row 16*warp + lane/4 + 8*r. Viewed as (rows, columns) for the row-wise softmax:
-template <class Layout>
-CUTE_DEVICE auto acc_rowcol(Layout l) {  // ((2, 2, V), M, N) -> ((2, M), (2, V, N))
-  static_assert(rank_v<decltype(get<0>(l))> == 3);
-  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
-                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
-}
-
-// ... and the same registers as the A operand of the next wgmma (K = 16 per instruction): column
-// blocks 2j and 2j+1 of 8 form k-block j, so the scores become P without moving between threads.
-template <class Layout>
-CUTE_DEVICE auto acc_as_operand_a(Layout l) {  // ((2, 2, V), M, N) -> ((2, 2, 2), M, (V / 2, N))
-  auto v = logical_divide(get<0>(l), Shape<_2, _2, _2>{});  // ((2, 1), (2, 1), (2, V / 2))
-  return make_layout(make_layout(get<0, 0>(v), get<1, 0>(v), get<2, 0>(v)), get<1>(l),
-                     make_layout(get<2, 1>(v), get<2>(l)));
-}
-
-// exp2 and log2 as the SFU's approximate instructions (what --use_fast_math makes of exp2f / log2f;
-// the softmax is bound by them, so the kernel says so itself instead of depending on a build flag).
-// ex2.approx of -inf is +0, which the masked scores rely on.
-CUTE_DEVICE float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Max / sum over the 4 threads of a quad, which together hold a row.
