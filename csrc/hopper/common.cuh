@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 
 #include <cstdint>
 
@@ -55,5 +56,31 @@ CUTE_DEVICE float exp2_approx(float x) {
 // SASS before these).
 CUTE_HOST_DEVICE int run_begin(const TileRuns& t, int r) { return r ? t.begin[1] : t.begin[0]; }
 CUTE_HOST_DEVICE int run_end(const TileRuns& t, int r) { return r ? t.end[1] : t.end[0]; }
+
+// The producer's K / V stream, shared by the forward and the backward's dQ kernel: for each key
+// tile of the runs, wait until the consumers have freed the ring stage, then TMA-load K and V into
+// it (one "full" transaction barrier each). `it` is the ring position, kept across calls so that
+// a CTA may walk several work items.
+template <int BN, int STAGES, class Tma, class Src, class Dst>
+CUTE_DEVICE void produce_kv_runs(TilePlans const& plans, TileRuns const& runs, int& it, int bytes,
+                                 Tma const& tma_k, Src const& tKgK, Dst& tKsK, uint64_t* k_full,
+                                 uint64_t* k_empty, Tma const& tma_v, Src const& tVgV, Dst& tVsV,
+                                 uint64_t* v_full, uint64_t* v_empty) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
+      const int stage = it % STAGES, phase = (it / STAGES) & 1;
+      const int col_tile = plans.other.tile(kt).lo / BN;
+      Barrier::wait(&k_empty[stage], phase ^ 1);
+      TxBarrier::arrive_and_expect_tx(&k_full[stage], bytes);
+      copy(tma_k.with(k_full[stage]), tKgK(_, _, _, col_tile), tKsK(_, _, _, stage));
+      Barrier::wait(&v_empty[stage], phase ^ 1);
+      TxBarrier::arrive_and_expect_tx(&v_full[stage], bytes);
+      copy(tma_v.with(v_full[stage]), tVgV(_, _, _, col_tile), tVsV(_, _, _, stage));
+    }
+  }
+}
 
 }  // namespace dlm::sm90

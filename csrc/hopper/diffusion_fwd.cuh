@@ -233,18 +233,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             local_tile(mK(_, _, kvh, wi.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
         Tensor tVgV = tma_v.partition_S(
             local_tile(mV(_, _, kvh, wi.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
-        for (int r = 0; r < 2; ++r) {
-          for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
-            const int stage = it % STAGES, phase = (it / STAGES) & 1;
-            const int col_tile = plans.other.tile(kt).lo / BN;
-            Barrier::wait(&ss.k_empty[stage], phase ^ 1);
-            TxBarrier::arrive_and_expect_tx(&ss.k_full[stage], Cfg::kTileBytesKV);
-            copy(p.tma_k.with(ss.k_full[stage]), tKgK(_, _, _, col_tile), tKsK(_, _, _, stage));
-            Barrier::wait(&ss.v_empty[stage], phase ^ 1);
-            TxBarrier::arrive_and_expect_tx(&ss.v_full[stage], Cfg::kTileBytesKV);
-            copy(p.tma_v.with(ss.v_full[stage]), tVgV(_, _, _, col_tile), tVsV(_, _, _, stage));
-          }
-        }
+        produce_kv_runs<BN, STAGES>(plans, runs, it, Cfg::kTileBytesKV, p.tma_k, tKgK, tKsK,
+                                    ss.k_full, ss.k_empty, p.tma_v, tVgV, tVsV, ss.v_full, ss.v_empty);
       }
     }
     return;
