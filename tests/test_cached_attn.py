@@ -136,6 +136,76 @@ def test_decode_triton_paths(splits, new):
     _run_decode(p, torch.float32, 5, call, device)
 
 
+def test_smaller_configs_shrink_to_a_floor():
+    """Each step needs less shared memory (fewer stages, then fewer keys, then fewer rows) and the
+    walk ends."""
+    from dlm_ops.backends.cached import smaller
+
+    cfg, seen = (128, 64, 8, 3), []
+    while cfg is not None:
+        seen.append(cfg)
+        cfg = smaller(cfg)
+    assert seen[:4] == [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 1), (128, 32, 8, 2)]
+    assert seen[-1] == (16, 16, 4, 1) and len(seen) == len(set(seen))
+    smem = [m * n * s + m * n for m, n, _, s in seen]  # rows x keys x stages, plus the scores
+    assert all(a >= b for a, b in zip(smem, smem[1:]))
+
+
+@needs_triton
+def test_launch_fitting_takes_the_first_config_that_fits(monkeypatch):
+    from dlm_ops.backends import cached
+    from dlm_ops.backends.triton_backend import OutOfResources
+
+    monkeypatch.setattr(cached, "_FITTING", {})
+    tried = []
+
+    def launch(cfg):  # a GPU that holds block_n * stages <= 32
+        tried.append(cfg)
+        if cfg[1] * cfg[3] > 32:
+            raise OutOfResources(cfg[1] * cfg[3], 32, "shared memory")
+
+    q = torch.zeros(1, 4, 2, 64)
+    cached.launch_fitting("toy", q, (64, 64, 4, 3), launch)
+    assert tried == [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 1), (64, 32, 4, 2), (64, 32, 4, 1)]
+    tried.clear()
+    cached.launch_fitting("toy", q, (64, 64, 4, 3), launch)  # remembered: no failing launch
+    assert tried == [(64, 32, 4, 1)]
+    with pytest.raises(dlm_ops.UnsupportedConfig, match="toy kernel fits"):
+        cached.launch_fitting("toy", q, (16, 16, 4, 1), lambda cfg: launch((16, 64, 4, 1)))
+
+
+@needs_triton
+def test_decode_runs_a_smaller_config_where_the_first_does_not_fit(monkeypatch):
+    """The real decode path on a pretend GPU without room for pipelining: the fused kernel raises
+    OutOfResources at more than one stage, the retry with one stage computes the right answer."""
+    from dlm_ops.backends import cached
+    from dlm_ops.backends.triton_backend import OutOfResources
+
+    monkeypatch.setattr(cached, "_FITTING", {})
+    real = cached.kernels.decode_fused_kernel
+    stages = []
+
+    class Small:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                stages.append(kw["num_stages"])
+                if kw["num_stages"] > 1:
+                    raise OutOfResources(2, 1, "shared memory")
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(cached.kernels, "decode_fused_kernel", Small())
+    device = "cuda" if CUDA else "cpu"
+    p = dict(b=2, bs=5, h=4, hkv=2, d=16, smax=37, lens=[0, 37], new=True, scale=None)
+
+    def call(q, kc, vc, lens, kn, vn, scale):
+        return TritonCachedBackend(splits=1).decode(q, kc, vc, lens, kn, vn,
+                                                    1 / math.sqrt(q.shape[-1]), False)[:2]
+
+    _run_decode(p, torch.float32, 5, call, device)
+    assert stages[0] > 1 and stages[-1] == 1
+
+
 def test_num_splits_policy():
     assert num_splits(programs=128 * 8, smax=65536, sm_count=132) == 1  # B*Hkv fills the GPU
     assert num_splits(programs=8, smax=65536, sm_count=132) == 33  # ~2 waves of programs

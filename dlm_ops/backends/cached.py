@@ -24,8 +24,9 @@ import torch
 from . import register
 from .base import GQA, Backend, Capabilities, lse_dtype, new_output
 from .torch_tiled import _group_rows, _ungroup_rows
+from ..errors import UnsupportedConfig
 from .triton_backend import (_IMPORT_ERROR, INTERPRET, TRITON_DEVICES, TRITON_DTYPES,
-                             TritonEligibility, _s)
+                             OutOfResources, TritonEligibility, _s)
 
 if _IMPORT_ERROR is None:
     import triton
@@ -176,6 +177,42 @@ def tiles(m: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int
     return block_m, block_n, 8 if block_m == 128 else 4, 2 if wide else 3
 
 
+def smaller(cfg: tuple[int, int, int, int]) -> tuple[int, int, int, int] | None:
+    """The next config to try when ``cfg`` does not fit a GPU's shared memory (sm86 / sm89 hold
+    ~100 KB per block against sm90's 228 KB, for which ``tiles`` is sized; sm75 64 KB): fewer
+    stages first (same tiles), then half as many keys per step, then half as many rows; None
+    below (16, 16, 1 stage)."""
+    block_m, block_n, warps, stages = cfg
+    if stages > 1:
+        return block_m, block_n, warps, stages - 1
+    if block_n > 16:
+        return block_m, block_n // 2, warps, 2
+    if block_m > 16:
+        return block_m // 2, block_n, 4, 2
+    return None
+
+
+_FITTING: dict = {}  # (kernel, head dim, dtype, device, first config) -> the config that fits
+
+
+def launch_fitting(kernel: str, q: torch.Tensor, first: tuple, launch) -> None:
+    """``launch(config)`` with ``first`` or, where the GPU cannot hold it (Triton raises
+    OutOfResources at launch, before anything runs), the first ``smaller`` config that fits;
+    remembered per kernel, head dim, dtype, device and first config."""
+    key = (kernel, q.shape[-1], q.dtype, str(q.device), first)
+    cfg = _FITTING.get(key, first)
+    while cfg is not None:
+        try:
+            launch(cfg)
+        except OutOfResources:
+            cfg = smaller(cfg)
+            continue
+        _FITTING[key] = cfg
+        return
+    raise UnsupportedConfig(f"no tile config of the {kernel} kernel fits this GPU's shared memory "
+                            f"(head_dim {q.shape[-1]}, {q.dtype})")
+
+
 def num_splits(programs: int, smax: int, sm_count: int, min_keys: int = 512,
                max_splits: int = 64) -> int:
     """Cache splits per (batch, kv head, row tile). ``programs`` = B * Hkv * row tiles: with
@@ -239,11 +276,18 @@ class TritonCachedBackend(TritonEligibility, CachedBackend):
         """Split-KV attention of q over the cache (and k_new), written into out / lse."""
         q, k_cache, v_cache, k_new, v_new = map(_contig, (q, k_cache, v_cache, k_new, v_new))
         b, bs, h, d = q.shape
-        smax, hkv = k_cache.shape[1], k_cache.shape[2]
-        g, m = h // hkv, (h // hkv) * bs
+        hkv = k_cache.shape[2]
+        m = (h // hkv) * bs
         if b * hkv * m == 0:
             return
-        block_m, block_n, warps, stages = tiles(m, d, q.dtype)
+        launch_fitting("decode", q, tiles(m, d, q.dtype), lambda cfg: self._decode_with(
+            cfg, q, k_cache, v_cache, lens, k_new, v_new, scale, out, lse))
+
+    def _decode_with(self, cfg, q, k_cache, v_cache, lens, k_new, v_new, scale, out, lse):
+        b, bs, h, d = q.shape
+        smax, hkv = k_cache.shape[1], k_cache.shape[2]
+        g, m = h // hkv, (h // hkv) * bs
+        block_m, block_n, warps, stages = cfg
         m_tiles = triton.cdiv(m, block_m)
         splits = self._splits or num_splits(b * hkv * m_tiles, smax, _sm_count(q.device),
                                             self._min_keys)
@@ -277,7 +321,6 @@ class TritonCachedBackend(TritonEligibility, CachedBackend):
         b, bs, h, d = q.shape
         hkv = k_block.shape[2]
         g, m = h // hkv, (h // hkv) * bs
-        block_m, block_n, warps, stages = tiles(m, d, q.dtype)
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, bs), torch.float32)
         if b * hkv * m == 0:
@@ -286,13 +329,18 @@ class TritonCachedBackend(TritonEligibility, CachedBackend):
         dirty_u8 = dirty.to(torch.uint8) if dirty is not None else None
         dptr = dirty_u8 if dirty is not None else cl
         dstr = (dirty_u8.stride(0), dirty_u8.stride(1)) if dirty is not None else (0, 0)
-        kernels.flashblock_kernel[(triton.cdiv(m, block_m), b * hkv)](
-            q, k_block, v_block, cached_out, cl, dptr, out, lse,
-            *_s(q), *_s(k_block), *_s(v_block), *_s(cached_out), *dstr,
-            lse.stride(0), lse.stride(1), *_s(out), cl.stride(0), cl.stride(1),
-            hkv, g, m, bs, scale * LOG2E,
-            HAS_DIRTY=dirty is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-            num_stages=stages, **self._flags(q))
+
+        def launch(cfg):
+            block_m, block_n, warps, stages = cfg
+            kernels.flashblock_kernel[(triton.cdiv(m, block_m), b * hkv)](
+                q, k_block, v_block, cached_out, cl, dptr, out, lse,
+                *_s(q), *_s(k_block), *_s(v_block), *_s(cached_out), *dstr,
+                lse.stride(0), lse.stride(1), *_s(out), cl.stride(0), cl.stride(1),
+                hkv, g, m, bs, scale * LOG2E,
+                HAS_DIRTY=dirty is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                num_stages=stages, **self._flags(q))
+
+        launch_fitting("flashblock", q, tiles(m, d, q.dtype), launch)
         return out, lse
 
     def merge(self, out_a, lse_a, out_b, lse_b):
