@@ -9,35 +9,33 @@
 #include <optional>
 #include <vector>
 
+#include "bindings/sm90_common.h"
 #include "hopper/diffusion_bwd.cuh"
 
 namespace {
+
+using dlm_bindings::strides3;
+using dlm_bindings::tile_order_tensor;
 
 using dlm::sm90::kBwdBlockM;
 using dlm::sm90::kBwdBlockN;
 using dlm::sm90::kDqBlockM;
 using dlm::sm90::kDqBlockN;
 
-torch::Tensor order_of(const dlm::TilePlans& plans) {
-  const int count = plans.count();
-  std::vector<int64_t> area(count);
-  for (int t = 0; t < count; ++t) area[t] = plans.area(t);
-  auto order = torch::empty({count}, torch::dtype(torch::kInt32));
-  dlm::most_expensive_first(area.data(), count, order.data_ptr<int32_t>());
-  return order;
-}
-
 // The two CTA schedules as CPU int32 tensors, most expensive first: key tiles of the dK/dV kernel,
 // query tiles of the dQ kernel.
 std::vector<torch::Tensor> bwd_tile_orders(int64_t n_noisy, int64_t n_clean, int64_t block_size) {
   const dlm::SequenceMask mask{static_cast<int>(n_noisy), static_cast<int>(n_clean),
                                static_cast<int>(block_size)};
-  return {order_of(mask.bwd_tiles(kBwdBlockM, kBwdBlockN)), order_of(mask.fwd_tiles(kDqBlockM, kDqBlockN))};
+  return {tile_order_tensor(mask.bwd_tiles(kBwdBlockM, kBwdBlockN)),
+          tile_order_tensor(mask.fwd_tiles(kDqBlockM, kDqBlockN))};
 }
 
-void strides3(const torch::Tensor& t, int64_t* out) {
-  for (int i = 0; i < 3; ++i) out[i] = t.stride(i);
-}
+struct LaunchBwd {
+  const dlm::sm90::BwdArgs& args;
+  template <class Elem, int D>
+  cudaError_t run() const { return dlm::sm90::launch_bwd<Elem, D>(args); }
+};
 
 // Writes dq (B, S, H, D), dk and dv (B, S, Hkv, D); lse2 and delta are (B, H, S) fp32 scratch.
 void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
@@ -81,17 +79,7 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   a.dkdv_order = dkdv_order.data_ptr<int32_t>(), a.dkdv_tiles = dkdv_order.size(0);
   a.dq_order = dq_order.data_ptr<int32_t>(), a.dq_tiles = dq_order.size(0);
   a.stream = c10::cuda::getCurrentCUDAStream();
-  const int d = q.size(3);
-  const bool bf16 = q.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || q.scalar_type() == torch::kHalf, "bf16 or fp16");
-  TORCH_CHECK(d == 64 || d == 128, "head dim 64 or 128, got ", d);
-  cudaError_t err;
-  if (d == 128)
-    err = bf16 ? dlm::sm90::launch_bwd<cutlass::bfloat16_t, 128>(a)
-               : dlm::sm90::launch_bwd<cutlass::half_t, 128>(a);
-  else
-    err = bf16 ? dlm::sm90::launch_bwd<cutlass::bfloat16_t, 64>(a)
-               : dlm::sm90::launch_bwd<cutlass::half_t, 64>(a);
+  const cudaError_t err = dlm_bindings::dispatch<64, 128>(q.scalar_type(), q.size(3), LaunchBwd{a});
   C10_CUDA_CHECK(err);
 }
 

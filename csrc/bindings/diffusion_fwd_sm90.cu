@@ -8,9 +8,13 @@
 
 #include <vector>
 
+#include "bindings/sm90_common.h"
 #include "hopper/diffusion_fwd.cuh"
 
 namespace {
+
+using dlm_bindings::strides3;
+using dlm_bindings::tile_order_tensor;
 
 using dlm::sm90::kFwdBlockM;
 
@@ -19,19 +23,15 @@ using dlm::sm90::kFwdBlockM;
 torch::Tensor tile_order(int64_t n_noisy, int64_t n_clean, int64_t block_size, int64_t d) {
   const dlm::SequenceMask mask{static_cast<int>(n_noisy), static_cast<int>(n_clean),
                                static_cast<int>(block_size)};
-  const dlm::TilePlans plans =
-      mask.fwd_tiles(kFwdBlockM, dlm::sm90::fwd_block_n(static_cast<int>(d)));
-  const int count = plans.count();
-  std::vector<int64_t> area(count);
-  for (int t = 0; t < count; ++t) area[t] = plans.area(t);
-  auto order = torch::empty({count}, torch::dtype(torch::kInt32));
-  dlm::most_expensive_first(area.data(), count, order.data_ptr<int32_t>());
-  return order;
+  return tile_order_tensor(
+      mask.fwd_tiles(kFwdBlockM, dlm::sm90::fwd_block_n(static_cast<int>(d))));
 }
 
-void strides3(const torch::Tensor& t, int64_t* out) {
-  for (int i = 0; i < 3; ++i) out[i] = t.stride(i);
-}
+struct LaunchFwd {
+  const dlm::sm90::FwdArgs& args;
+  template <class Elem, int D>
+  cudaError_t run() const { return dlm::sm90::launch_fwd<Elem, D>(args); }
+};
 
 // Writes out (B, S, H, D) and lse (B, H, S) fp32; q (B, S, H, D), k/v (B, S, Hkv, D).
 void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
@@ -63,20 +63,8 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   a.max_ctas = static_cast<int>(max_ctas);
   a.stream = c10::cuda::getCurrentCUDAStream();
   if (a.batch * a.heads == 0 || a.num_tiles == 0) return;
-  const int d = q.size(3);
-  const bool bf16 = q.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || q.scalar_type() == torch::kHalf, "bf16 or fp16");
-  TORCH_CHECK(d == 64 || d == 128 || d == 256, "head dim 64, 128 or 256, got ", d);
-  cudaError_t err;
-  if (d == 256)
-    err = bf16 ? dlm::sm90::launch_fwd<cutlass::bfloat16_t, 256>(a)
-               : dlm::sm90::launch_fwd<cutlass::half_t, 256>(a);
-  else if (d == 128)
-    err = bf16 ? dlm::sm90::launch_fwd<cutlass::bfloat16_t, 128>(a)
-               : dlm::sm90::launch_fwd<cutlass::half_t, 128>(a);
-  else
-    err = bf16 ? dlm::sm90::launch_fwd<cutlass::bfloat16_t, 64>(a)
-               : dlm::sm90::launch_fwd<cutlass::half_t, 64>(a);
+  const cudaError_t err =
+      dlm_bindings::dispatch<64, 128, 256>(q.scalar_type(), q.size(3), LaunchFwd{a});
   C10_CUDA_CHECK(err);
 }
 
