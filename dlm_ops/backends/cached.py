@@ -21,10 +21,10 @@ import math
 
 import torch
 
+from ..errors import UnsupportedConfig
 from . import register
 from .base import GQA, Backend, Capabilities, lse_dtype, new_output
 from .torch_tiled import _group_rows, _ungroup_rows
-from ..errors import UnsupportedConfig
 from .triton_backend import (_IMPORT_ERROR, INTERPRET, TRITON_DEVICES, TRITON_DTYPES,
                              OutOfResources, TritonEligibility, _s)
 
