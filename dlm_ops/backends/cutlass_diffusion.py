@@ -73,8 +73,8 @@ def _tile_order(n_noisy: int, n_clean: int, block_size: int, head_dim: int,
 # Which head dims run which CUTLASS kernel; the rest run Triton's. Measured on the H200 through
 # torch in one process (bf16, H=16, 16K tokens, csrc/NOTES.md): the CUTLASS backward beats Triton's
 # (n = 1K: 222 vs 173 TFLOPS, n = 4K: 377 vs 269), the CUTLASS forward does not at D = 64 / 128
-# (209 vs 252, 299 vs 354) but does at D = 256 (367 vs 246 standalone at n = 2K), where Triton's
-# forward is weakest. The kernels cover every head dim listed in SUPPORTED_HEAD_DIMS.
+# (209 vs 252, 299 vs 354) but does at D = 256 (n = 2K: 357 vs 246), where Triton's forward is
+# weakest. The kernels cover every head dim listed in SUPPORTED_HEAD_DIMS.
 SUPPORTED_HEAD_DIMS = {"fwd": (64, 128, 256), "bwd": (64, 128)}
 FORWARD_HEAD_DIMS = (256,)
 BACKWARD_HEAD_DIMS = (64, 128)
