@@ -207,12 +207,22 @@ CUTE_DEVICE void online_softmax_t(Scores& acc_s, Coords const& tScS_rc, Visit co
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
     float mx = row_max[i];
+    // A visit lies inside one half and each of the row's two key ranges inside another, so one
+    // range holds all its visible keys: the mask is one interval [lo, hi) of this thread's columns,
+    // relative to its first one (a compare with a constant per bound and score).
+    [[maybe_unused]] int lo = 0, hi = 0;
+    if constexpr (kMasked) {
+      const bool first = seen[i].first.hi > visit.start && seen[i].first.lo < visit.end;
+      const int base = visit.start + get<1>(tScS_rc(i, 0));
+      lo = (first ? seen[i].first.lo : seen[i].second.lo) - base;
+      hi = imin(first ? seen[i].first.hi : seen[i].second.hi, visit.end) - base;
+    }
     CUTE_UNROLL
     for (int j = 0; j < size<1>(s); ++j) {
       float x = s(i, j) * scale_log2;
       if constexpr (kMasked) {
-        const int col = visit.start + get<1>(tScS_rc(i, j));
-        x = col >= visit.end || !seen[i].contains(col) ? -INFINITY : x;
+        const int k = get<1>(tScS_rc(i, j)) - get<1>(tScS_rc(i, 0));
+        x = k < lo || k >= hi ? -INFINITY : x;
       }
       s(i, j) = x;
       mx = fmaxf(mx, x);
@@ -274,7 +284,10 @@ CUTE_DEVICE Visit step_visit(TilePlans const& plans, int qt, int kt, bool run0,
                              Intervals const& all_keys) {
   if constexpr ((Cfg::kTrim & kTrimFull) != 0) {
     const Interval t = plans.other.tile(kt);
-    return {t.lo, t.hi, visit_full<Cfg::BN>(run0 ? all_keys.first : all_keys.second, t.lo, t.hi)};
+    // Bounds by selects: a ternary between the two Interval structs put them on the stack (16 bytes).
+    const Interval all{run0 ? all_keys.first.lo : all_keys.second.lo,
+                       run0 ? all_keys.first.hi : all_keys.second.hi};
+    return {t.lo, t.hi, visit_full<Cfg::BN>(all, t.lo, t.hi)};
   } else {
     return plans.visit(qt, kt);
   }
