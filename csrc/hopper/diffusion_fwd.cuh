@@ -42,11 +42,27 @@ namespace dlm::sm90 {
 
 using namespace cute;
 
-template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true>
+// Options for the next A/B (csrc/NOTES.md, "Forward variants"); all off in the shipped kernels.
+// NARROW_: a PARTIAL visit whose visible keys, for one consumer's 64 rows, all lie in one 64-key
+// half of the 128-key tile runs as a 64 x 64 S wgmma and a P V over those 64 keys (K / V still
+// arrive as one 128-row TMA tile). kNarrowNoisy: only noisy keys (the noisy diagonal of issue #7:
+// with block_size dividing 64, consumer c needs exactly half c); kNarrowAll: any such visit (also
+// the clean-key diagonals, where consumer 0 needs only the left half).
+// TRIM_: bits that take work out of the main loop (kTrim*, below).
+constexpr int kNarrowOff = 0, kNarrowNoisy = 1, kNarrowAll = 2;
+constexpr int kTrimUnswitch = 1;  // the mask test once per tile, not per score (see online_softmax_t)
+constexpr int kTrimFull = 2;      // FULL from hoisted key bounds, not tile_kind's two divisions
+constexpr int kTrimQEmpty = 4;    // q_empty arrives after the loop, not under a test in every step
+constexpr int kTrimAll = kTrimUnswitch | kTrimFull | kTrimQEmpty;
+
+template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true,
+          int NARROW_ = kNarrowOff, int TRIM_ = 0>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
   static constexpr bool kPingPong = PINGPONG_;  // the consumers take turns at the tensor cores
+  static constexpr int kNarrow = NARROW_, kTrim = TRIM_;
+  static_assert(kNarrow == kNarrowOff || BN == 128, "narrow visits: two 64-key halves of a tile");
   static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
   static constexpr int kConsumers = BM / kConsumerRows;
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -66,6 +82,9 @@ struct FwdConfig {
   using MmaO = decltype(make_tiled_mma(
       SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<D>, Int<BN>>,
                                  GMMA::Major::K, GMMA::Major::MN>()));
+  // S of a narrow visit: 64 rows x 64 keys (only instantiated where kNarrow is on).
+  using MmaSHalf = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<BN / 2>, Int<D>>>()));
 
   struct SharedStorage {
     alignas(1024) Elem q[cosize_v<SmemLayoutQ>];
@@ -174,6 +193,106 @@ CUTE_DEVICE void online_softmax(Scores& acc_s, Coords const& tScS_rc, Visit cons
   }
 }
 
+// online_softmax with the mask decided per tile (kMasked) instead of per score. The shipped
+// online_softmax tests `masked` inside the element loop and ptxas keeps that test there: a
+// BSSY / ISETP / BRA / BSYNC group around every score's mask (64 per tile and thread, 4 issue
+// slots each) runs on FULL tiles too (SASS of the bf16 D = 128 loop: 66 BSSY, 72 BRA). Called as
+// `masked ? online_softmax_t<true> : online_softmax_t<false>`, each copy is straight-line code.
+template <bool kMasked, class Scores, class Coords, int kRows>
+CUTE_DEVICE void online_softmax_t(Scores& acc_s, Coords const& tScS_rc, Visit const& visit,
+                                  Intervals const (&seen)[kRows], float scale_log2,
+                                  float (&row_max)[kRows], float (&row_sum)[kRows],
+                                  float (&scale_row)[kRows]) {
+  Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    float mx = row_max[i];
+    // A visit lies inside one half and each of the row's two key ranges inside another, so one
+    // range holds all its visible keys: the mask is one interval [lo, hi) of this thread's columns,
+    // relative to its first one (a compare with a constant per bound and score).
+    [[maybe_unused]] int lo = 0, hi = 0;
+    if constexpr (kMasked) {
+      const bool first = seen[i].first.hi > visit.start && seen[i].first.lo < visit.end;
+      const int base = visit.start + get<1>(tScS_rc(i, 0));
+      lo = (first ? seen[i].first.lo : seen[i].second.lo) - base;
+      hi = imin(first ? seen[i].first.hi : seen[i].second.hi, visit.end) - base;
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(s); ++j) {
+      float x = s(i, j) * scale_log2;
+      if constexpr (kMasked) {
+        const int k = get<1>(tScS_rc(i, j)) - get<1>(tScS_rc(i, 0));
+        x = k < lo || k >= hi ? -INFINITY : x;
+      }
+      s(i, j) = x;
+      mx = fmaxf(mx, x);
+    }
+    mx = quad_max(mx);
+    const float m_use = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet
+    scale_row[i] = exp2_approx(row_max[i] - m_use);
+    row_max[i] = mx;
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(s); ++j) {
+      s(i, j) = exp2_approx(s(i, j) - m_use);
+      sum += s(i, j);
+    }
+    row_sum[i] = row_sum[i] * scale_row[i] + sum;
+  }
+}
+
+// The keys rows [r0, r1) of one half see, as the union of each of row_intervals' two ranges (each
+// monotone in the row inside a half, so the union is [lo of row r0, hi of row r1 - 1), as in
+// TilePlans::runs).
+CUTE_HOST_DEVICE Intervals rows_keys(SequenceMask const& m, int r0, int r1) {
+  const Intervals a = m.row_intervals(r0), b = m.row_intervals(r1 - 1);
+  return {{a.first.lo, b.first.hi}, {a.second.lo, b.second.hi}};
+}
+
+// Narrow visits: which kHalf-key half of the visit [start, start + 2 kHalf) holds every key that
+// rows with `keys` (rows_keys) see: 0 or 1, or -1 when both halves do (a wide S). A half that
+// holds nothing at all for them counts as 0 (its scores come out masked).
+template <int kHalf>
+CUTE_HOST_DEVICE int narrow_half(Intervals const& keys, Visit const& v) {
+  const int lo0 = keys.first.lo > v.start ? keys.first.lo : v.start;
+  const int hi0 = imin(keys.first.hi, v.end);
+  const int lo1 = keys.second.lo > v.start ? keys.second.lo : v.start;
+  const int hi1 = imin(keys.second.hi, v.end);
+  int lo = v.end, hi = v.start;  // the seen keys' bounds inside the visit; empty so far
+  if (lo0 < hi0) lo = lo0, hi = hi0;
+  if (lo1 < hi1) lo = imin(lo, lo1), hi = hi > hi1 ? hi : hi1;
+  const int mid = v.start + kHalf;
+  return hi <= mid ? 0 : lo >= mid ? 1 : -1;
+}
+
+// kTrimFull: a visit of key run r is FULL iff its keys lie in the part of range r that every row
+// of the query tile sees, [lo of the last row, hi of the first row) (each range is monotone in the
+// row), and it is not cut short by the half's end. The same as tile_kind (which takes block_of of
+// both key ends: two integer divisions per step); `seen_by_all` = that part, per range.
+CUTE_HOST_DEVICE Intervals keys_seen_by_all(SequenceMask const& m, Interval q_tile) {
+  const Intervals a = m.row_intervals(q_tile.lo), b = m.row_intervals(q_tile.hi - 1);
+  return {{b.first.lo, a.first.hi}, {b.second.lo, a.second.hi}};
+}
+template <int BN>
+CUTE_HOST_DEVICE bool visit_full(Interval const& seen_by_all, int start, int end) {
+  return end - start == BN && start >= seen_by_all.lo && end <= seen_by_all.hi;
+}
+
+// The visit of one step: plans.visit, or (kTrimFull) the same from the hoisted key bounds.
+template <class Cfg>
+CUTE_DEVICE Visit step_visit(TilePlans const& plans, int qt, int kt, bool run0,
+                             Intervals const& all_keys) {
+  if constexpr ((Cfg::kTrim & kTrimFull) != 0) {
+    const Interval t = plans.other.tile(kt);
+    // Bounds by selects: a ternary between the two Interval structs put them on the stack (16 bytes).
+    const Interval all{run0 ? all_keys.first.lo : all_keys.second.lo,
+                       run0 ? all_keys.first.hi : all_keys.second.hi};
+    return {t.lo, t.hi, visit_full<Cfg::BN>(all, t.lo, t.hi)};
+  } else {
+    return plans.visit(qt, kt);
+  }
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     diffusion_fwd_kernel(__grid_constant__ const FwdParams<Cfg> p) {
@@ -261,6 +380,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<D>>{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
   constexpr int kRows = 2;  // rows per thread (r = 0, 1: lane/4 and lane/4 + 8)
+  constexpr bool kNarrow = Cfg::kNarrow != kNarrowOff;
+  // Narrow visits: S over one 64-key half. Its accumulator is the first half of acc_s's registers
+  // (a 64 x N accumulator holds column 8v + ... in register group v), P over those keys the first
+  // half of p_elem, i.e. k-blocks [0, K/2) of tOrP against V's k-blocks [K/2 h, K/2 (h + 1)).
+  typename Cfg::MmaSHalf mma_sh;
+  auto thr_sh = mma_sh.get_thread_slice(tid);
+  Tensor tShQ = thr_sh.partition_fragment_A(sQc);
+  Tensor tShK = thr_sh.partition_fragment_B(sK);  // (MMA, N = 2 halves, K, STAGES)
+  Tensor tShS = thr_sh.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<BN / 2>>{}));
+  Tensor tShS_rc = make_tensor(tShS.data(), acc_rowcol(tShS.layout()));
+  Tensor acc_sh = make_tensor(acc_s.data(), make_layout(shape(tShS)));
+  constexpr int kPvBlocks = decltype(size<2>(tOrP))::value, kPvHalf = kPvBlocks / 2;
 
   int it = 0;  // the producer's ring position, kept in step
   for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
@@ -277,38 +408,74 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     clear(acc_o);
     const int n_first = runs.end[0] - runs.begin[0], n_tiles = runs.count();
+    [[maybe_unused]] Intervals my_keys, all_keys;  // narrow: this consumer's keys; kTrimFull: all rows'
+    if constexpr (kNarrow) my_keys = rows_keys(p.mask, row_base, row_base + Cfg::kConsumerRows);
+    if constexpr ((Cfg::kTrim & kTrimFull) != 0) all_keys = keys_seen_by_all(p.mask, q_tile);
+    [[maybe_unused]] int prev_half = -1;  // narrow: the previous visit's half (-1: wide)
     // Ping-pong: the two consumers take turns to issue their matmuls (named barriers 1 and 2), so
     // one's softmax runs while the tensor cores work for the other. Consumer 1 pre-arrives on
     // consumer 0's barrier so that consumer 0 goes first.
     if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
     Barrier::wait(&ss.q_full, item & 1);
-    if (n_tiles == 0) Barrier::arrive(&ss.q_empty);
+    if constexpr ((Cfg::kTrim & kTrimQEmpty) == 0)
+      if (n_tiles == 0) Barrier::arrive(&ss.q_empty);
 
     for (int j = 0; j < n_tiles; ++j, ++it) {
       const int stage = it % STAGES, phase = (it / STAGES) & 1;
       const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it - 1) / STAGES) & 1;
       const int kt = j < n_first ? runs.begin[0] + j : runs.begin[1] + (j - n_first);
-      const Visit visit = plans.visit(wi.qt, kt);
+      const Visit visit = step_visit<Cfg>(plans, wi.qt, kt, j < n_first, all_keys);
+      [[maybe_unused]] int half = -1;
+      if constexpr (kNarrow)
+        if (!visit.full && (Cfg::kNarrow == kNarrowAll || visit.start < p.mask.n_noisy))
+          half = narrow_half<BN / 2>(my_keys, visit);
+      const bool wide = !kNarrow || half < 0;
       Barrier::wait(&ss.k_full[stage], phase);
       if (j > 0) Barrier::wait(&ss.v_full[prev], prev_phase);
       if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
       warpgroup_fence_operand(acc_s);
-      warpgroup_arrive();
-      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-        gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
-        mma_s.accumulate_ = GMMA::ScaleOut::One;
+      if constexpr (kNarrow) {
+        if (!wide) {
+          warpgroup_arrive();
+          mma_sh.accumulate_ = GMMA::ScaleOut::Zero;
+          CUTE_UNROLL
+          for (int kb = 0; kb < size<2>(tShQ); ++kb) {
+            gemm(mma_sh, tShQ(_, _, kb), make_tensor(tShK(_, half, kb, stage).data(), Layout<Shape<_1, _1>>{}),
+                 acc_sh);
+            mma_sh.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+        }
       }
-      warpgroup_commit_batch();
+      if (wide) {
+        warpgroup_arrive();
+        mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+          gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
+          mma_s.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+      }
       if (j > 0) {
         warpgroup_fence_operand(acc_o);
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
-        warpgroup_commit_batch();
+        if constexpr (kNarrow) {
+          if (prev_half >= 0) {
+            warpgroup_arrive();
+            CUTE_UNROLL
+            for (int kb = 0; kb < kPvHalf; ++kb)
+              gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb + kPvHalf * prev_half, prev), acc_o);
+            warpgroup_commit_batch();
+          }
+        }
+        if (!kNarrow || prev_half < 0) {
+          warpgroup_arrive();
+          CUTE_UNROLL
+          for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
+          warpgroup_commit_batch();
+        }
       }
       if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
       // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
@@ -317,9 +484,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
       warpgroup_fence_operand(acc_s);
       Barrier::arrive(&ss.k_empty[stage]);
-      if (j == n_tiles - 1) Barrier::arrive(&ss.q_empty);  // the producer may load the next Q
+      if constexpr ((Cfg::kTrim & kTrimQEmpty) == 0)
+        if (j == n_tiles - 1) Barrier::arrive(&ss.q_empty);  // the producer may load the next Q
 
-      online_softmax(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
+      if constexpr (kNarrow) {
+        if (!wide)
+          online_softmax_t<true>(acc_sh, tShS_rc, Visit{visit.start + half * (BN / 2), visit.end, false},
+                                 seen, p.scale_log2, row_max, row_sum, scale_row);
+      }
+      if (wide) {
+        if constexpr ((Cfg::kTrim & kTrimUnswitch) != 0) {
+          if (!visit.full || visit.end - visit.start < BN)
+            online_softmax_t<true>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
+          else
+            online_softmax_t<false>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
+        } else {
+          online_softmax(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
+        }
+      }
 
       warpgroup_wait<0>();  // P_{j-1} V_{j-1} is in acc_o, and p_elem is free again
       warpgroup_fence_operand(acc_o);
@@ -329,19 +511,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int i = 0; i < kRows; ++i)
         CUTE_UNROLL
         for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= scale_row[i];
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
+      if constexpr (kNarrow) {
+        if (!wide) {
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_sh); ++i) p_elem(i) = Elem(acc_s(i));
+        }
+        prev_half = half;
+      }
+      if (wide) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
+      }
     }
+    if constexpr ((Cfg::kTrim & kTrimQEmpty) != 0) Barrier::arrive(&ss.q_empty);
     // Consumer 1's last hand-over (and its pre-arrival) leave one phase of barrier 1 open: close it.
     if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
     if (n_tiles > 0) {  // the last tile's O += P V
       const int last = (it - 1) % STAGES;
       Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
       warpgroup_fence_operand(acc_o);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
-      warpgroup_commit_batch();
+      if constexpr (kNarrow) {
+        if (prev_half >= 0) {
+          warpgroup_arrive();
+          CUTE_UNROLL
+          for (int kb = 0; kb < kPvHalf; ++kb)
+            gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb + kPvHalf * prev_half, last), acc_o);
+          warpgroup_commit_batch();
+        }
+      }
+      if (!kNarrow || prev_half < 0) {
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
+        warpgroup_commit_batch();
+      }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       Barrier::arrive(&ss.v_empty[last]);
