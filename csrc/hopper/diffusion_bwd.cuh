@@ -396,31 +396,60 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   [[maybe_unused]] const int n_visits = group * runs.count();  // the same for both consumers
 
   if constexpr (Cfg::kOverlap) {
-    // Visits j = 0 .. n_visits - 1 in the producer's order (query heads of the group, then the
-    // tiles of both runs). S^T_{j+1} is issued right behind dV_j / dK_j, before waiting for them,
-    // and dP^T_j at the start of visit j: S^T is the only accumulator carried over (32 registers
-    // at BM = 64, the same peak as the shipped loop: dK, dV, P^T / dS^T and S^T in flight).
+    // FlashAttention-3's in-warpgroup overlap, the forward's pattern: visit j (the producer's
+    // order: query heads of the group, then the tiles of both runs) issues S^T_j and then
+    // dV_{j-1} / dK_{j-1} behind it, computes P^T_j while those run, then issues dP^T_j once they
+    // have freed P^T / dS^T's registers. Nothing is in flight across the loop's back edge (a
+    // wgmma pending there made ptxas serialize every wgmma, C7515). Registers at the peak as in
+    // the shipped loop (dK, dV, S^T, dP^T: 192 fp32); P^T / dS^T of j - 1 (32) live while S^T_j runs.
     const int per_head = runs.count(), n_first = runs.end[0] - runs.begin[0];
-    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
+    Tensor p_elem = make_fragment_like<Elem>(partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{}));
+    Tensor ds_elem = make_fragment_like<Elem>(p_elem);
+    Tensor tPa = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
+    Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
     if constexpr (Cfg::kPingPong) if (n_visits > 0) turns.start();
     for (int j = 0; j < n_visits; ++j) {
       const int stage = j % STAGES, phase = (j / STAGES) & 1;
+      const int prev = (j + STAGES - 1) % STAGES;
       const int jj = j % per_head;
       const int qt = jj < n_first ? runs.begin[0] + jj : runs.begin[1] + (jj - n_first);
       const Visit visit = plans.visit(kt, qt);
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
-      if (j == 0) Barrier::wait(&ss.q_full[stage], phase);
-      Barrier::wait(&ss.do_full[stage], phase);
+      Barrier::wait(&ss.q_full[stage], phase);
       if constexpr (Cfg::kPingPong) turns.take();
-      if (j == 0) issue_ss(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
-      issue_ss(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
-      warpgroup_wait<1>();  // S^T_j is ready
+      issue_ss(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
+      if (j > 0) {
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tPa); ++kb)
+          gemm(mma_kv, tPa(_, _, kb), tVrdOt(_, _, kb, prev), acc_dv);
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tdSa); ++kb)
+          gemm(mma_kv, tdSa(_, _, kb), tKrQt(_, _, kb, prev), acc_dk);
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();  // S^T_j is ready; dV_{j-1} / dK_{j-1} run on
+      } else {
+        warpgroup_wait<0>();
+      }
       if constexpr (Cfg::kPingPong) turns.pass();
       warpgroup_fence_operand(acc_s);
       Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (keys, queries)
       const bool masked = !visit.full || visit.end - visit.start < BM;
       dkdv_probabilities(s, tScS_rc, visit, masked, p.mask, key_base, p.scale_log2, ss.lse2[stage]);
+      warpgroup_wait<0>();  // dV_{j-1} / dK_{j-1} are done: P^T, dS^T and stage j - 1 are free
+      warpgroup_fence_operand(p_elem);
+      warpgroup_fence_operand(ds_elem);
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      if (j > 0) Barrier::arrive(&ss.empty[prev]);
+      Barrier::wait(&ss.do_full[stage], phase);
+      if constexpr (Cfg::kPingPong) turns.take();
+      issue_ss(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
       warpgroup_wait<0>();
+      if constexpr (Cfg::kPingPong) turns.pass();
       warpgroup_fence_operand(acc_dp);
       Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       const float* delta = ss.delta[stage];
@@ -430,42 +459,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         CUTE_UNROLL
         for (int i = 0; i < kRows; ++i) dp(i, jq) = s(i, jq) * (dp(i, jq) - dl);
       }
-      Tensor p_elem = make_fragment_like<Elem>(acc_s);
-      Tensor ds_elem = make_fragment_like<Elem>(acc_dp);
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) {
         p_elem(i) = Elem(acc_s(i));
         ds_elem(i) = Elem(acc_dp(i));
       }
-      Tensor tPa = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
-      Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
+    }
+    if (n_visits > 0) {  // the last visit's dV / dK
+      const int last = (n_visits - 1) % STAGES;
       if constexpr (Cfg::kPingPong) turns.take();
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(acc_dk);
       warpgroup_arrive();
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tPa); ++kb)
-        gemm(mma_kv, tPa(_, _, kb), tVrdOt(_, _, kb, stage), acc_dv);
+        gemm(mma_kv, tPa(_, _, kb), tVrdOt(_, _, kb, last), acc_dv);
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tdSa); ++kb)
-        gemm(mma_kv, tdSa(_, _, kb), tKrQt(_, _, kb, stage), acc_dk);
+        gemm(mma_kv, tdSa(_, _, kb), tKrQt(_, _, kb, last), acc_dk);
       warpgroup_commit_batch();
-      if (j + 1 < n_visits) {
-        const int next = (j + 1) % STAGES;
-        Barrier::wait(&ss.q_full[next], ((j + 1) / STAGES) & 1);
-        issue_ss(mma_sdp, tSrK, tSrQ(_, _, _, next), acc_s);
-        warpgroup_wait<1>();  // dV_j and dK_j are done; S^T_{j+1} runs on
-      } else {
-        warpgroup_wait<0>();
-      }
+      warpgroup_wait<0>();
       if constexpr (Cfg::kPingPong) turns.pass();
-      // The wgmmas read P^T / dS^T from these registers asynchronously: keep them untouched
-      // until the wait above.
-      warpgroup_fence_operand(p_elem);
-      warpgroup_fence_operand(ds_elem);
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(acc_dk);
-      Barrier::arrive(&ss.empty[stage]);
+      Barrier::arrive(&ss.empty[last]);
     }
     if constexpr (Cfg::kPingPong) if (n_visits > 0) turns.finish();
   } else {
@@ -690,23 +707,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   [[maybe_unused]] const int n_visits = runs.count();  // the same for both consumers
 
   if constexpr (Cfg::kOverlap) {
-    // Key tiles j = 0 .. n_visits - 1: S_{j+1} is issued right behind dQ_j, before waiting for it,
-    // and dP_j at the start of tile j. Registers at the peak as in the shipped loop (dQ, S, dP; dS
-    // lives only while dQ_j and S_{j+1} run, with dP not yet issued).
+    // FlashAttention-3's in-warpgroup overlap, the forward's pattern: tile j issues S_j and then
+    // dQ_{j-1} += dS_{j-1} K_{j-1} behind it, computes P_j while that dQ runs, then issues dP_j
+    // once dQ_{j-1} has freed dS's registers. Nothing is in flight across the loop's back edge
+    // (a wgmma pending there made ptxas serialize every wgmma, C7515). Registers at the peak as
+    // in the shipped loop (dQ, S, dP: 192 fp32); dS_{j-1} (32 registers) lives while S_j runs.
     const int n_first = runs.end[0] - runs.begin[0];
-    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
+    Tensor ds_elem = make_fragment_like<Elem>(partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{}));
+    Tensor ds_rc = make_tensor(ds_elem.data(), acc_rowcol(ds_elem.layout()));
+    Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
     if constexpr (Cfg::kPingPong) if (n_visits > 0) turns.start();
     for (int j = 0; j < n_visits; ++j) {
       const int stage = j % STAGES, phase = (j / STAGES) & 1;
+      const int prev = (j + STAGES - 1) % STAGES;
       const int kt = j < n_first ? runs.begin[0] + j : runs.begin[1] + (j - n_first);
       const Visit visit = plans.visit(qt, kt);
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
-      if (j == 0) Barrier::wait(&ss.k_full[stage], phase);
-      Barrier::wait(&ss.v_full[stage], phase);
+      Barrier::wait(&ss.k_full[stage], phase);
       if constexpr (Cfg::kPingPong) turns.take();
-      if (j == 0) issue_ss(mma_sdp, tSrQ, tSrK(_, _, _, stage), acc_s);
-      issue_ss(mma_sdp, tSrdO, tSrV(_, _, _, stage), acc_dp);
-      warpgroup_wait<1>();  // S_j is ready
+      issue_ss(mma_sdp, tSrQ, tSrK(_, _, _, stage), acc_s);
+      if (j > 0) {
+        warpgroup_fence_operand(acc_dq);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tdSa); ++kb)
+          gemm(mma_dq, tdSa(_, _, kb), tQrKt(_, _, kb, prev), acc_dq);
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();  // S_j is ready; dQ_{j-1} runs on
+      } else {
+        warpgroup_wait<0>();
+      }
       if constexpr (Cfg::kPingPong) turns.pass();
       warpgroup_fence_operand(acc_s);
       Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, keys)
@@ -723,36 +754,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           s(i, c) = exp2_approx(x);
         }
       }
+      warpgroup_wait<0>();  // dQ_{j-1} is done: dS and K_{j-1} are free
+      warpgroup_fence_operand(ds_elem);
+      warpgroup_fence_operand(acc_dq);
+      if (j > 0) Barrier::arrive(&ss.k_empty[prev]);
+      Barrier::wait(&ss.v_full[stage], phase);
+      if constexpr (Cfg::kPingPong) turns.take();
+      issue_ss(mma_sdp, tSrdO, tSrV(_, _, _, stage), acc_dp);
       warpgroup_wait<0>();
+      if constexpr (Cfg::kPingPong) turns.pass();
       warpgroup_fence_operand(acc_dp);
       Barrier::arrive(&ss.v_empty[stage]);  // V is read only by dP
       Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-      Tensor ds_elem = make_fragment_like<Elem>(acc_dp);
-      Tensor ds_rc = make_tensor(ds_elem.data(), acc_rowcol(ds_elem.layout()));
       CUTE_UNROLL
       for (int i = 0; i < kRows; ++i)
         CUTE_UNROLL
         for (int c = 0; c < size<1>(dp); ++c) ds_rc(i, c) = Elem(s(i, c) * (dp(i, c) - delta[i]));
-      Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
+    }
+    if (n_visits > 0) {  // the last tile's dQ
+      const int last = (n_visits - 1) % STAGES;
       if constexpr (Cfg::kPingPong) turns.take();
       warpgroup_fence_operand(acc_dq);
       warpgroup_arrive();
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tdSa); ++kb)
-        gemm(mma_dq, tdSa(_, _, kb), tQrKt(_, _, kb, stage), acc_dq);
+        gemm(mma_dq, tdSa(_, _, kb), tQrKt(_, _, kb, last), acc_dq);
       warpgroup_commit_batch();
-      if (j + 1 < n_visits) {
-        const int next = (j + 1) % STAGES;
-        Barrier::wait(&ss.k_full[next], ((j + 1) / STAGES) & 1);
-        issue_ss(mma_sdp, tSrQ, tSrK(_, _, _, next), acc_s);
-        warpgroup_wait<1>();  // dQ_j is done; S_{j+1} runs on
-      } else {
-        warpgroup_wait<0>();
-      }
+      warpgroup_wait<0>();
       if constexpr (Cfg::kPingPong) turns.pass();
-      warpgroup_fence_operand(ds_elem);  // read by the dQ wgmma until the wait above
       warpgroup_fence_operand(acc_dq);
-      Barrier::arrive(&ss.k_empty[stage]);
+      Barrier::arrive(&ss.k_empty[last]);
     }
     if constexpr (Cfg::kPingPong) if (n_visits > 0) turns.finish();
   } else {
