@@ -69,8 +69,9 @@ using SwizzledTilesT = decltype(composition(
 // instantiations: PINGPONG, the two consumer warpgroups take turns at issuing their matmuls
 // (ConsumerTurns, two turns per tile: the S / dP pair, then the gradient matmuls), so one's
 // element-wise work overlaps the other's matmuls; OVERLAP, FlashAttention-3's in-warpgroup overlap
-// across tiles: the next tile's first matmul (S^T, or S in dQ) is issued behind this tile's last
-// ones before waiting for them, so the tensor cores see no gap at the tile boundary.
+// across tiles: a tile's first matmul (S^T, or S in dQ) and the previous tile's gradient matmuls
+// are issued together, and the exponentials run while the latter do, so the loop's turn and the
+// gradient matmuls' issue no longer leave the tensor cores a gap of their own.
 template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = false,
           bool OVERLAP_ = false>
 struct DkDvConfig {

@@ -12,6 +12,7 @@
 //   ./bwd_standalone small      # two small checks, for compute-sanitizer (memcheck, racecheck)
 //   ./bwd_standalone variants   # A/B of the PINGPONG / OVERLAP variants against the shipped configs:
 //                               # checks of each, then every kernel timed in one run, a table last
+//                               # (~50 s on an H200; csrc/NOTES.md "Backward variants (next A/B)")
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
