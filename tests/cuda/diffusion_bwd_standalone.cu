@@ -717,7 +717,7 @@ struct VarRun {
     for (size_t i = 0; i < masks.size() && i < 10; ++i) printf("%s%d", i ? " " : "", v.halves[i]);
     printf("%s): o %.4f/%.3f dq %.4f/%.3f dk %.4f/%.3f dv %.4f/%.3f (max err / max ref), lse/o bad %d, unwritten %d\n",
            masks.size() > 10 ? " ..." : "", eo.max_err, eo.max_ref, eq.max_err, eq.max_ref,
-           ek.max_err, ek.max_ref, ev.max_err, ev.max_ref, else.nan, unwritten);
+           ek.max_err, ek.max_ref, ev.max_err, ev.max_ref, eo.nan, unwritten);
   }
 };
 
