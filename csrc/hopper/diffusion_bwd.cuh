@@ -27,7 +27,8 @@
 //
 // Coverage as the forward's (dlm_ops/backends/cutlass_diffusion.py checks): both halves multiples
 // of 128, batched layout, head dim 64 or 128, bf16/fp16, no softcap; any [n_noisy | n_clean]
-// SequenceMask (BD3, or block-causal with n_noisy 0).
+// SequenceMask (BD3, or block-causal with n_noisy 0). Odd lengths and varlen: the default-off
+// START_ option of both configs (hopper/common.cuh), not yet called by the backend.
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2, lse in natural log on the outside,
 // scale the softmax scale (dS is the gradient of the scaled logits, hence the final * scale).
