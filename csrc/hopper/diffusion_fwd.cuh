@@ -17,8 +17,8 @@
 // checks): both halves must be multiples of 128 long (every tile starts on a tile boundary, so TMA
 // addresses whole tiles), batched layout only (no varlen), head dim 64, 128 or 256, bf16/fp16, no
 // softcap. (Odd lengths and varlen: the default-off START_ option, hopper/common.cuh, not yet
-// called by the backend.) The mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy
-// 0). Tiles that run past a half's end are masked by column, so the next half's rows they load get
+// called by the backend.) The mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal
+// with n_noisy 0). Tiles that run past a half's end are masked by column, so the next half's rows they load get
 // probability 0.
 //
 // Versions, predictions and measurements: csrc/NOTES.md (this is v3).
