@@ -15,6 +15,15 @@ namespace dlm::sm90 {
 
 using namespace cute;
 
+// Where a kernel's tiles may start (a compile-time option of every sm90 config; csrc/NOTES.md "Odd
+// lengths and varlen"). kStartTile (the shipped kernels): on multiples of the tile size, so both
+// halves must be multiples of 128 and TMA boxes are addressed by tile index. kStartAny: each half
+// is tiled from its own start at any length, the boxes placed by element coordinates
+// (domain_offset); rows a tile reads past its half are masked by column (keys) and not stored
+// (queries). kStartVarlen: kStartAny over packed samples (batch 1; cu_seqlens), the work listing
+// (sample, tile) pairs built on the host; sample i is block_diffusion(its length, block_size).
+constexpr int kStartTile = 0, kStartAny = 1, kStartVarlen = 2;
+
 // A (seqlen, D, heads, batch) view of a (B, S, H, D) tensor, the shape TMA descriptors are made of.
 template <class Elem>
 CUTE_HOST_DEVICE auto bshd_tensor(Elem const* ptr, int seqlen, int d, int heads, int batch,
@@ -79,6 +88,39 @@ CUTE_DEVICE void produce_kv_runs(TilePlans const& plans, TileRuns const& runs, i
       Barrier::wait(&v_empty[stage], phase ^ 1);
       TxBarrier::arrive_and_expect_tx(&v_full[stage], bytes);
       copy(tma_v.with(v_full[stage]), tVgV(_, _, _, col_tile), tVsV(_, _, _, stage));
+    }
+  }
+}
+
+// produce_kv_runs for tiles that start anywhere (kStartAny / kStartVarlen): the box of key tile kt
+// is placed at row `offset + other.tile(kt).lo` of the (S, D) coordinate view `mKV` by
+// domain_offset, not at a tile index, so halves of any length and packed samples are addressed
+// alike. Rows past the tensor's end read as zeros (TMA); rows past the half or sample are masked
+// by the consumers' column test (visit.end).
+template <int BN, int D, int STAGES, class Tma, class ThrTma, class Coord, class Dst>
+CUTE_DEVICE void produce_kv_runs_at(TilePlans const& plans, TileRuns const& runs, int& it,
+                                    int offset, int bytes, Tma const& tma_k, ThrTma const& thr_k,
+                                    Coord const& mK, Dst& tKsK, uint64_t* k_full, uint64_t* k_empty,
+                                    Tma const& tma_v, ThrTma const& thr_v, Coord const& mV,
+                                    Dst& tVsV, uint64_t* v_full, uint64_t* v_empty) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    for (int kt = runs.begin[r]; kt < runs.end[r]; ++kt, ++it) {
+      const int stage = it % STAGES, phase = (it / STAGES) & 1;
+      const auto at = make_coord(offset + plans.other.tile(kt).lo, 0);
+      const auto box = Shape<Int<BN>, Int<D>>{};
+      Barrier::wait(&k_empty[stage], phase ^ 1);
+      TxBarrier::arrive_and_expect_tx(&k_full[stage], bytes);
+      copy(tma_k.with(k_full[stage]),
+           thr_k.partition_S(local_tile(domain_offset(at, mK), box, make_coord(0, 0))),
+           tKsK(_, _, _, stage));
+      Barrier::wait(&v_empty[stage], phase ^ 1);
+      TxBarrier::arrive_and_expect_tx(&v_full[stage], bytes);
+      copy(tma_v.with(v_full[stage]),
+           thr_v.partition_S(local_tile(domain_offset(at, mV), box, make_coord(0, 0))),
+           tVsV(_, _, _, stage));
     }
   }
 }

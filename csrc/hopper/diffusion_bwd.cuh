@@ -27,7 +27,8 @@
 //
 // Coverage as the forward's (dlm_ops/backends/cutlass_diffusion.py checks): both halves multiples
 // of 128, batched layout, head dim 64 or 128, bf16/fp16, no softcap; any [n_noisy | n_clean]
-// SequenceMask (BD3, or block-causal with n_noisy 0).
+// SequenceMask (BD3, or block-causal with n_noisy 0). Odd lengths and varlen: the default-off
+// START_ option of both configs (hopper/common.cuh), not yet called by the backend.
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2, lse in natural log on the outside,
 // scale the softmax scale (dS is the gradient of the scaled logits, hence the final * scale).
@@ -72,11 +73,19 @@ using SwizzledTilesT = decltype(composition(
 // across tiles: a tile's first matmul (S^T, or S in dQ) and the previous tile's gradient matmuls
 // are issued together, and the exponentials run while the latter do, so the loop's turn and the
 // gradient matmuls' issue no longer leave the tensor cores a gap of their own.
+// START_: where tiles may start (kStartTile / kStartAny / kStartVarlen, hopper/common.cuh); the
+// shipped loop only (not with OVERLAP).
 template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = false,
-          bool OVERLAP_ = false>
+          bool OVERLAP_ = false, int START_ = kStartTile>
 struct DkDvConfig {
   using Elem = Elem_;
   static constexpr bool kPingPong = PINGPONG_, kOverlap = OVERLAP_;
+  static constexpr int kStart = START_;
+  static_assert(kStart == kStartTile || !kOverlap, "odd lengths / varlen: the shipped loop only");
+  // Bulk copies need 16-byte aligned sources: a query tile starting anywhere copies its lse2 / delta
+  // from the aligned element at or before its first row, kRowPad more floats, and the consumers
+  // skip the (row & 3) leading ones.
+  static constexpr int kRowPad = kStart == kStartTile ? 0 : 4;
   // BM: queries per visited tile; BN: keys per CTA, 64 per consumer warpgroup. BM = 64 keeps the
   // four accumulators of a warpgroup (dK, dV: 64 x D; S^T, dP^T: 64 x BM) at 192 fp32 registers
   // per thread for D = 128, under setmaxnreg's 240.
@@ -103,21 +112,23 @@ struct DkDvConfig {
     alignas(1024) Elem v[cosize_v<SmemLayoutKV>];
     alignas(1024) Elem q[cosize_v<SmemLayoutQ>];
     alignas(1024) Elem dout[cosize_v<SmemLayoutQ>];
-    alignas(16) float lse2[STAGES][BM];  // bulk copies need 16-byte aligned destinations
-    alignas(16) float delta[STAGES][BM];
+    alignas(16) float lse2[STAGES][BM + kRowPad];  // bulk copies need 16-byte aligned destinations
+    alignas(16) float delta[STAGES][BM + kRowPad];
     alignas(8) uint64_t kv_full;
     uint64_t q_full[STAGES], do_full[STAGES], empty[STAGES];
   };
   static constexpr int kTileBytesQ = BM * D * sizeof(Elem);
   static constexpr int kTileBytesKV = BN * D * sizeof(Elem);
-  static constexpr int kRowBytes = BM * sizeof(float);  // one tile's lse2 or delta
+  static constexpr int kRowBytes = (BM + kRowPad) * sizeof(float);  // one tile's lse2 or delta
 };
 
 template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = false,
-          bool OVERLAP_ = false>
-struct DqConfig {  // PINGPONG / OVERLAP: as DkDvConfig's
+          bool OVERLAP_ = false, int START_ = kStartTile>
+struct DqConfig {  // PINGPONG / OVERLAP / START_: as DkDvConfig's
   using Elem = Elem_;
   static constexpr bool kPingPong = PINGPONG_, kOverlap = OVERLAP_;
+  static constexpr int kStart = START_;
+  static_assert(kStart == kStartTile || !kOverlap, "odd lengths / varlen: the shipped loop only");
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
   static constexpr int kConsumerRows = 64;
   static constexpr int kConsumers = BM / kConsumerRows;
@@ -172,7 +183,33 @@ struct BwdParams {
   SequenceMask mask;
   float scale, scale_log2;    // softmax scale, and times log2 e
   const int32_t* tile_order;  // own tiles, most expensive first (geometry most_expensive_first)
+  // kStartVarlen only (appended, so the shipped kernels' parameter offsets do not move): grid row
+  // blockIdx.y is own tile tile_order[y] of sample tile_sample[y]; sample i occupies packed rows
+  // [cu_seqlens[i], cu_seqlens[i + 1]) of batch 0; mask.block_size is every sample's block size.
+  const int32_t* tile_sample = nullptr;
+  const int32_t* cu_seqlens = nullptr;
 };
+
+// Floats past the end of the lse2 / delta scratch (B * H * S) that the odd-length / varlen dK/dV
+// kernel may read (a tile's BM rows plus the 3 before its aligned start), which must hold finite
+// values (zeros): masked queries get P^T = 0, and dS^T = 0 * (dP^T - delta) only if delta is finite.
+constexpr int kVarlenScratchPad = 128;
+
+// The mask and the packed row of position 0 of the CTA's sample (kStartVarlen: from the grid row;
+// otherwise the kernel's mask and row 0).
+struct SampleGeom {
+  SequenceMask mask;
+  int offset;
+};
+template <class Cfg, class Params>
+CUTE_DEVICE SampleGeom sample_geom(Params const& p) {
+  if constexpr (Cfg::kStart == kStartVarlen) {
+    const int sample = p.tile_sample[blockIdx.y], lo = p.cu_seqlens[sample];
+    return {block_diffusion(p.cu_seqlens[sample + 1] - lo, p.mask.block_size), lo};
+  } else {
+    return {p.mask, 0};
+  }
+}
 template <class Cfg>
 using DkDvParams = BwdParams<Cfg, Cfg::BM, Cfg::BN>;  // Q tiles of BM rows, one K/V tile of BN
 template <class Cfg>
@@ -304,7 +341,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   const int bh = blockIdx.x, b = bh / p.kv_heads, kvh = bh % p.kv_heads;
   const int group = p.heads / p.kv_heads;
-  const TilePlans plans = p.mask.bwd_tiles(BM, BN);  // own: key tiles; other: query tiles
+  const SampleGeom geom = sample_geom<Cfg>(p);
+  const SequenceMask& mask = Cfg::kStart == kStartTile ? p.mask : geom.mask;
+  const int offset = Cfg::kStart == kStartVarlen ? geom.offset : 0;  // packed row of position 0
+  const TilePlans plans = mask.bwd_tiles(BM, BN);  // own: key tiles; other: query tiles
   const int kt = p.tile_order[blockIdx.y];
   const Interval k_tile = plans.tile(kt);
   const TileRuns runs = plans.runs(kt);
@@ -326,13 +366,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0) {
       Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
       Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
-      Tensor gK = local_tile(mK(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(k_tile.lo / BN, 0));
-      Tensor gV = local_tile(mV(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(k_tile.lo / BN, 0));
       auto tma_k = p.tma_k.get_slice(0);
       auto tma_v = p.tma_v.get_slice(0);
       TxBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Cfg::kTileBytesKV);
-      copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
-      copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+      if constexpr (Cfg::kStart != kStartTile) {  // the box at the tile's first row, by coordinates
+        const auto at = make_coord(offset + k_tile.lo, 0);
+        Tensor gK = local_tile(domain_offset(at, mK(_, _, kvh, b)), Shape<Int<BN>, Int<D>>{}, make_coord(0, 0));
+        Tensor gV = local_tile(domain_offset(at, mV(_, _, kvh, b)), Shape<Int<BN>, Int<D>>{}, make_coord(0, 0));
+        copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+        copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+      } else {
+        Tensor gK = local_tile(mK(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(k_tile.lo / BN, 0));
+        Tensor gV = local_tile(mV(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(k_tile.lo / BN, 0));
+        copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+        copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+      }
 
       Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
       Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
@@ -353,6 +401,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             const int stage = it % STAGES, phase = (it / STAGES) & 1;
             const int row0 = plans.other.tile(qt).lo;
             Barrier::wait(&ss.empty[stage], phase ^ 1);
+            if constexpr (Cfg::kStart != kStartTile) {
+              // Q / dO boxes by coordinates; lse2 / delta from the 16-byte aligned element at or
+              // before the tile's first row (the consumers skip (first & 3) floats).
+              const auto at = make_coord(offset + row0, 0);
+              const int64_t first = rows_bh + offset + row0, aligned = first & ~int64_t{3};
+              TxBarrier::arrive_and_expect_tx(&ss.q_full[stage], Cfg::kTileBytesQ + Cfg::kRowBytes);
+              copy(p.tma_q.with(ss.q_full[stage]),
+                   tma_q.partition_S(local_tile(domain_offset(at, mQ(_, _, h, b)), Shape<Int<BM>, Int<D>>{},
+                                                make_coord(0, 0))),
+                   tQsQ(_, _, _, stage));
+              SM90_BULK_COPY_G2S::copy(p.lse2 + aligned, &ss.q_full[stage], ss.lse2[stage], Cfg::kRowBytes);
+              TxBarrier::arrive_and_expect_tx(&ss.do_full[stage], Cfg::kTileBytesQ + Cfg::kRowBytes);
+              copy(p.tma_do.with(ss.do_full[stage]),
+                   tma_do.partition_S(local_tile(domain_offset(at, mdO(_, _, h, b)), Shape<Int<BM>, Int<D>>{},
+                                                 make_coord(0, 0))),
+                   tdOsdO(_, _, _, stage));
+              SM90_BULK_COPY_G2S::copy(p.delta + aligned, &ss.do_full[stage], ss.delta[stage], Cfg::kRowBytes);
+              continue;
+            }
             TxBarrier::arrive_and_expect_tx(&ss.q_full[stage], Cfg::kTileBytesQ + Cfg::kRowBytes);
             copy(p.tma_q.with(ss.q_full[stage]), tQgQ(_, _, _, row0 / BM), tQsQ(_, _, _, stage));
             SM90_BULK_COPY_G2S::copy(p.lse2 + rows_bh + row0, &ss.q_full[stage], ss.lse2[stage],
@@ -439,7 +506,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       warpgroup_fence_operand(acc_s);
       Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (keys, queries)
       const bool masked = !visit.full || visit.end - visit.start < BM;
-      dkdv_probabilities(s, tScS_rc, visit, masked, p.mask, key_base, p.scale_log2, ss.lse2[stage]);
+      dkdv_probabilities(s, tScS_rc, visit, masked, mask, key_base, p.scale_log2, ss.lse2[stage]);
       warpgroup_wait<0>();  // dV_{j-1} / dK_{j-1} are done: P^T, dS^T and stage j - 1 are free
       warpgroup_fence_operand(p_elem);
       warpgroup_fence_operand(ds_elem);
@@ -528,14 +595,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // P^T = exp2(s * scale log2 e - lse2[query]); masked pairs get exp2(-inf) = 0.
           Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (keys, queries)
           const bool masked = !visit.full || visit.end - visit.start < BM;
-          const float* lse2 = ss.lse2[stage];
+          // kStartAny / kStartVarlen: the copy began (first row & 3) floats before the tile.
+          [[maybe_unused]] int skip = 0;
+          if constexpr (Cfg::kStart != kStartTile)
+            skip = static_cast<int>(((static_cast<int64_t>(b) * p.heads + kvh * group + g) * p.seqlen +
+                                     offset + visit.start) & 3);
+          const float* lse2 = ss.lse2[stage] + skip;
           // The query rows that see each of this thread's keys, recomputed per PARTIAL tile rather
           // than held over the loop: 8 registers the accumulators need (4 bytes spilled otherwise).
           Intervals seen_by[kRows];
           if (masked) {
             CUTE_UNROLL
             for (int i = 0; i < kRows; ++i)
-              seen_by[i] = p.mask.col_intervals(key_base + get<0>(tScS_rc(i, 0)));
+              seen_by[i] = mask.col_intervals(key_base + get<0>(tScS_rc(i, 0)));
           }
           CUTE_UNROLL
           for (int j = 0; j < size<1>(s); ++j) {
@@ -555,7 +627,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           warpgroup_fence_operand(acc_dp);
           // dS^T = P^T (dP^T - delta[query]), in dP^T's registers.
           Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-          const float* delta = ss.delta[stage];
+          const float* delta = ss.delta[stage] + skip;
           CUTE_UNROLL
           for (int j = 0; j < size<1>(dp); ++j) {
             const float dl = delta[get<1>(tScS_rc(0, j))];
@@ -601,8 +673,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   // Epilogue: dK = scale * sum dS^T Q and dV straight from registers; rows are keys.
   Tensor tKcK = thr_kv.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));
-  Elem* dk = p.grad_a + b * p.a_stride_b + kvh * p.a_stride_h;
-  Elem* dv = p.grad_b + b * p.b_stride_b + kvh * p.b_stride_h;
+  // Keys of the tile past its half (or sample) are not stored (row_end = k_tile.hi).
+  Elem* dk = p.grad_a + b * p.a_stride_b + kvh * p.a_stride_h + offset * p.a_stride_s;
+  Elem* dv = p.grad_b + b * p.b_stride_b + kvh * p.b_stride_h + offset * p.b_stride_s;
   store_rows(acc_dk, tKcK, p.scale, dk, p.a_stride_s, key_base, k_tile.hi);
   store_rows(acc_dv, tKcK, 1.f, dv, p.b_stride_s, key_base, k_tile.hi);
 }
@@ -627,7 +700,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   const int bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads;
   const int kvh = h / (p.heads / p.kv_heads);
-  const TilePlans plans = p.mask.fwd_tiles(BM, BN);
+  const SampleGeom geom = sample_geom<Cfg>(p);
+  const SequenceMask& mask = Cfg::kStart == kStartTile ? p.mask : geom.mask;
+  const int offset = Cfg::kStart == kStartVarlen ? geom.offset : 0;  // packed row of position 0
+  const TilePlans plans = mask.fwd_tiles(BM, BN);
   const int qt = p.tile_order[blockIdx.y];
   const Interval q_tile = plans.tile(qt);
   const TileRuns runs = plans.runs(qt);
@@ -650,23 +726,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0) {
       Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
       Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
-      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(q_tile.lo / BM, 0));
-      Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(q_tile.lo / BM, 0));
       auto tma_q = p.tma_q.get_slice(0);
       auto tma_do = p.tma_do.get_slice(0);
       TxBarrier::arrive_and_expect_tx(&ss.q_full, 2 * Cfg::kTileBytesQ);
-      copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
-      copy(p.tma_do.with(ss.q_full), tma_do.partition_S(gdO), tma_do.partition_D(sdO));
+      if constexpr (Cfg::kStart != kStartTile) {  // boxes by coordinates: tiles start anywhere
+        const auto at = make_coord(offset + q_tile.lo, 0);
+        Tensor gQ = local_tile(domain_offset(at, mQ(_, _, h, b)), Shape<Int<BM>, Int<D>>{}, make_coord(0, 0));
+        Tensor gdO = local_tile(domain_offset(at, mdO(_, _, h, b)), Shape<Int<BM>, Int<D>>{}, make_coord(0, 0));
+        copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
+        copy(p.tma_do.with(ss.q_full), tma_do.partition_S(gdO), tma_do.partition_D(sdO));
+      } else {
+        Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(q_tile.lo / BM, 0));
+        Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(q_tile.lo / BM, 0));
+        copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
+        copy(p.tma_do.with(ss.q_full), tma_do.partition_S(gdO), tma_do.partition_D(sdO));
+      }
 
       Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
       Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
       auto tma_k = p.tma_k.get_slice(0);
       auto tma_v = p.tma_v.get_slice(0);
-      Tensor tKgK = tma_k.partition_S(local_tile(mK(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
-      Tensor tVgV = tma_v.partition_S(local_tile(mV(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
       Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
       Tensor tVsV = tma_v.partition_D(sV);
       int it = 0;
+      if constexpr (Cfg::kStart != kStartTile) {
+        produce_kv_runs_at<BN, D, STAGES>(plans, runs, it, offset, Cfg::kTileBytesKV, p.tma_k, tma_k,
+                                          mK(_, _, kvh, b), tKsK, ss.k_full, ss.k_empty, p.tma_v,
+                                          tma_v, mV(_, _, kvh, b), tVsV, ss.v_full, ss.v_empty);
+        return;
+      }
+      Tensor tKgK = tma_k.partition_S(local_tile(mK(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
+      Tensor tVgV = tma_v.partition_S(local_tile(mV(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
       produce_kv_runs<BN, STAGES>(plans, runs, it, Cfg::kTileBytesKV, p.tma_k, tKgK, tKsK,
                                   ss.k_full, ss.k_empty, p.tma_v, tVgV, tVsV, ss.v_full, ss.v_empty);
     }
@@ -698,8 +788,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
     const int row = row_base + get<0>(tScS_rc(i, 0));
-    const int64_t at = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen + row;
-    seen[i] = p.mask.row_intervals(row);
+    const int64_t at = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen + offset + row;
+    seen[i] = mask.row_intervals(row);
     lse2[i] = row < q_tile.hi ? p.lse2[at] : INFINITY;  // rows past the tile: P = 0
     delta[i] = row < q_tile.hi ? p.delta[at] : 0.f;
   }
@@ -867,7 +957,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 
   Tensor tQcQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));
-  Elem* dq = p.grad_a + b * p.a_stride_b + h * p.a_stride_h;
+  // Rows of the tile past its half (or sample) are not stored (row_end = q_tile.hi).
+  Elem* dq = p.grad_a + b * p.a_stride_b + h * p.a_stride_h + offset * p.a_stride_s;
   store_rows(acc_dq, tQcQ, p.scale, dq, p.a_stride_s, row_base, q_tile.hi);
 }
 
@@ -889,6 +980,11 @@ struct BwdArgs {
   const int32_t* dq_order;    // query tiles of fwd_tiles(kDqBlockM, kDqBlockN), most expensive first
   int dq_tiles;
   cudaStream_t stream;
+  // kStartVarlen configs only (batch 1, seqlen = packed tokens): the sample of each entry of
+  // dkdv_order / dq_order, and the samples' offsets (csrc/NOTES.md "Odd lengths and varlen"). The
+  // odd-length / varlen dK/dV kernel also reads up to kVarlenScratchPad zeroed floats past the
+  // lse2 / delta scratch.
+  const int32_t *dkdv_sample = nullptr, *dq_sample = nullptr, *cu_seqlens = nullptr;
 };
 
 // The tile shapes the shipped instantiations use (the binding builds the orders for them).
@@ -926,7 +1022,7 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
       a.dk_stride[1], a.dk_stride[2], a.dk_stride[0], a.dv_stride[1], a.dv_stride[2], a.dv_stride[0],
       a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale,
-      a.scale * 1.4426950408889634f, a.dkdv_order};
+      a.scale * 1.4426950408889634f, a.dkdv_order, a.dkdv_sample, a.cu_seqlens};
   auto kernel = diffusion_bwd_dkdv_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);  // once: the attribute is per function
@@ -949,7 +1045,7 @@ cudaError_t launch_dq(const BwdArgs& a) {
       a.dq_stride[1], a.dq_stride[2], a.dq_stride[0], 0, 0, 0,
       a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale,
-      a.scale * 1.4426950408889634f, a.dq_order};
+      a.scale * 1.4426950408889634f, a.dq_order, a.dq_sample, a.cu_seqlens};
   auto kernel = diffusion_bwd_dq_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);

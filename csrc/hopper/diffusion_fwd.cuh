@@ -16,8 +16,9 @@
 // What this first version leaves to the Triton kernel (dlm_ops/backends/cutlass_diffusion.py
 // checks): both halves must be multiples of 128 long (every tile starts on a tile boundary, so TMA
 // addresses whole tiles), batched layout only (no varlen), head dim 64, 128 or 256, bf16/fp16, no
-// softcap. The mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy
-// 0). Tiles that run past a half's end are masked by column, so the next half's rows they load get
+// softcap. (Odd lengths and varlen: the default-off START_ option, hopper/common.cuh, not yet
+// called by the backend.) The mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal
+// with n_noisy 0). Tiles that run past a half's end are masked by column, so the next half's rows they load get
 // probability 0.
 //
 // Versions, predictions and measurements: csrc/NOTES.md (this is v3).
@@ -54,14 +55,15 @@ constexpr int kTrimUnswitch = 1;  // the mask test once per tile, not per score 
 constexpr int kTrimFull = 2;      // FULL from hoisted key bounds, not tile_kind's two divisions
 constexpr int kTrimQEmpty = 4;    // q_empty arrives after the loop, not under a test in every step
 constexpr int kTrimAll = kTrimUnswitch | kTrimFull | kTrimQEmpty;
+// START_: where tiles may start (kStartTile / kStartAny / kStartVarlen, hopper/common.cuh).
 
 template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true,
-          int NARROW_ = kNarrowOff, int TRIM_ = 0>
+          int NARROW_ = kNarrowOff, int TRIM_ = 0, int START_ = kStartTile>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
   static constexpr bool kPingPong = PINGPONG_;  // the consumers take turns at the tensor cores
-  static constexpr int kNarrow = NARROW_, kTrim = TRIM_;
+  static constexpr int kNarrow = NARROW_, kTrim = TRIM_, kStart = START_;
   static_assert(kNarrow == kNarrowOff || BN == 128, "narrow visits: two 64-key halves of a tile");
   static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
   static constexpr int kConsumers = BM / kConsumerRows;
@@ -123,6 +125,11 @@ struct FwdParams {
   float scale_log2;           // softmax scale * log2(e)
   const int32_t* tile_order;  // query tiles, most expensive first (geometry most_expensive_first)
   int num_tiles;              // entries of tile_order
+  // kStartVarlen only (appended, so the shipped kernels' parameter offsets do not move): work
+  // entry e is query tile tile_order[e] of sample tile_sample[e]; sample i occupies packed rows
+  // [cu_seqlens[i], cu_seqlens[i + 1]) of batch 0; mask.block_size is every sample's block size.
+  const int32_t* tile_sample = nullptr;
+  const int32_t* cu_seqlens = nullptr;
 };
 
 // The work: item w is query tile tile_order[w / (batch * heads)] of (batch, head) w % (batch *
@@ -135,6 +142,24 @@ template <class Params>
 CUTE_DEVICE WorkItem work_item(Params const& p, int w) {
   const int bh_count = p.batch * p.heads, bh = w % bh_count;
   return {bh / p.heads, bh % p.heads, p.tile_order[w / bh_count]};
+}
+
+// A work item with its mask and the packed row its sample starts at (kStartAny: the batch's mask,
+// row 0; kStartVarlen: item w is entry w / heads of head w % heads, batch 0).
+struct ItemGeom {
+  WorkItem wi;
+  SequenceMask mask;
+  int offset;
+};
+template <class Cfg, class Params>
+CUTE_DEVICE ItemGeom item_geom(Params const& p, int w) {
+  if constexpr (Cfg::kStart == kStartVarlen) {
+    const int e = w / p.heads, sample = p.tile_sample[e], lo = p.cu_seqlens[sample];
+    return {{0, w % p.heads, p.tile_order[e]},
+            block_diffusion(p.cu_seqlens[sample + 1] - lo, p.mask.block_size), lo};
+  } else {
+    return {work_item(p, w), p.mask, 0};
+  }
 }
 
 // Max / sum over the 4 threads of a quad, which together hold a row.
@@ -309,6 +334,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutVt{});
 
   const TilePlans plans = p.mask.fwd_tiles(BM, BN);
+  const TilePlans& kernel_plans = plans;
   const int num_items = p.num_tiles * p.batch * p.heads;
   const int warp_group = threadIdx.x / 128;
 
@@ -338,6 +364,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tVsV = tma_v.partition_D(sV);
       int it = 0;  // K/V visits so far, over every work item of this CTA: the ring position
       for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
+        if constexpr (Cfg::kStart != kStartTile) {
+          // Tiles start anywhere: the TMA boxes are placed by element coordinates (rows past the
+          // tensor's end read as zeros; rows past the half or sample are masked by the consumers).
+          const ItemGeom ig = item_geom<Cfg>(p, w);
+          const WorkItem wi = ig.wi;
+          const int kvh = wi.h / (p.heads / p.kv_heads);
+          const TilePlans iplans = ig.mask.fwd_tiles(BM, BN);
+          const TileRuns runs = iplans.runs(wi.qt);
+          Barrier::wait(&ss.q_empty, (item & 1) ^ 1);
+          Tensor gQ = local_tile(
+              domain_offset(make_coord(ig.offset + iplans.tile(wi.qt).lo, 0), mQ(_, _, wi.h, wi.b)),
+              Shape<Int<BM>, Int<D>>{}, make_coord(0, 0));
+          TxBarrier::arrive_and_expect_tx(&ss.q_full, Cfg::kTileBytesQ);
+          copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
+          produce_kv_runs_at<BN, D, STAGES>(iplans, runs, it, ig.offset, Cfg::kTileBytesKV, p.tma_k,
+                                            tma_k, mK(_, _, kvh, wi.b), tKsK, ss.k_full, ss.k_empty,
+                                            p.tma_v, tma_v, mV(_, _, kvh, wi.b), tVsV, ss.v_full,
+                                            ss.v_empty);
+          continue;
+        }
         const WorkItem wi = work_item(p, w);
         const int kvh = wi.h / (p.heads / p.kv_heads);
         const TileRuns runs = plans.runs(wi.qt);
@@ -395,7 +441,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   int it = 0;  // the producer's ring position, kept in step
   for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
-    const WorkItem wi = work_item(p, w);
+    // kStartTile: the kernel's plans and mask; otherwise the item's own (sample-relative rows).
+    const ItemGeom ig = item_geom<Cfg>(p, w);
+    const WorkItem wi = ig.wi;
+    const SequenceMask& mask = Cfg::kStart == kStartTile ? p.mask : ig.mask;
+    const TilePlans plans = Cfg::kStart == kStartTile ? kernel_plans : mask.fwd_tiles(BM, BN);
+    const int row_offset = Cfg::kStart == kStartVarlen ? ig.offset : 0;  // packed row of position 0
     const Interval q_tile = plans.tile(wi.qt);
     const TileRuns runs = plans.runs(wi.qt);
     const int row_base = q_tile.lo + consumer * Cfg::kConsumerRows;  // this warpgroup's first row
@@ -404,13 +455,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int i = 0; i < kRows; ++i) {
       row_max[i] = -INFINITY;
       row_sum[i] = 0.f;
-      seen[i] = p.mask.row_intervals(row_base + get<0>(tScS_rc(i, 0)));
+      seen[i] = mask.row_intervals(row_base + get<0>(tScS_rc(i, 0)));
     }
     clear(acc_o);
     const int n_first = runs.end[0] - runs.begin[0], n_tiles = runs.count();
     [[maybe_unused]] Intervals my_keys, all_keys;  // narrow: this consumer's keys; kTrimFull: all rows'
-    if constexpr (kNarrow) my_keys = rows_keys(p.mask, row_base, row_base + Cfg::kConsumerRows);
-    if constexpr ((Cfg::kTrim & kTrimFull) != 0) all_keys = keys_seen_by_all(p.mask, q_tile);
+    if constexpr (kNarrow) my_keys = rows_keys(mask, row_base, row_base + Cfg::kConsumerRows);
+    if constexpr ((Cfg::kTrim & kTrimFull) != 0) all_keys = keys_seen_by_all(mask, q_tile);
     [[maybe_unused]] int prev_half = -1;  // narrow: the previous visit's half (-1: wide)
     // Ping-pong: the two consumers take turns to issue their matmuls (named barriers 1 and 2), so
     // one's softmax runs while the tensor cores work for the other. Consumer 1 pre-arrives on
@@ -427,7 +478,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const Visit visit = step_visit<Cfg>(plans, wi.qt, kt, j < n_first, all_keys);
       [[maybe_unused]] int half = -1;
       if constexpr (kNarrow)
-        if (!visit.full && (Cfg::kNarrow == kNarrowAll || visit.start < p.mask.n_noisy))
+        if (!visit.full && (Cfg::kNarrow == kNarrowAll || visit.start < mask.n_noisy))
           half = narrow_half<BN / 2>(my_keys, visit);
       const bool wide = !kNarrow || half < 0;
       Barrier::wait(&ss.k_full[stage], phase);
@@ -558,17 +609,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const float l = quad_sum(row_sum[i]);
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int row = row_base + get<0>(tOcO_rc(i, 0));
-      if (row < q_tile.hi) {
+      if (row < q_tile.hi) {  // rows of the tile past its half (or sample) are not stored
         // Columns 2c and 2c + 1 are neighbours in this thread's registers: one 4-byte store each
         // (the row stride is a multiple of D and the base 16-byte aligned, checked at launch).
         CUTE_UNROLL
         for (int c = 0; c < size<1>(o_rc); c += 2) {
           const Elem pair[2] = {Elem(o_rc(i, c) * inv), Elem(o_rc(i, c + 1) * inv)};
-          *reinterpret_cast<uint32_t*>(o_head + row * p.o_stride_s + get<1>(tOcO_rc(i, c))) =
+          *reinterpret_cast<uint32_t*>(o_head + (row_offset + row) * p.o_stride_s + get<1>(tOcO_rc(i, c))) =
               *reinterpret_cast<const uint32_t*>(pair);
         }
         if (tid % 4 == 0)
-          p.lse[wi.b * p.lse_stride_b + wi.h * p.lse_stride_h + row] =
+          p.lse[wi.b * p.lse_stride_b + wi.h * p.lse_stride_h + row_offset + row] =
               l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
       }
     }
@@ -591,6 +642,9 @@ struct FwdArgs {
   int num_tiles;
   int max_ctas;  // persistent grid: at most this many CTAs (the SM count); 0 = one CTA per work item
   cudaStream_t stream;
+  // kStartVarlen configs only (batch 1, seqlen = packed tokens): the sample of each tile_order
+  // entry and the samples' offsets (csrc/NOTES.md "Odd lengths and varlen").
+  const int32_t *tile_sample = nullptr, *cu_seqlens = nullptr;
 };
 
 // Tiles of the shipped instantiations. D = 256 takes 64-key tiles: a consumer thread then holds O
@@ -599,9 +653,10 @@ struct FwdArgs {
 constexpr int kFwdBlockM = 128, kFwdStages = 2;
 constexpr int fwd_block_n(int d) { return d > 128 ? 64 : 128; }
 
-template <class Elem, int D>
-cudaError_t launch_fwd(const FwdArgs& a) {
-  using Cfg = FwdConfig<Elem, D, kFwdBlockM, fwd_block_n(D), kFwdStages>;
+// Any FwdConfig (the shipped ones through launch_fwd; kStartAny / kStartVarlen ones directly).
+template <class Cfg>
+cudaError_t launch_fwd_cfg(const FwdArgs& a) {
+  using Elem = typename Cfg::Elem;
   auto ptr = [](const void* x) { return static_cast<const Elem*>(x); };
   const FwdParams<Cfg> p{
       make_tma_q<Cfg>(ptr(a.q), a.seqlen, a.heads, a.batch, a.q_stride[1], a.q_stride[2], a.q_stride[0]),
@@ -610,7 +665,7 @@ cudaError_t launch_fwd(const FwdArgs& a) {
       static_cast<Elem*>(a.o), a.lse, a.o_stride[1], a.o_stride[2], a.o_stride[0],
       a.lse_stride[1], a.lse_stride[0], a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale * 1.4426950408889634f,
-      a.tile_order, a.num_tiles};
+      a.tile_order, a.num_tiles, a.tile_sample, a.cu_seqlens};
   auto kernel = diffusion_fwd_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured =  // once per instantiation: the attribute is per function
@@ -620,6 +675,11 @@ cudaError_t launch_fwd(const FwdArgs& a) {
   const int ctas = a.max_ctas > 0 && a.max_ctas < items ? a.max_ctas : items;
   kernel<<<ctas, Cfg::kThreads, smem, a.stream>>>(p);
   return cudaGetLastError();
+}
+
+template <class Elem, int D>
+cudaError_t launch_fwd(const FwdArgs& a) {
+  return launch_fwd_cfg<FwdConfig<Elem, D, kFwdBlockM, fwd_block_n(D), kFwdStages>>(a);
 }
 
 #define DLM_DECLARE_FWD(ELEM, D) extern template cudaError_t launch_fwd<ELEM, D>(const FwdArgs&);

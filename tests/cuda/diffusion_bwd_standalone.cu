@@ -13,6 +13,10 @@
 //   ./bwd_standalone variants   # A/B of the PINGPONG / OVERLAP variants against the shipped configs:
 //                               # checks of each, then every kernel timed in one run, a table last
 //                               # (~50 s on an H200; csrc/NOTES.md "Backward variants (next A/B)")
+//   ./bwd_standalone varlen     # odd lengths (kStartAny) and varlen (kStartVarlen), forward and
+//                               # backward: checks of every output element's poison and sampled
+//                               # rows against fp64, then varlen vs batched timing at 16K tokens
+//                               # (csrc/NOTES.md "Odd lengths and varlen"); exit 1 on a failure
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -511,6 +515,300 @@ void refdump(const char* path) {
   printf("wrote %s\n", path);
 }
 
+// ------------------------------------------------------------- odd lengths and varlen
+// Sequences at packed rows [off[i], off[i] + 2 half[i]) of a (1, total, H, D) tensor (batched odd
+// lengths: B equal sequences, the same memory as (B, S, H, D)). Batched (kStartAny): seqlen S,
+// batch B, one mask; varlen (kStartVarlen): batch 1, one BD3 sample per sequence, work entries
+// (sample, tile) from every sample, most expensive first.
+struct VarSpec {
+  bool varlen;
+  std::vector<int> halves;  // varlen: per sample; batched: B copies of n
+  int H, Hkv, bs;
+  bool causal = false;      // batched only: block-causal over 2n
+  int stride = 1;           // check every stride-th row / key
+};
+
+struct Entries {
+  std::vector<int32_t> order, sample;
+  int32_t *d_order = nullptr, *d_sample = nullptr;
+  void upload() {
+    const size_t n = std::max<size_t>(order.size(), 1) * 4;
+    CK(cudaMalloc(&d_order, n)); CK(cudaMalloc(&d_sample, n));
+    CK(cudaMemcpy(d_order, order.data(), order.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_sample, sample.data(), sample.size() * 4, cudaMemcpyHostToDevice));
+  }
+  ~Entries() { cudaFree(d_order), cudaFree(d_sample); }
+};
+
+// Tiles of every sequence (plans_of(mask) gives its TilePlans), largest area first; batched: one
+// sequence's tiles only (the kernels repeat them over the batch).
+template <class F>
+void make_entries(const std::vector<dlm::SequenceMask>& masks, bool varlen, F plans_of, Entries& e) {
+  std::vector<int64_t> area; std::vector<int32_t> samp, tile;
+  for (size_t i = 0; i < (varlen ? masks.size() : 1); ++i) {
+    const dlm::TilePlans plans = plans_of(masks[i]);
+    for (int t = 0; t < plans.count(); ++t) area.push_back(plans.area(t)), samp.push_back((int)i), tile.push_back(t);
+  }
+  std::vector<int32_t> ord(area.size());
+  dlm::most_expensive_first(area.data(), (int)area.size(), ord.data());
+  for (int32_t o : ord) e.order.push_back(tile[o]), e.sample.push_back(samp[o]);
+  e.upload();
+}
+
+template <class Elem, int D, int START>
+struct VarRun {
+  using FwdCfg = dlm::sm90::FwdConfig<Elem, D, 128, dlm::sm90::fwd_block_n(D), 2, true, dlm::sm90::kNarrowOff, 0, START>;
+  using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, 128, 2, false, false, START>;
+  using DqCfg = dlm::sm90::DqConfig<Elem, D, 128, 128, 2, false, false, START>;
+  VarSpec v;
+  std::vector<int32_t> off;                // sequence offsets (+ total)
+  std::vector<dlm::SequenceMask> masks;
+  int B, S, total;                          // device view: batch B of seqlen S
+  size_t nq, nk;
+  std::vector<Elem> hq, hk, hv, hg;
+  Elem *q, *k, *v_, *o, *g, *dq, *dk, *dv;
+  float *lse, *lse2, *delta;
+  int32_t* d_cu = nullptr;
+  Entries fwd_e, dkdv_e, dq_e;
+  dlm::sm90::FwdArgs f{};
+  dlm::sm90::BwdArgs a{};
+  int64_t pairs = 0;
+
+  explicit VarRun(const VarSpec& spec) : v(spec) {
+    off.push_back(0);
+    for (int h : v.halves) {
+      masks.push_back(v.causal ? dlm::block_causal(2 * h, v.bs) : dlm::block_diffusion(2 * h, v.bs));
+      pairs += masks.back().num_pairs();
+      off.push_back(off.back() + 2 * h);
+    }
+    total = off.back();
+    B = v.varlen ? 1 : (int)v.halves.size();
+    S = v.varlen ? total : 2 * v.halves[0];
+    nq = (size_t)total * v.H * D, nk = (size_t)total * v.Hkv * D;
+    hq.resize(nq), hk.resize(nk), hv.resize(nk), hg.resize(nq);
+    uint64_t state = 0x9e3779b97f4a7c15ull;
+    auto uniform = [&state] {
+      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+      return (float)(state >> 40) * (1.f / 16777216.f);
+    };
+    for (auto* x : {&hq, &hk, &hv, &hg})
+      for (auto& e : *x) e = Elem((uniform() + uniform() + uniform() + uniform() - 2.f) * 1.7320508f);
+    for (Elem** p : {&q, &o, &g, &dq}) CK(cudaMalloc(p, nq * sizeof(Elem)));
+    for (Elem** p : {&k, &v_, &dk, &dv}) CK(cudaMalloc(p, nk * sizeof(Elem)));
+    const size_t rows = (size_t)total * v.H;
+    CK(cudaMalloc(&lse, rows * 4));
+    // The odd-length dK/dV kernel reads up to kVarlenScratchPad floats past the scratch: zeros.
+    for (float** p : {&lse2, &delta}) {
+      CK(cudaMalloc(p, (rows + dlm::sm90::kVarlenScratchPad) * 4));
+      CK(cudaMemset(*p, 0, (rows + dlm::sm90::kVarlenScratchPad) * 4));
+    }
+    CK(cudaMemcpy(q, hq.data(), nq * sizeof(Elem), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(k, hk.data(), nk * sizeof(Elem), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(v_, hv.data(), nk * sizeof(Elem), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(g, hg.data(), nq * sizeof(Elem), cudaMemcpyHostToDevice));
+    for (Elem* p : {o, dq}) CK(cudaMemset(p, 0xff, nq * sizeof(Elem)));   // NaN poison
+    for (Elem* p : {dk, dv}) CK(cudaMemset(p, 0xff, nk * sizeof(Elem)));
+    CK(cudaMemset(lse, 0xff, rows * 4));
+    CK(cudaMalloc(&d_cu, off.size() * 4));
+    CK(cudaMemcpy(d_cu, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
+    make_entries(masks, v.varlen, [](const dlm::SequenceMask& m) { return m.fwd_tiles(FwdCfg::BM, FwdCfg::BN); }, fwd_e);
+    make_entries(masks, v.varlen, [](const dlm::SequenceMask& m) { return m.bwd_tiles(DkCfg::BM, DkCfg::BN); }, dkdv_e);
+    make_entries(masks, v.varlen, [](const dlm::SequenceMask& m) { return m.fwd_tiles(DqCfg::BM, DqCfg::BN); }, dq_e);
+
+    const int64_t sq[3] = {(int64_t)S * v.H * D, (int64_t)v.H * D, D};
+    const int64_t sk[3] = {(int64_t)S * v.Hkv * D, (int64_t)v.Hkv * D, D};
+    f.q = q, f.k = k, f.v = v_, f.o = o, f.lse = lse;
+    for (int i = 0; i < 3; ++i) f.q_stride[i] = f.o_stride[i] = sq[i], f.k_stride[i] = f.v_stride[i] = sk[i];
+    f.lse_stride[0] = (int64_t)v.H * S, f.lse_stride[1] = S;
+    f.batch = B, f.seqlen = S, f.heads = v.H, f.kv_heads = v.Hkv;
+    f.n_noisy = v.varlen ? 0 : masks[0].n_noisy, f.block_size = v.bs, f.scale = (float)(1.0 / std::sqrt((double)D));
+    f.tile_order = fwd_e.d_order, f.num_tiles = (int)fwd_e.order.size(), f.stream = nullptr;
+    f.tile_sample = fwd_e.d_sample, f.cu_seqlens = d_cu;
+    a.q = q, a.k = k, a.v = v_, a.o = o, a.dout = g, a.dq = dq, a.dk = dk, a.dv = dv;
+    a.lse = lse, a.dlse = nullptr, a.lse2 = lse2, a.delta = delta;
+    for (int i = 0; i < 3; ++i) {
+      a.q_stride[i] = a.o_stride[i] = a.do_stride[i] = a.dq_stride[i] = sq[i];
+      a.k_stride[i] = a.v_stride[i] = a.dk_stride[i] = a.dv_stride[i] = sk[i];
+    }
+    a.lse_stride[0] = (int64_t)v.H * S, a.lse_stride[1] = S;
+    a.batch = B, a.seqlen = S, a.heads = v.H, a.kv_heads = v.Hkv, a.n_noisy = f.n_noisy;
+    a.block_size = v.bs, a.scale = f.scale;
+    a.dkdv_order = dkdv_e.d_order, a.dkdv_tiles = (int)dkdv_e.order.size();
+    a.dq_order = dq_e.d_order, a.dq_tiles = (int)dq_e.order.size();
+    a.dkdv_sample = dkdv_e.d_sample, a.dq_sample = dq_e.d_sample, a.cu_seqlens = d_cu, a.stream = nullptr;
+  }
+  ~VarRun() {
+    for (void* p : {(void*)q, (void*)k, (void*)v_, (void*)o, (void*)g, (void*)dq, (void*)dk, (void*)dv,
+                    (void*)lse, (void*)lse2, (void*)delta, (void*)d_cu})
+      cudaFree(p);
+  }
+  void fwd() { if (f.num_tiles) CK(dlm::sm90::launch_fwd_cfg<FwdCfg>(f)); }
+  void bwd() {
+    CK((dlm::sm90::launch_preprocess<Elem, D>(a)));
+    if (a.dkdv_tiles) CK(dlm::sm90::launch_dkdv<DkCfg>(a));
+    if (a.dq_tiles) CK(dlm::sm90::launch_dq<DqCfg>(a));
+  }
+
+  // Forward (o, lse) and backward (dq, dk, dv) against the fp64 reference, sequence by sequence;
+  // every element of every output is also scanned for the NaN poison.
+  void check(const char* name) {
+    if (total == 0) return;
+    fwd(); bwd();
+    CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
+    std::vector<Elem> go(nq), gq(nq), gk(nk), gv(nk);
+    std::vector<float> gl((size_t)total * v.H);
+    CK(cudaMemcpy(go.data(), o, nq * sizeof(Elem), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(gq.data(), dq, nq * sizeof(Elem), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(gk.data(), dk, nk * sizeof(Elem), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(gv.data(), dv, nk * sizeof(Elem), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(gl.data(), lse, gl.size() * 4, cudaMemcpyDeviceToHost));
+    int unwritten = 0;
+    for (auto* x : {&go, &gq}) for (size_t i = 0; i < nq; ++i) unwritten += std::isnan((float)(*x)[i]);
+    for (auto* x : {&gk, &gv}) for (size_t i = 0; i < nk; ++i) unwritten += std::isnan((float)(*x)[i]);
+    for (float x : gl) unwritten += std::isnan(x);
+    Err eq, ek, ev, eo;
+    std::vector<double> r1(D), r2(D);
+    // lse in the device's (B, H, S) layout: sequence i, head h, position t.
+    auto lse_at = [&](int i, int h, int t) {
+      return v.varlen ? gl[(size_t)h * total + off[i] + t] : gl[((size_t)i * v.H + h) * S + t];
+    };
+    for (size_t i = 0; i < masks.size(); ++i) {
+      const int len = 2 * v.halves[i];
+      if (len == 0) continue;
+      auto slice = [&](const std::vector<Elem>& x, int heads) {
+        std::vector<double> out((size_t)len * heads * D);
+        for (size_t e = 0; e < out.size(); ++e) out[e] = (double)(float)x[(size_t)off[i] * heads * D + e];
+        return out;
+      };
+      const auto sq_ = slice(hq, v.H), sk_ = slice(hk, v.Hkv), sv_ = slice(hv, v.Hkv), sg_ = slice(hg, v.H);
+      Reference ref{1, len, v.H, v.Hkv, D, {masks[i].n_noisy, len, v.bs}, 1.0 / std::sqrt((double)D),
+                    sq_, sk_, sv_, sg_, {}, {}};
+      ref.row_stats();
+      for (int h = 0; h < v.H; ++h)
+        for (int t = (int)(i + h) % v.stride; t < len; t += v.stride) {
+          ref.dq_row(0, h, t, r1.data());
+          // O_t = sum_j p_tj v_j (the forward's output), from the same reference.
+          std::fill(r2.begin(), r2.end(), 0.0);
+          for (int j = 0; j < len; ++j)
+            if (ref.mask.visible(t, j)) {
+              const double pr = ref.p(0, h, t, j);
+              for (int d = 0; d < D; ++d) r2[d] += pr * ref.at(sv_, v.Hkv, 0, j, h / (v.H / v.Hkv), d);
+            }
+          const size_t row = ((size_t)off[i] + t) * v.H + h;
+          for (int d = 0; d < D; ++d) {
+            eq.add((float)gq[row * D + d], r1[d]);
+            eo.add((float)go[row * D + d], r2[d]);
+          }
+          const double le = lse_at((int)i, h, t) - ref.lse[(size_t)h * len + t];
+          if (!(std::fabs(le) <= 1e-3)) ++eo.nan;  // counted as a failure
+        }
+      for (int h = 0; h < v.Hkv; ++h)
+        for (int j = (int)(i + h + 1) % v.stride; j < len; j += v.stride) {
+          ref.dkv_col(0, h, j, r1.data(), r2.data());
+          const size_t row = ((size_t)off[i] + j) * v.Hkv + h;
+          for (int d = 0; d < D; ++d) ek.add((float)gk[row * D + d], r1[d]), ev.add((float)gv[row * D + d], r2[d]);
+        }
+    }
+    const double tol = std::is_same<Elem, bf16>::value ? 2e-2 : 1e-2;
+    const bool ok = unwritten == 0 && eo.ok(tol) && eq.ok(tol) && ek.ok(tol) && ev.ok(tol);
+    g_failures += !ok;
+    printf("%s %s %s H=%d/%d bs=%d%s, %zu seq (", ok ? "PASS" : "FAIL", name,
+           v.varlen ? "varlen" : "batched", v.H, v.Hkv, v.bs, v.causal ? " block-causal" : "", masks.size());
+    for (size_t i = 0; i < masks.size() && i < 10; ++i) printf("%s%d", i ? " " : "", v.halves[i]);
+    printf("%s): o %.4f/%.3f dq %.4f/%.3f dk %.4f/%.3f dv %.4f/%.3f (max err / max ref), lse/o bad %d, unwritten %d\n",
+           masks.size() > 10 ? " ..." : "", eo.max_err, eo.max_ref, eq.max_err, eq.max_ref,
+           ek.max_err, ek.max_ref, ev.max_err, ev.max_ref, eo.nan, unwritten);
+  }
+};
+
+template <class Elem, int D>
+void odd_varlen_checks(const char* name) {
+  using namespace dlm::sm90;
+  auto batched = [](int B, int n, int H, int Hkv, int bs, bool causal = false, int stride = 1) {
+    return VarSpec{false, std::vector<int>(B, n), H, Hkv, bs, causal, stride};
+  };
+  for (const VarSpec& s : {batched(1, 100, 2, 2, 16), batched(5, 300, 2, 1, 5, false, 5),
+                           batched(1, 1000, 2, 2, 300, false, 9), batched(16, 37, 2, 1, 1),
+                           batched(1, 77, 4, 2, 16, true), batched(2, 300, 2, 2, 1, true, 3),
+                           batched(1, 256, 2, 2, 16)})
+    VarRun<Elem, D, kStartAny>(s).check(name);
+  std::vector<int> many(30);
+  uint32_t st = 12345;
+  for (auto& x : many) st = st * 1664525u + 1013904223u, x = (st >> 8) % 5 == 0 ? 0 : (int)((st >> 12) % 150);
+  for (const VarSpec& s : {VarSpec{true, {0, 100, 37, 0, 256, 1, 300}, 4, 2, 16},
+                           VarSpec{true, {5, 0, 0, 64, 129, 0}, 2, 2, 1},
+                           VarSpec{true, {0, 0, 3}, 2, 1, 5},
+                           VarSpec{true, {500}, 2, 1, 300, false, 5},
+                           VarSpec{true, many, 2, 1, 5, false, 2}})
+    VarRun<Elem, D, kStartVarlen>(s).check(name);
+}
+
+// Forward and backward at 16K tokens (bf16 D=128 H=16 bs=16): the shipped batched kernels (Bwd),
+// kStartAny on the same batch, varlen with the same samples packed (the same work), then mixed
+// sample lengths (SDAR-style packing; TFLOPS on visible pairs).
+void varlen_timing() {
+  using namespace dlm::sm90;
+  printf("== timing (bf16 D=128 H=16 bs=16, 16K tokens; fwd TFLOPS = 4 pairs D H / t, bwd 2.5x that)\n");
+  auto report = [](const char* what, int64_t pairs, float tf, float tb) {
+    const double mm = 2.0 * (double)pairs * 128 * 16 / 1e9;
+    printf("time %-34s fwd %.3f ms = %.0f TFLOPS, bwd %.3f ms = %.0f TFLOPS\n", what, tf, 2 * mm / tf, tb, 5 * mm / tb);
+  };
+  for (int n : {1024, 4096}) {  // one round: the inputs take seconds to draw (< 60 s in all)
+    {
+      const int B = 16384 / (2 * n);
+      char label[64];
+      {
+        Problem<bf16> P({B, n, 16, 16, 16}, 128);
+        P.to_device();
+        Bwd<bf16, 128, DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages>,
+            DqConfig<bf16, 128, kDqBlockM, kDqBlockN, kDqStages>> bwd(P);
+        FwdArgs f{};  // the shipped forward at D = 128 (what launch_fwd runs)
+        const int S = P.S;
+        const int64_t sq[3] = {(int64_t)S * 16 * 128, 16 * 128, 128};
+        for (int i = 0; i < 3; ++i) f.q_stride[i] = f.o_stride[i] = f.k_stride[i] = f.v_stride[i] = sq[i];
+        f.q = P.q, f.k = P.k, f.v = P.v, f.o = P.o, f.lse = P.lse;
+        f.lse_stride[0] = (int64_t)16 * S, f.lse_stride[1] = S;
+        f.batch = B, f.seqlen = S, f.heads = 16, f.kv_heads = 16, f.n_noisy = n, f.block_size = 16;
+        f.scale = (float)P.scale(), f.tile_order = bwd.fwd_order, f.num_tiles = P.mask.fwd_tiles(128, 128).count();
+        const float tf = time_ms([&] { CK((launch_fwd<bf16, 128>(f))); }, 20);
+        const float tb = time_ms([&] { bwd.all(); }, 20);
+        snprintf(label, sizeof label, "shipped B=%d n=%d:", B, n);
+        report(label, P.mask.num_pairs() * B, tf, tb);
+      }
+      {
+        VarRun<bf16, 128, kStartAny> r(VarSpec{false, std::vector<int>(B, n), 16, 16, 16});
+        const float tf = time_ms([&] { r.fwd(); }, 20), tb = time_ms([&] { r.bwd(); }, 20);
+        snprintf(label, sizeof label, "kStartAny B=%d n=%d:", B, n);
+        report(label, r.pairs, tf, tb);
+      }
+      {
+        VarRun<bf16, 128, kStartVarlen> r(VarSpec{true, std::vector<int>(B, n), 16, 16, 16});
+        const float tf = time_ms([&] { r.fwd(); }, 20), tb = time_ms([&] { r.bwd(); }, 20);
+        snprintf(label, sizeof label, "varlen %d x n=%d:", B, n);
+        report(label, r.pairs, tf, tb);
+      }
+    }
+  }
+  {
+    VarRun<bf16, 128, kStartAny> r(VarSpec{false, std::vector<int>(8, 1000), 16, 16, 16});
+    const float tf = time_ms([&] { r.fwd(); }, 20), tb = time_ms([&] { r.bwd(); }, 20);
+    report("kStartAny B=8 n=1000 (odd tiles):", r.pairs, tf, tb);
+  }
+  std::vector<int> mixed;  // halves in [1, 2048) until ~16K tokens
+  uint32_t st = 777;
+  for (int tok = 0;;) {
+    st = st * 1664525u + 1013904223u;
+    const int m = 1 + (int)((st >> 8) % 2047);
+    if (tok + 2 * m > 16384) break;
+    mixed.push_back(m), tok += 2 * m;
+  }
+  VarRun<bf16, 128, kStartVarlen> r(VarSpec{true, mixed, 16, 16, 16});
+  const float tf = time_ms([&] { r.fwd(); }, 20), tb = time_ms([&] { r.bwd(); }, 20);
+  char label[64];
+  snprintf(label, sizeof label, "varlen mixed, %zu samples %d tok:", mixed.size(), r.total);
+  report(label, r.pairs, tf, tb);
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IONBF, 0);
   using namespace dlm::sm90;
@@ -538,6 +836,13 @@ int main(int argc, char** argv) {
           DqConfig<fp16, 64, kDqBlockM, kDqBlockN, kDqStages>>("fp16 D=64", {1, 128, 2, 2, 5, true});
   }
   if (mode == "shipped" || mode == "time") timing<Dk, Dq>("shipped");
+  if (mode == "varlen") {
+    odd_varlen_checks<bf16, 128>("bf16 D=128");
+    odd_varlen_checks<fp16, 64>("fp16 D=64");
+    varlen_timing();
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    return g_failures != 0;
+  }
   if (mode == "dkdv3") {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;
     checks<bf16, 128, Dk3, Dq>("bf16 D=128, dK/dV 3 stages", false);

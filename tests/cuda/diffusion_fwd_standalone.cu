@@ -13,6 +13,9 @@
 //   ./fwd_standalone ab            # the next A/B (csrc/NOTES.md, "Forward variants"): checks of the
 //                                  # shipped config and every variant, then all timed shape by shape
 //                                  # on the same inputs, a comparison table last; exit 1 on a failure
+//   ./fwd_standalone varlen        # odd lengths and varlen (kStartAny / kStartVarlen, csrc/NOTES.md
+//                                  # "Odd lengths and varlen"): checks, then varlen vs batched timing;
+//                                  # exit 1 on a failure
 //   ./fwd_standalone count         # host only (no GPU): MMA work the narrow visits save per shape,
 //                                  # and proofs of the narrow-half and kTrimFull decisions
 #include <cstdio>
@@ -88,9 +91,13 @@ float run(Run r, bool check, int iters) {
       double le = std::fabs(hl[((size_t)b * r.H + h) * S + i] - (mx + std::log(l)));
       max_lse_err = std::max(max_lse_err, std::isnan(le) ? 1e9 : le);
     }
-    const bool ok = bad == 0 && max_lse_err <= 1e-3;
+    int unwritten = 0;  // every row is stored: the poison (NaN) must be gone everywhere
+    for (size_t i = 0; i < nq; ++i) unwritten += std::isnan((float)ho[i]);
+    for (float x : hl) unwritten += std::isnan(x);
+    const bool ok = bad == 0 && max_lse_err <= 1e-3 && unwritten == 0;
     g_failed += !ok;
     printf("%s ", ok ? "PASS" : "FAIL");
+    if (unwritten) printf("(%d unwritten) ", unwritten);
     printf("check B=%d n=%d H=%d/%d bs=%d%s: max |out err| %.4f, max |lse err| %.5f, bad %d\n", r.B, r.n, r.H, r.Hkv, r.bs, r.causal ? " causal" : "", max_err, max_lse_err, bad);
   }
   float ms = 0;
@@ -219,6 +226,136 @@ void ab_timing(const char* const* names) {
   cudaFree(b.q); cudaFree(b.k); cudaFree(b.v); cudaFree(b.o); cudaFree(b.lse); cudaFree(b.order);
 }
 
+// ------------------------------------------------------------------ varlen: packed samples
+// Sample i has halves[i] noisy + halves[i] clean tokens at packed rows [cu[i], cu[i + 1]) of a
+// (1, total, H, D) tensor; work entries (sample, query tile) of every sample, most expensive first.
+template <class Cfg>
+float run_varlen(const std::vector<int>& halves, int H, int Hkv, int bs, bool check, int iters,
+                 const char* label = "") {
+  using Elem = typename Cfg::Elem;
+  static_assert(Cfg::kStart == dlm::sm90::kStartVarlen);
+  const int N = (int)halves.size(), D = Cfg::D;
+  std::vector<int32_t> cu(N + 1, 0);
+  for (int i = 0; i < N; ++i) cu[i + 1] = cu[i] + 2 * halves[i];
+  const int S = cu[N];
+  if (S == 0) return 0.f;
+  size_t nq = (size_t)S * H * D, nk = (size_t)S * Hkv * D;
+  std::vector<Elem> hq(nq), hk(nk), hv(nk);
+  std::mt19937 g(7); std::normal_distribution<float> nd;
+  for (auto& x : hq) x = Elem(nd(g)); for (auto& x : hk) x = Elem(nd(g)); for (auto& x : hv) x = Elem(nd(g));
+  // The schedule: (area, sample, tile) of every sample, largest area first, ties in (sample, tile).
+  std::vector<int64_t> area; std::vector<int32_t> tsamp, ttile;
+  int64_t pairs = 0;
+  for (int i = 0; i < N; ++i) {
+    const dlm::SequenceMask m = dlm::block_diffusion(2 * halves[i], bs);
+    pairs += m.num_pairs();
+    const dlm::TilePlans plans = m.fwd_tiles(Cfg::BM, Cfg::BN);
+    for (int t = 0; t < plans.count(); ++t) { area.push_back(plans.area(t)); tsamp.push_back(i); ttile.push_back(t); }
+  }
+  const int E = (int)area.size();
+  std::vector<int32_t> ord(E); dlm::most_expensive_first(area.data(), E, ord.data());
+  std::vector<int32_t> order(E), sample(E);
+  for (int e = 0; e < E; ++e) { order[e] = ttile[ord[e]]; sample[e] = tsamp[ord[e]]; }
+  Elem *q, *k, *v, *o; float* lse; int32_t *d_order, *d_sample, *d_cu;
+  CK(cudaMalloc(&q, nq * 2)); CK(cudaMalloc(&k, nk * 2)); CK(cudaMalloc(&v, nk * 2)); CK(cudaMalloc(&o, nq * 2));
+  CK(cudaMalloc(&lse, (size_t)H * S * 4));
+  CK(cudaMalloc(&d_order, E * 4 + 4)); CK(cudaMalloc(&d_sample, E * 4 + 4)); CK(cudaMalloc(&d_cu, (N + 1) * 4));
+  CK(cudaMemcpy(q, hq.data(), nq * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(k, hk.data(), nk * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(v, hv.data(), nk * 2, cudaMemcpyHostToDevice)); CK(cudaMemset(o, 0xff, nq * 2));
+  CK(cudaMemset(lse, 0xff, (size_t)H * S * 4));
+  CK(cudaMemcpy(d_order, order.data(), E * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_sample, sample.data(), E * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_cu, cu.data(), (N + 1) * 4, cudaMemcpyHostToDevice));
+  dlm::sm90::FwdParams<Cfg> p{
+      dlm::sm90::make_tma_q<Cfg>(q, S, H, 1, (int64_t)H * D, D, (int64_t)S * H * D),
+      dlm::sm90::make_tma_kv<Cfg>(k, S, Hkv, 1, (int64_t)Hkv * D, D, (int64_t)S * Hkv * D),
+      dlm::sm90::make_tma_kv<Cfg>(v, S, Hkv, 1, (int64_t)Hkv * D, D, (int64_t)S * Hkv * D),
+      o, lse, (int64_t)H * D, D, (int64_t)S * H * D, S, (int64_t)H * S, S, H, Hkv, 1,
+      dlm::SequenceMask{0, 0, bs}, (float)(1.4426950408889634 / std::sqrt((double)D)), d_order, E,
+      d_sample, d_cu};
+  auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
+  int smem = sizeof(typename Cfg::SharedStorage);
+  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  dim3 grid(H * E);
+  if (E) kern<<<grid, Cfg::kThreads, smem>>>(p);
+  CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
+  if (check) {
+    std::vector<Elem> ho(nq); std::vector<float> hl((size_t)H * S);
+    CK(cudaMemcpy(ho.data(), o, nq * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hl.data(), lse, hl.size() * 4, cudaMemcpyDeviceToHost));
+    double max_err = 0, max_lse_err = 0; int bad = 0, unwritten = 0;
+    for (size_t i = 0; i < nq; ++i) unwritten += std::isnan((float)ho[i]);
+    for (float x : hl) unwritten += std::isnan(x);
+    const double scale = 1.0 / std::sqrt((double)D);
+    for (int smp = 0; smp < N; ++smp) {
+      const int base = cu[smp], len = 2 * halves[smp];
+      const dlm::SequenceMask mask = dlm::block_diffusion(len, bs);
+      for (int h = 0; h < H; ++h) for (int i = 0; i < len; i += (len > 1024 ? 37 : len > 300 ? 7 : 1)) {
+        const int kvh = h / (H / Hkv);
+        std::vector<double> sc(len); double mx = -1e30;
+        for (int j = 0; j < len; ++j) {
+          if (!mask.visible(i, j)) { sc[j] = -1e30; continue; }
+          double acc = 0;
+          for (int d = 0; d < D; ++d) acc += (double)(float)hq[((size_t)(base + i) * H + h) * D + d] * (double)(float)hk[((size_t)(base + j) * Hkv + kvh) * D + d];
+          sc[j] = acc * scale; mx = std::max(mx, sc[j]);
+        }
+        double l = 0; for (int j = 0; j < len; ++j) if (sc[j] > -1e29) l += std::exp(sc[j] - mx);
+        for (int d = 0; d < D; ++d) {
+          double acc = 0;
+          for (int j = 0; j < len; ++j) if (sc[j] > -1e29) acc += std::exp(sc[j] - mx) / l * (double)(float)hv[((size_t)(base + j) * Hkv + kvh) * D + d];
+          float got = (float)ho[((size_t)(base + i) * H + h) * D + d];
+          double e = std::fabs(got - acc); if (!(e <= 0.05)) ++bad; max_err = std::max(max_err, std::isnan(got) ? 1e9 : e);
+        }
+        double le = std::fabs(hl[(size_t)h * S + base + i] - (mx + std::log(l)));
+        max_lse_err = std::max(max_lse_err, std::isnan(le) ? 1e9 : le);
+      }
+    }
+    const bool ok = bad == 0 && max_lse_err <= 1e-3 && unwritten == 0;
+    g_failed += !ok;
+    printf("%s varlen %s%d samples (", ok ? "PASS" : "FAIL", label, N);
+    for (int i = 0; i < N && i < 12; ++i) printf("%s%d", i ? " " : "", halves[i]);
+    printf("%s) total %d H=%d/%d bs=%d: max |out err| %.4f, max |lse err| %.5f, bad %d, unwritten %d\n",
+           N > 12 ? " ..." : "", S, H, Hkv, bs, max_err, max_lse_err, bad, unwritten);
+  }
+  float ms = 0;
+  if (iters && E) {
+    cudaEvent_t a, e; cudaEventCreate(&a); cudaEventCreate(&e);
+    for (int i = 0; i < 3; ++i) kern<<<grid, Cfg::kThreads, smem>>>(p);
+    cudaEventRecord(a);
+    for (int i = 0; i < iters; ++i) kern<<<grid, Cfg::kThreads, smem>>>(p);
+    cudaEventRecord(e); CK(cudaEventSynchronize(e)); cudaEventElapsedTime(&ms, a, e); ms /= iters;
+    printf("time varlen %s%d samples, %d tokens, H=%d/%d bs=%d: %.3f ms, %.0f TFLOPS (visible pairs)\n",
+           label, N, S, H, Hkv, bs, ms, 4.0 * pairs * D * H / ms / 1e9);
+  }
+  cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(lse);
+  cudaFree(d_order); cudaFree(d_sample); cudaFree(d_cu);
+  return ms;
+}
+
+// Odd lengths (kStartAny, batched) and varlen (kStartVarlen): checks of both at head dims 64 / 128
+// / 256, then timing at 16K tokens: varlen against the shipped batched kernel on the same work.
+template <class Any, class Var>
+void odd_checks(const char* name) {
+  printf("== odd lengths, batched (kStartAny): %s\n", name);
+  run<Any>({1, 100, 2, 2, 16}, true, 0);
+  run<Any>({5, 300, 2, 1, 5}, true, 0);
+  run<Any>({1, 1000, 2, 2, 300}, true, 0);
+  run<Any>({16, 100, 2, 1, 1}, true, 0);
+  run<Any>({300, 3, 1, 1, 1}, true, 0);
+  run<Any>({1, 77, 4, 2, 16, true}, true, 0);    // block-causal over 154 tokens
+  run<Any>({1, 300, 2, 2, 1, true}, true, 0);
+  run<Any>({2, 256, 2, 2, 16}, true, 0);         // multiples of 128: the shipped tiling
+  printf("== varlen (kStartVarlen): %s\n", name);
+  run_varlen<Var>({0, 100, 37, 0, 256, 1, 300}, 4, 2, 16, true, 0);
+  run_varlen<Var>({5, 0, 0, 64, 129, 0}, 2, 2, 1, true, 0);
+  run_varlen<Var>({1000}, 2, 1, 300, true, 0);
+  run_varlen<Var>({0, 0, 3}, 2, 2, 5, true, 0);
+  std::mt19937 g(3);
+  std::vector<int> many(40);
+  for (auto& x : many) x = g() % 5 == 0 ? 0 : (int)(g() % 200);
+  run_varlen<Var>(many, 2, 1, 5, true, 0, "random ");
+}
+
 // ----------------------------------------------------------------- count (host only, no GPU)
 // MMA work of the forward (every visit's S and P V are 64 rows x keys per consumer, both in
 // proportion to the keys issued), with and without narrow visits; then proofs, over every visit of
@@ -306,6 +443,34 @@ int main(int argc, char** argv) {
   using bf16 = cutlass::bfloat16_t;
   const std::string v = argc > 1 ? argv[1] : "plain2";
   if (v == "count") return count_mode();
+  if (v == "varlen") {
+    using namespace dlm::sm90;
+    using half = cutlass::half_t;
+    odd_checks<FwdConfig<bf16, 128, 128, 128, 2, true, kNarrowOff, 0, kStartAny>,
+               FwdConfig<bf16, 128, 128, 128, 2, true, kNarrowOff, 0, kStartVarlen>>("bf16 D=128");
+    odd_checks<FwdConfig<half, 64, 128, 128, 2, true, kNarrowOff, 0, kStartAny>,
+               FwdConfig<half, 64, 128, 128, 2, true, kNarrowOff, 0, kStartVarlen>>("fp16 D=64");
+    odd_checks<FwdConfig<bf16, 256, 128, 64, 2, true, kNarrowOff, 0, kStartAny>,
+               FwdConfig<bf16, 256, 128, 64, 2, true, kNarrowOff, 0, kStartVarlen>>("bf16 D=256 (BN 64)");
+    // Timing, bf16 D=128 H=16, 16K tokens: the shipped batched kernel, kStartAny on the same batch,
+    // varlen with the same samples packed (equal lengths: the same work), then mixed lengths.
+    using Ship = FwdConfig<bf16, 128>;
+    using Any = FwdConfig<bf16, 128, 128, 128, 2, true, kNarrowOff, 0, kStartAny>;
+    using Var = FwdConfig<bf16, 128, 128, 128, 2, true, kNarrowOff, 0, kStartVarlen>;
+    printf("== timing, bf16 D=128 H=16 bs=16, 16K tokens\n");
+    for (int n : {1024, 4096}) {  // one round: the inputs take seconds to draw (< 60 s in all)
+      run<Ship>({16384 / (2 * n), n, 16, 16, 16}, false, 20);
+      run<Any>({16384 / (2 * n), n, 16, 16, 16}, false, 20);
+      run_varlen<Var>(std::vector<int>(16384 / (2 * n), n), 16, 16, 16, false, 20, "equal ");
+    }
+    run<Any>({8, 1000, 16, 16, 16}, false, 20);  // odd n, 16000 tokens
+    std::mt19937 g(5);
+    std::vector<int> mixed;  // halves in [1, 2048) until ~16K tokens (SDAR-style packing)
+    for (int tok = 0;;) { const int m = 1 + (int)(g() % 2047); if (tok + 2 * m > 16384) break; mixed.push_back(m); tok += 2 * m; }
+    run_varlen<Var>(mixed, 16, 16, 16, true, 20, "mixed ");
+    printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
+    return g_failed != 0;
+  }
   if (v == "ab") {
     using namespace dlm::sm90;
     using Shipped = FwdConfig<bf16, 128>;
