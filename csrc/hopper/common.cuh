@@ -66,6 +66,20 @@ CUTE_DEVICE float exp2_approx(float x) {
 CUTE_HOST_DEVICE int run_begin(const TileRuns& t, int r) { return r ? t.begin[1] : t.begin[0]; }
 CUTE_HOST_DEVICE int run_end(const TileRuns& t, int r) { return r ? t.end[1] : t.end[0]; }
 
+// The K / V ring's barriers, one set per stage: "full" completes on the producer's TMA bytes,
+// "empty" on every consumer thread's release. Called by thread 0 before fence_barrier_init.
+template <int STAGES>
+CUTE_DEVICE void init_kv_ring(uint64_t* k_full, uint64_t* k_empty, uint64_t* v_full,
+                              uint64_t* v_empty, int consumer_threads) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  for (int s = 0; s < STAGES; ++s) {
+    Barrier::init(&k_full[s], 1);
+    Barrier::init(&v_full[s], 1);
+    Barrier::init(&k_empty[s], consumer_threads);
+    Barrier::init(&v_empty[s], consumer_threads);
+  }
+}
+
 // The producer's K / V stream, shared by the forward and the backward's dQ kernel: for each key
 // tile of the runs, wait until the consumers have freed the ring stage, then TMA-load K and V into
 // it (one "full" transaction barrier each). `it` is the ring position, kept across calls so that

@@ -711,12 +711,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if (threadIdx.x == 0) {
     Barrier::init(&ss.q_full, 1);
-    for (int s = 0; s < STAGES; ++s) {
-      Barrier::init(&ss.k_full[s], 1);
-      Barrier::init(&ss.v_full[s], 1);
-      Barrier::init(&ss.k_empty[s], 128 * Cfg::kConsumers);
-      Barrier::init(&ss.v_empty[s], 128 * Cfg::kConsumers);
-    }
+    init_kv_ring<STAGES>(ss.k_full, ss.k_empty, ss.v_full, ss.v_empty, 128 * Cfg::kConsumers);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
