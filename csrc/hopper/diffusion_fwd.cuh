@@ -21,7 +21,7 @@
 // with n_noisy 0). Tiles that run past a half's end are masked by column, so the next half's rows they load get
 // probability 0.
 //
-// Versions, predictions and measurements: csrc/NOTES.md (this is v3).
+// Versions, predictions and measurements: csrc/NOTES.md (this is v5).
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2 (s2 = q.k * scale * log2 e), lse
 // stored in natural log, (B, H, S) fp32.
@@ -43,28 +43,14 @@ namespace dlm::sm90 {
 
 using namespace cute;
 
-// Options for the next A/B (csrc/NOTES.md, "Forward variants"); all off in the shipped kernels.
-// NARROW_: a PARTIAL visit whose visible keys, for one consumer's 64 rows, all lie in one 64-key
-// half of the 128-key tile runs as a 64 x 64 S wgmma and a P V over those 64 keys (K / V still
-// arrive as one 128-row TMA tile). kNarrowNoisy: only noisy keys (the noisy diagonal of issue #7:
-// with block_size dividing 64, consumer c needs exactly half c); kNarrowAll: any such visit (also
-// the clean-key diagonals, where consumer 0 needs only the left half).
-// TRIM_: bits that take work out of the main loop (kTrim*, below).
-constexpr int kNarrowOff = 0, kNarrowNoisy = 1, kNarrowAll = 2;
-constexpr int kTrimUnswitch = 1;  // the mask test once per tile, not per score (see online_softmax_t)
-constexpr int kTrimFull = 2;      // FULL from hoisted key bounds, not tile_kind's two divisions
-constexpr int kTrimQEmpty = 4;    // q_empty arrives after the loop, not under a test in every step
-constexpr int kTrimAll = kTrimUnswitch | kTrimFull | kTrimQEmpty;
 // START_: where tiles may start (kStartTile / kStartAny / kStartVarlen, hopper/common.cuh).
-
 template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true,
-          int NARROW_ = kNarrowOff, int TRIM_ = 0, int START_ = kStartTile>
+          int START_ = kStartTile>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
   static constexpr bool kPingPong = PINGPONG_;  // the consumers take turns at the tensor cores
-  static constexpr int kNarrow = NARROW_, kTrim = TRIM_, kStart = START_;
-  static_assert(kNarrow == kNarrowOff || BN == 128, "narrow visits: two 64-key halves of a tile");
+  static constexpr int kStart = START_;
   static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
   static constexpr int kConsumers = BM / kConsumerRows;
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -84,9 +70,6 @@ struct FwdConfig {
   using MmaO = decltype(make_tiled_mma(
       SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<D>, Int<BN>>,
                                  GMMA::Major::K, GMMA::Major::MN>()));
-  // S of a narrow visit: 64 rows x 64 keys (only instantiated where kNarrow is on).
-  using MmaSHalf = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<BN / 2>, Int<D>>>()));
 
   struct SharedStorage {
     alignas(1024) Elem q[cosize_v<SmemLayoutQ>];
@@ -179,52 +162,15 @@ CUTE_DEVICE void named_barrier_sync(int id) { asm volatile("bar.sync %0, 256;" :
 CUTE_DEVICE void named_barrier_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id)); }
 
 // One tile of the online softmax, in base 2, on the scores this thread holds (two rows): scales
-// by scale_log2, masks PARTIAL tiles and columns past the visit's end (as selects: v2 wrote the
-// mask as a conditional store and it compiled to a branch per element, csrc/NOTES.md), updates the
-// running max and the quad-partial row sums, leaves exp2(s - max) in s and the factor that
-// rescales the accumulator in scale_row.
-template <class Scores, class Coords, int kRows>
-CUTE_DEVICE void online_softmax(Scores& acc_s, Coords const& tScS_rc, Visit const& visit,
-                                Intervals const (&seen)[kRows], float scale_log2,
-                                float (&row_max)[kRows], float (&row_sum)[kRows],
-                                float (&scale_row)[kRows]) {
-  Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
-  constexpr int BN = decltype(size<1>(s))::value;
-  const bool masked = !visit.full || visit.end - visit.start < BN;
-  CUTE_UNROLL
-  for (int i = 0; i < kRows; ++i) {
-    float mx = row_max[i];
-    CUTE_UNROLL
-    for (int j = 0; j < size<1>(s); ++j) {
-      float x = s(i, j) * scale_log2;
-      if (masked) {
-        const int col = visit.start + get<1>(tScS_rc(i, j));
-        if (col >= visit.end || !seen[i].contains(col)) x = -INFINITY;
-      }
-      s(i, j) = x;
-      mx = fmaxf(mx, x);
-    }
-    mx = quad_max(mx);
-    const float m_use = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet
-    scale_row[i] = exp2_approx(row_max[i] - m_use);
-    row_max[i] = mx;
-    float sum = 0.f;
-    CUTE_UNROLL
-    for (int j = 0; j < size<1>(s); ++j) {
-      s(i, j) = exp2_approx(s(i, j) - m_use);
-      sum += s(i, j);
-    }
-    row_sum[i] = row_sum[i] * scale_row[i] + sum;  // quad-partial; reduced at the end
-  }
-}
-
-// online_softmax with the mask decided per tile (kMasked) instead of per score. The shipped
-// online_softmax tests `masked` inside the element loop and ptxas keeps that test there: a
-// BSSY / ISETP / BRA / BSYNC group around every score's mask (64 per tile and thread, 4 issue
-// slots each) runs on FULL tiles too (SASS of the bf16 D = 128 loop: 66 BSSY, 72 BRA). Called as
-// `masked ? online_softmax_t<true> : online_softmax_t<false>`, each copy is straight-line code.
+// by scale_log2, masks (kMasked: PARTIAL tiles and tiles cut short by their half's end) as selects,
+// updates the running max and the quad-partial row sums, leaves exp2(s - max) in s and the factor
+// that rescales the accumulator in scale_row. The mask is decided per tile, as a template argument:
+// v4 tested a runtime `masked` flag inside the element loop, and ptxas kept a BSSY / ISETP / BRA /
+// BSYNC group around every score's mask (64 per tile and thread), FULL tiles included; taking it
+// out of the loop (with FULL from hoisted bounds, step_visit, and one q_empty arrival after the
+// loop) measured 1.46-1.72x faster (csrc/NOTES.md, v5).
 template <bool kMasked, class Scores, class Coords, int kRows>
-CUTE_DEVICE void online_softmax_t(Scores& acc_s, Coords const& tScS_rc, Visit const& visit,
+CUTE_DEVICE void online_softmax(Scores& acc_s, Coords const& tScS_rc, Visit const& visit,
                                   Intervals const (&seen)[kRows], float scale_log2,
                                   float (&row_max)[kRows], float (&row_sum)[kRows],
                                   float (&scale_row)[kRows]) {
@@ -266,34 +212,10 @@ CUTE_DEVICE void online_softmax_t(Scores& acc_s, Coords const& tScS_rc, Visit co
   }
 }
 
-// The keys rows [r0, r1) of one half see, as the union of each of row_intervals' two ranges (each
-// monotone in the row inside a half, so the union is [lo of row r0, hi of row r1 - 1), as in
-// TilePlans::runs).
-CUTE_HOST_DEVICE Intervals rows_keys(SequenceMask const& m, int r0, int r1) {
-  const Intervals a = m.row_intervals(r0), b = m.row_intervals(r1 - 1);
-  return {{a.first.lo, b.first.hi}, {a.second.lo, b.second.hi}};
-}
-
-// Narrow visits: which kHalf-key half of the visit [start, start + 2 kHalf) holds every key that
-// rows with `keys` (rows_keys) see: 0 or 1, or -1 when both halves do (a wide S). A half that
-// holds nothing at all for them counts as 0 (its scores come out masked).
-template <int kHalf>
-CUTE_HOST_DEVICE int narrow_half(Intervals const& keys, Visit const& v) {
-  const int lo0 = keys.first.lo > v.start ? keys.first.lo : v.start;
-  const int hi0 = imin(keys.first.hi, v.end);
-  const int lo1 = keys.second.lo > v.start ? keys.second.lo : v.start;
-  const int hi1 = imin(keys.second.hi, v.end);
-  int lo = v.end, hi = v.start;  // the seen keys' bounds inside the visit; empty so far
-  if (lo0 < hi0) lo = lo0, hi = hi0;
-  if (lo1 < hi1) lo = imin(lo, lo1), hi = hi > hi1 ? hi : hi1;
-  const int mid = v.start + kHalf;
-  return hi <= mid ? 0 : lo >= mid ? 1 : -1;
-}
-
-// kTrimFull: a visit of key run r is FULL iff its keys lie in the part of range r that every row
+// A visit of key run r is FULL iff its keys lie in the part of range r that every row
 // of the query tile sees, [lo of the last row, hi of the first row) (each range is monotone in the
 // row), and it is not cut short by the half's end. The same as tile_kind (which takes block_of of
-// both key ends: two integer divisions per step); `seen_by_all` = that part, per range.
+// both key ends: two integer divisions per step, in the loop); `seen_by_all` = that part, per range.
 CUTE_HOST_DEVICE Intervals keys_seen_by_all(SequenceMask const& m, Interval q_tile) {
   const Intervals a = m.row_intervals(q_tile.lo), b = m.row_intervals(q_tile.hi - 1);
   return {{b.first.lo, a.first.hi}, {b.second.lo, a.second.hi}};
@@ -303,19 +225,14 @@ CUTE_HOST_DEVICE bool visit_full(Interval const& seen_by_all, int start, int end
   return end - start == BN && start >= seen_by_all.lo && end <= seen_by_all.hi;
 }
 
-// The visit of one step: plans.visit, or (kTrimFull) the same from the hoisted key bounds.
+// The visit of one step (what plans.visit computes) from the key bounds hoisted out of the loop.
 template <class Cfg>
-CUTE_DEVICE Visit step_visit(TilePlans const& plans, int qt, int kt, bool run0,
-                             Intervals const& all_keys) {
-  if constexpr ((Cfg::kTrim & kTrimFull) != 0) {
-    const Interval t = plans.other.tile(kt);
-    // Bounds by selects: a ternary between the two Interval structs put them on the stack (16 bytes).
-    const Interval all{run0 ? all_keys.first.lo : all_keys.second.lo,
-                       run0 ? all_keys.first.hi : all_keys.second.hi};
-    return {t.lo, t.hi, visit_full<Cfg::BN>(all, t.lo, t.hi)};
-  } else {
-    return plans.visit(qt, kt);
-  }
+CUTE_DEVICE Visit step_visit(TilePlans const& plans, int kt, bool run0, Intervals const& all_keys) {
+  const Interval t = plans.other.tile(kt);
+  // Bounds by selects: a ternary between the two Interval structs put them on the stack (16 bytes).
+  const Interval all{run0 ? all_keys.first.lo : all_keys.second.lo,
+                     run0 ? all_keys.first.hi : all_keys.second.hi};
+  return {t.lo, t.hi, visit_full<Cfg::BN>(all, t.lo, t.hi)};
 }
 
 template <class Cfg>
@@ -421,18 +338,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<D>>{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
   constexpr int kRows = 2;  // rows per thread (r = 0, 1: lane/4 and lane/4 + 8)
-  constexpr bool kNarrow = Cfg::kNarrow != kNarrowOff;
-  // Narrow visits: S over one 64-key half. Its accumulator is the first half of acc_s's registers
-  // (a 64 x N accumulator holds column 8v + ... in register group v), P over those keys the first
-  // half of p_elem, i.e. k-blocks [0, K/2) of tOrP against V's k-blocks [K/2 h, K/2 (h + 1)).
-  typename Cfg::MmaSHalf mma_sh;
-  auto thr_sh = mma_sh.get_thread_slice(tid);
-  Tensor tShQ = thr_sh.partition_fragment_A(sQc);
-  Tensor tShK = thr_sh.partition_fragment_B(sK);  // (MMA, N = 2 halves, K, STAGES)
-  Tensor tShS = thr_sh.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<BN / 2>>{}));
-  Tensor tShS_rc = make_tensor(tShS.data(), acc_rowcol(tShS.layout()));
-  Tensor acc_sh = make_tensor(acc_s.data(), make_layout(shape(tShS)));
-  constexpr int kPvBlocks = decltype(size<2>(tOrP))::value, kPvHalf = kPvBlocks / 2;
 
   int it = 0;  // the producer's ring position, kept in step
   for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
@@ -454,74 +359,38 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     clear(acc_o);
     const int n_first = runs.end[0] - runs.begin[0], n_tiles = runs.count();
-    [[maybe_unused]] Intervals my_keys, all_keys;  // narrow: this consumer's keys; kTrimFull: all rows'
-    if constexpr (kNarrow) my_keys = rows_keys(mask, row_base, row_base + Cfg::kConsumerRows);
-    if constexpr ((Cfg::kTrim & kTrimFull) != 0) all_keys = keys_seen_by_all(mask, q_tile);
-    [[maybe_unused]] int prev_half = -1;  // narrow: the previous visit's half (-1: wide)
+    const Intervals all_keys = keys_seen_by_all(mask, q_tile);
     // Ping-pong: the two consumers take turns to issue their matmuls (named barriers 1 and 2), so
     // one's softmax runs while the tensor cores work for the other. Consumer 1 pre-arrives on
     // consumer 0's barrier so that consumer 0 goes first.
     if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
     Barrier::wait(&ss.q_full, item & 1);
-    if constexpr ((Cfg::kTrim & kTrimQEmpty) == 0)
-      if (n_tiles == 0) Barrier::arrive(&ss.q_empty);
 
     for (int j = 0; j < n_tiles; ++j, ++it) {
       const int stage = it % STAGES, phase = (it / STAGES) & 1;
       const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it - 1) / STAGES) & 1;
       const int kt = j < n_first ? runs.begin[0] + j : runs.begin[1] + (j - n_first);
-      const Visit visit = step_visit<Cfg>(plans, wi.qt, kt, j < n_first, all_keys);
-      [[maybe_unused]] int half = -1;
-      if constexpr (kNarrow)
-        if (!visit.full && (Cfg::kNarrow == kNarrowAll || visit.start < mask.n_noisy))
-          half = narrow_half<BN / 2>(my_keys, visit);
-      const bool wide = !kNarrow || half < 0;
+      const Visit visit = step_visit<Cfg>(plans, kt, j < n_first, all_keys);
       Barrier::wait(&ss.k_full[stage], phase);
       if (j > 0) Barrier::wait(&ss.v_full[prev], prev_phase);
       if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
       warpgroup_fence_operand(acc_s);
-      if constexpr (kNarrow) {
-        if (!wide) {
-          warpgroup_arrive();
-          mma_sh.accumulate_ = GMMA::ScaleOut::Zero;
-          CUTE_UNROLL
-          for (int kb = 0; kb < size<2>(tShQ); ++kb) {
-            gemm(mma_sh, tShQ(_, _, kb), make_tensor(tShK(_, half, kb, stage).data(), Layout<Shape<_1, _1>>{}),
-                 acc_sh);
-            mma_sh.accumulate_ = GMMA::ScaleOut::One;
-          }
-          warpgroup_commit_batch();
-        }
+      warpgroup_arrive();
+      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
+        mma_s.accumulate_ = GMMA::ScaleOut::One;
       }
-      if (wide) {
-        warpgroup_arrive();
-        mma_s.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-          gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
-          mma_s.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-      }
+      warpgroup_commit_batch();
       if (j > 0) {
         warpgroup_fence_operand(acc_o);
-        if constexpr (kNarrow) {
-          if (prev_half >= 0) {
-            warpgroup_arrive();
-            CUTE_UNROLL
-            for (int kb = 0; kb < kPvHalf; ++kb)
-              gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb + kPvHalf * prev_half, prev), acc_o);
-            warpgroup_commit_batch();
-          }
-        }
-        if (!kNarrow || prev_half < 0) {
-          warpgroup_arrive();
-          CUTE_UNROLL
-          for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
-          warpgroup_commit_batch();
-        }
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
+        warpgroup_commit_batch();
       }
       if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
       // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
@@ -530,24 +399,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
       warpgroup_fence_operand(acc_s);
       Barrier::arrive(&ss.k_empty[stage]);
-      if constexpr ((Cfg::kTrim & kTrimQEmpty) == 0)
-        if (j == n_tiles - 1) Barrier::arrive(&ss.q_empty);  // the producer may load the next Q
 
-      if constexpr (kNarrow) {
-        if (!wide)
-          online_softmax_t<true>(acc_sh, tShS_rc, Visit{visit.start + half * (BN / 2), visit.end, false},
-                                 seen, p.scale_log2, row_max, row_sum, scale_row);
-      }
-      if (wide) {
-        if constexpr ((Cfg::kTrim & kTrimUnswitch) != 0) {
-          if (!visit.full || visit.end - visit.start < BN)
-            online_softmax_t<true>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
-          else
-            online_softmax_t<false>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
-        } else {
-          online_softmax(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
-        }
-      }
+      if (!visit.full || visit.end - visit.start < BN)
+        online_softmax<true>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
+      else
+        online_softmax<false>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
 
       warpgroup_wait<0>();  // P_{j-1} V_{j-1} is in acc_o, and p_elem is free again
       warpgroup_fence_operand(acc_o);
@@ -557,40 +413,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int i = 0; i < kRows; ++i)
         CUTE_UNROLL
         for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= scale_row[i];
-      if constexpr (kNarrow) {
-        if (!wide) {
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_sh); ++i) p_elem(i) = Elem(acc_s(i));
-        }
-        prev_half = half;
-      }
-      if (wide) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
-      }
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
     }
-    if constexpr ((Cfg::kTrim & kTrimQEmpty) != 0) Barrier::arrive(&ss.q_empty);
+    // The consumers' last S of this item has read Q: the producer may load the next item's (one
+    // arrival after the loop, not a test in every step).
+    Barrier::arrive(&ss.q_empty);
     // Consumer 1's last hand-over (and its pre-arrival) leave one phase of barrier 1 open: close it.
     if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
     if (n_tiles > 0) {  // the last tile's O += P V
       const int last = (it - 1) % STAGES;
       Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
       warpgroup_fence_operand(acc_o);
-      if constexpr (kNarrow) {
-        if (prev_half >= 0) {
-          warpgroup_arrive();
-          CUTE_UNROLL
-          for (int kb = 0; kb < kPvHalf; ++kb)
-            gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb + kPvHalf * prev_half, last), acc_o);
-          warpgroup_commit_batch();
-        }
-      }
-      if (!kNarrow || prev_half < 0) {
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
-        warpgroup_commit_batch();
-      }
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
+      warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       Barrier::arrive(&ss.v_empty[last]);

@@ -557,7 +557,7 @@ void make_entries(const std::vector<dlm::SequenceMask>& masks, bool varlen, F pl
 
 template <class Elem, int D, int START>
 struct VarRun {
-  using FwdCfg = dlm::sm90::FwdConfig<Elem, D, 128, dlm::sm90::fwd_block_n(D), 2, true, dlm::sm90::kNarrowOff, 0, START>;
+  using FwdCfg = dlm::sm90::FwdConfig<Elem, D, 128, dlm::sm90::fwd_block_n(D), 2, true, START>;
   using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, 128, 2, false, false, START>;
   using DqCfg = dlm::sm90::DqConfig<Elem, D, 128, 128, 2, false, false, START>;
   VarSpec v;
