@@ -192,10 +192,10 @@ EXACT_CONTENDERS = {
 
 CONTENDERS = {
     "dlm_ops": ours,
-    # "dlm_ops" is the default dispatch (on sm90 the cutlass backend: CUTLASS backward, and forward
-    # at D=256; Triton elsewhere); the other two force one backend.
+    # "dlm_ops" is the default dispatch (on sm90 the cutlass backend: the CUTLASS forward, and the
+    # CUTLASS backward at D=64/128; Triton elsewhere); the other two force one backend.
     "dlm_ops triton": lambda c: ours(c, "triton"),
-    "dlm_ops cutlass": lambda c: ours(c, "cutlass"),  # the sm90 forward (opt-in), Triton's backward
+    "dlm_ops cutlass": lambda c: ours(c, "cutlass"),  # forced: both sm90 kernels where they cover
     "cudnn causal halves": lambda c: causal_halves(c, SDPBackend.CUDNN_ATTENTION),
     "flash causal halves": lambda c: causal_halves(c, SDPBackend.FLASH_ATTENTION),
     "flex BD3": flex,

