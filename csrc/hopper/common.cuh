@@ -139,23 +139,4 @@ CUTE_DEVICE void produce_kv_runs_at(TilePlans const& plans, TileRuns const& runs
   }
 }
 
-// Ping-pong turns of the two consumer warpgroups at the tensor cores (named barriers 1 and 2; 0 is
-// __syncthreads): consumer c waits on barrier 1 + c for its turn and hands the next one over on the
-// other's. Every phase needs both warpgroups (256 threads, one syncing, one arriving), so each
-// consumer must take() and pass() equally often per work item; consumer 1 pre-arrives in start()
-// so that consumer 0 goes first, and consumer 0 closes that extra phase in finish(). pass() only
-// after the wgmma wait: a bar.arrive between a wgmma issue and its wait makes ptxas serialize the
-// wgmmas (warning C7514, csrc/NOTES.md v3). The forward keeps its own copy (diffusion_fwd.cuh).
-struct ConsumerTurns {
-  int consumer;  // 0 or 1
-  CUTE_DEVICE void start() const {
-    if (consumer == 1) asm volatile("bar.arrive 1, 256;");
-  }
-  CUTE_DEVICE void take() const { asm volatile("bar.sync %0, 256;" ::"r"(1 + consumer)); }
-  CUTE_DEVICE void pass() const { asm volatile("bar.arrive %0, 256;" ::"r"(2 - consumer)); }
-  CUTE_DEVICE void finish() const {
-    if (consumer == 0) asm volatile("bar.sync 1, 256;");
-  }
-};
-
 }  // namespace dlm::sm90

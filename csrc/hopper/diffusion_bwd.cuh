@@ -66,22 +66,13 @@ using SwizzledTilesT = decltype(composition(
     SwizzledTiles<Elem, ROWS, D, STAGES>{},
     make_ordered_layout(Shape<Int<D>, Int<ROWS>, Int<STAGES>>{}, Step<_2, _1, _3>{})));
 
-// Speed variants for an A/B (csrc/NOTES.md "Backward variants (next A/B)"), off in the shipped
-// instantiations: PINGPONG, the two consumer warpgroups take turns at issuing their matmuls
-// (ConsumerTurns, two turns per tile: the S / dP pair, then the gradient matmuls), so one's
-// element-wise work overlaps the other's matmuls; OVERLAP, FlashAttention-3's in-warpgroup overlap
-// across tiles: a tile's first matmul (S^T, or S in dQ) and the previous tile's gradient matmuls
-// are issued together, and the exponentials run while the latter do, so the loop's turn and the
-// gradient matmuls' issue no longer leave the tensor cores a gap of their own.
-// START_: where tiles may start (kStartTile / kStartAny / kStartVarlen, hopper/common.cuh); the
-// shipped loop only (not with OVERLAP).
-template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = false,
-          bool OVERLAP_ = false, int START_ = kStartTile>
+// START_: where tiles may start (kStartTile / kStartAny / kStartVarlen, hopper/common.cuh). The
+// consumers' loops have no ping-pong turns and no in-warpgroup overlap: both were measured slower
+// here (csrc/NOTES.md "Backward variants (measured, deleted)").
+template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, int START_ = kStartTile>
 struct DkDvConfig {
   using Elem = Elem_;
-  static constexpr bool kPingPong = PINGPONG_, kOverlap = OVERLAP_;
   static constexpr int kStart = START_;
-  static_assert(kStart == kStartTile || !kOverlap, "odd lengths / varlen: the shipped loop only");
   // Bulk copies need 16-byte aligned sources: a query tile starting anywhere copies its lse2 / delta
   // from the aligned element at or before its first row, kRowPad more floats, and the consumers
   // skip the (row & 3) leading ones.
@@ -122,13 +113,10 @@ struct DkDvConfig {
   static constexpr int kRowBytes = (BM + kRowPad) * sizeof(float);  // one tile's lse2 or delta
 };
 
-template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = false,
-          bool OVERLAP_ = false, int START_ = kStartTile>
-struct DqConfig {  // PINGPONG / OVERLAP / START_: as DkDvConfig's
+template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, int START_ = kStartTile>
+struct DqConfig {  // START_: as DkDvConfig's
   using Elem = Elem_;
-  static constexpr bool kPingPong = PINGPONG_, kOverlap = OVERLAP_;
   static constexpr int kStart = START_;
-  static_assert(kStart == kStartTile || !kOverlap, "odd lengths / varlen: the shipped loop only");
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
   static constexpr int kConsumerRows = 64;
   static constexpr int kConsumers = BM / kConsumerRows;
@@ -277,49 +265,6 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PreParams<Ele
   }
 }
 
-// ------------------------------------------------------------------- pieces of the variant loops
-// acc = A B over the whole K extent, both operands from shared memory, as one commit group.
-template <class Mma, class A, class B, class Acc>
-CUTE_DEVICE void issue_ss(Mma& mma, A const& a, B const& b, Acc& acc) {
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(a); ++kb) {
-    gemm(mma, a(_, _, kb), b(_, _, kb), acc);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-}
-
-// The dK/dV kernel's P^T = exp2(S^T * scale log2 e - lse2[query]) in place, masked pairs 0 (the
-// shipped loop's code, as a function for the OVERLAP loop). s: (keys, queries) of this thread.
-template <class Scores, class Coords>
-CUTE_DEVICE void dkdv_probabilities(Scores& s, Coords const& tScS_rc, Visit const& visit,
-                                    bool masked, SequenceMask const& mask, int key_base,
-                                    float scale_log2, const float* lse2) {
-  constexpr int kRows = decltype(size<0>(s))::value;
-  Intervals seen_by[kRows];
-  if (masked) {
-    CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) seen_by[i] = mask.col_intervals(key_base + get<0>(tScS_rc(i, 0)));
-  }
-  CUTE_UNROLL
-  for (int j = 0; j < size<1>(s); ++j) {
-    const int col = get<1>(tScS_rc(0, j));
-    const float l = lse2[col];
-    CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      float x = s(i, j) * scale_log2 - l;
-      if (masked) {
-        const int row = visit.start + col;
-        x = row < visit.end && seen_by[i].contains(row) ? x : -INFINITY;
-      }
-      s(i, j) = exp2_approx(x);
-    }
-  }
-}
-
 // ------------------------------------------------------------------------------------- dK / dV
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
@@ -460,215 +405,107 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
   constexpr int kRows = 2;  // keys per thread (lane/4 and lane/4 + 8 of its warp's 16)
   Barrier::wait(&ss.kv_full, 0);
-  [[maybe_unused]] const ConsumerTurns turns{consumer};
-  [[maybe_unused]] const int n_visits = group * runs.count();  // the same for both consumers
 
-  if constexpr (Cfg::kOverlap) {
-    // FlashAttention-3's in-warpgroup overlap, the forward's pattern: visit j (the producer's
-    // order: query heads of the group, then the tiles of both runs) issues S^T_j and then
-    // dV_{j-1} / dK_{j-1} behind it, computes P^T_j while those run, then issues dP^T_j once they
-    // have freed P^T / dS^T's registers. Nothing is in flight across the loop's back edge (a
-    // wgmma pending there made ptxas serialize every wgmma, C7515). Registers at the peak as in
-    // the shipped loop (dK, dV, S^T, dP^T: 192 fp32); P^T / dS^T of j - 1 (32) live while S^T_j runs.
-    const int per_head = runs.count(), n_first = runs.end[0] - runs.begin[0];
-    Tensor p_elem = make_fragment_like<Elem>(partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{}));
-    Tensor ds_elem = make_fragment_like<Elem>(p_elem);
-    Tensor tPa = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
-    Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
-    if constexpr (Cfg::kPingPong) if (n_visits > 0) turns.start();
-    for (int j = 0; j < n_visits; ++j) {
-      const int stage = j % STAGES, phase = (j / STAGES) & 1;
-      const int prev = (j + STAGES - 1) % STAGES;
-      const int jj = j % per_head;
-      const int qt = jj < n_first ? runs.begin[0] + jj : runs.begin[1] + (jj - n_first);
-      const Visit visit = plans.visit(kt, qt);
-      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
-      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
-      Barrier::wait(&ss.q_full[stage], phase);
-      if constexpr (Cfg::kPingPong) turns.take();
-      issue_ss(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
-      if (j > 0) {
+  int it = 0;
+  for (int g = 0; g < group; ++g) {
+    for (int r = 0; r < 2; ++r) {
+      for (int qt = run_begin(runs, r); qt < run_end(runs, r); ++qt, ++it) {
+        const int stage = it % STAGES, phase = (it / STAGES) & 1;
+        const Visit visit = plans.visit(kt, qt);
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
+        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
+        // S^T and dP^T issued back to back: P^T's exponentials run while dP^T is computed.
+        Barrier::wait(&ss.q_full[stage], phase);
+        warpgroup_fence_operand(acc_s);
+        warpgroup_arrive();
+        mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tSrK); ++kb) {
+          gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb, stage), acc_s);
+          mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        Barrier::wait(&ss.do_full[stage], phase);
+        warpgroup_fence_operand(acc_dp);
+        warpgroup_arrive();
+        mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tSrV); ++kb) {
+          gemm(mma_sdp, tSrV(_, _, kb), tSrdO(_, _, kb, stage), acc_dp);
+          mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(acc_s);
+
+        // P^T = exp2(s * scale log2 e - lse2[query]); masked pairs get exp2(-inf) = 0.
+        Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (keys, queries)
+        const bool masked = !visit.full || visit.end - visit.start < BM;
+        // kStartAny / kStartVarlen: the copy began (first row & 3) floats before the tile.
+        [[maybe_unused]] int skip = 0;
+        if constexpr (Cfg::kStart != kStartTile)
+          skip = static_cast<int>(((static_cast<int64_t>(b) * p.heads + kvh * group + g) * p.seqlen +
+                                   offset + visit.start) & 3);
+        const float* lse2 = ss.lse2[stage] + skip;
+        // The query rows that see each of this thread's keys, recomputed per PARTIAL tile rather
+        // than held over the loop: 8 registers the accumulators need (4 bytes spilled otherwise).
+        Intervals seen_by[kRows];
+        if (masked) {
+          CUTE_UNROLL
+          for (int i = 0; i < kRows; ++i)
+            seen_by[i] = mask.col_intervals(key_base + get<0>(tScS_rc(i, 0)));
+        }
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          const int col = get<1>(tScS_rc(0, j));
+          const float l = lse2[col];
+          CUTE_UNROLL
+          for (int i = 0; i < kRows; ++i) {
+            float x = s(i, j) * p.scale_log2 - l;
+            if (masked) {
+              const int row = visit.start + col;
+              x = row < visit.end && seen_by[i].contains(row) ? x : -INFINITY;
+            }
+            s(i, j) = exp2_approx(x);
+          }
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dp);
+        // dS^T = P^T (dP^T - delta[query]), in dP^T's registers.
+        Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+        const float* delta = ss.delta[stage] + skip;
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(dp); ++j) {
+          const float dl = delta[get<1>(tScS_rc(0, j))];
+          CUTE_UNROLL
+          for (int i = 0; i < kRows; ++i) dp(i, j) = s(i, j) * (dp(i, j) - dl);
+        }
+        Tensor p_elem = make_fragment_like<Elem>(acc_s);
+        Tensor ds_elem = make_fragment_like<Elem>(acc_dp);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) {
+          p_elem(i) = Elem(acc_s(i));
+          ds_elem(i) = Elem(acc_dp(i));
+        }
+        Tensor tPa = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
+        Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
+
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
         warpgroup_arrive();
         CUTE_UNROLL
         for (int kb = 0; kb < size<2>(tPa); ++kb)
-          gemm(mma_kv, tPa(_, _, kb), tVrdOt(_, _, kb, prev), acc_dv);
+          gemm(mma_kv, tPa(_, _, kb), tVrdOt(_, _, kb, stage), acc_dv);
         CUTE_UNROLL
         for (int kb = 0; kb < size<2>(tdSa); ++kb)
-          gemm(mma_kv, tdSa(_, _, kb), tKrQt(_, _, kb, prev), acc_dk);
+          gemm(mma_kv, tdSa(_, _, kb), tKrQt(_, _, kb, stage), acc_dk);
         warpgroup_commit_batch();
-        warpgroup_wait<1>();  // S^T_j is ready; dV_{j-1} / dK_{j-1} run on
-      } else {
         warpgroup_wait<0>();
-      }
-      if constexpr (Cfg::kPingPong) turns.pass();
-      warpgroup_fence_operand(acc_s);
-      Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (keys, queries)
-      const bool masked = !visit.full || visit.end - visit.start < BM;
-      dkdv_probabilities(s, tScS_rc, visit, masked, mask, key_base, p.scale_log2, ss.lse2[stage]);
-      warpgroup_wait<0>();  // dV_{j-1} / dK_{j-1} are done: P^T, dS^T and stage j - 1 are free
-      warpgroup_fence_operand(p_elem);
-      warpgroup_fence_operand(ds_elem);
-      warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(acc_dk);
-      if (j > 0) Barrier::arrive(&ss.empty[prev]);
-      Barrier::wait(&ss.do_full[stage], phase);
-      if constexpr (Cfg::kPingPong) turns.take();
-      issue_ss(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
-      warpgroup_wait<0>();
-      if constexpr (Cfg::kPingPong) turns.pass();
-      warpgroup_fence_operand(acc_dp);
-      Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-      const float* delta = ss.delta[stage];
-      CUTE_UNROLL
-      for (int jq = 0; jq < size<1>(dp); ++jq) {
-        const float dl = delta[get<1>(tScS_rc(0, jq))];
-        CUTE_UNROLL
-        for (int i = 0; i < kRows; ++i) dp(i, jq) = s(i, jq) * (dp(i, jq) - dl);
-      }
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        p_elem(i) = Elem(acc_s(i));
-        ds_elem(i) = Elem(acc_dp(i));
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        Barrier::arrive(&ss.empty[stage]);
       }
     }
-    if (n_visits > 0) {  // the last visit's dV / dK
-      const int last = (n_visits - 1) % STAGES;
-      if constexpr (Cfg::kPingPong) turns.take();
-      warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(acc_dk);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tPa); ++kb)
-        gemm(mma_kv, tPa(_, _, kb), tVrdOt(_, _, kb, last), acc_dv);
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tdSa); ++kb)
-        gemm(mma_kv, tdSa(_, _, kb), tKrQt(_, _, kb, last), acc_dk);
-      warpgroup_commit_batch();
-      warpgroup_wait<0>();
-      if constexpr (Cfg::kPingPong) turns.pass();
-      warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(acc_dk);
-      Barrier::arrive(&ss.empty[last]);
-    }
-    if constexpr (Cfg::kPingPong) if (n_visits > 0) turns.finish();
-  } else {
-    if constexpr (Cfg::kPingPong) if (n_visits > 0) turns.start();
-    int it = 0;
-    for (int g = 0; g < group; ++g) {
-      for (int r = 0; r < 2; ++r) {
-        for (int qt = run_begin(runs, r); qt < run_end(runs, r); ++qt, ++it) {
-          const int stage = it % STAGES, phase = (it / STAGES) & 1;
-          const Visit visit = plans.visit(kt, qt);
-          Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
-          Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
-          // S^T and dP^T issued back to back: P^T's exponentials run while dP^T is computed.
-          Barrier::wait(&ss.q_full[stage], phase);
-          if constexpr (Cfg::kPingPong) {  // the S^T / dP^T pair is issued within one turn
-            Barrier::wait(&ss.do_full[stage], phase);
-            turns.take();
-          }
-          warpgroup_fence_operand(acc_s);
-          warpgroup_arrive();
-          mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-          CUTE_UNROLL
-          for (int kb = 0; kb < size<2>(tSrK); ++kb) {
-            gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb, stage), acc_s);
-            mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-          }
-          warpgroup_commit_batch();
-          Barrier::wait(&ss.do_full[stage], phase);
-          warpgroup_fence_operand(acc_dp);
-          warpgroup_arrive();
-          mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-          CUTE_UNROLL
-          for (int kb = 0; kb < size<2>(tSrV); ++kb) {
-            gemm(mma_sdp, tSrV(_, _, kb), tSrdO(_, _, kb, stage), acc_dp);
-            mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-          }
-          warpgroup_commit_batch();
-          warpgroup_wait<1>();
-          if constexpr (Cfg::kPingPong) turns.pass();  // S^T is ready (dP^T may still run)
-          warpgroup_fence_operand(acc_s);
-
-          // P^T = exp2(s * scale log2 e - lse2[query]); masked pairs get exp2(-inf) = 0.
-          Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (keys, queries)
-          const bool masked = !visit.full || visit.end - visit.start < BM;
-          // kStartAny / kStartVarlen: the copy began (first row & 3) floats before the tile.
-          [[maybe_unused]] int skip = 0;
-          if constexpr (Cfg::kStart != kStartTile)
-            skip = static_cast<int>(((static_cast<int64_t>(b) * p.heads + kvh * group + g) * p.seqlen +
-                                     offset + visit.start) & 3);
-          const float* lse2 = ss.lse2[stage] + skip;
-          // The query rows that see each of this thread's keys, recomputed per PARTIAL tile rather
-          // than held over the loop: 8 registers the accumulators need (4 bytes spilled otherwise).
-          Intervals seen_by[kRows];
-          if (masked) {
-            CUTE_UNROLL
-            for (int i = 0; i < kRows; ++i)
-              seen_by[i] = mask.col_intervals(key_base + get<0>(tScS_rc(i, 0)));
-          }
-          CUTE_UNROLL
-          for (int j = 0; j < size<1>(s); ++j) {
-            const int col = get<1>(tScS_rc(0, j));
-            const float l = lse2[col];
-            CUTE_UNROLL
-            for (int i = 0; i < kRows; ++i) {
-              float x = s(i, j) * p.scale_log2 - l;
-              if (masked) {
-                const int row = visit.start + col;
-                x = row < visit.end && seen_by[i].contains(row) ? x : -INFINITY;
-              }
-              s(i, j) = exp2_approx(x);
-            }
-          }
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_dp);
-          // dS^T = P^T (dP^T - delta[query]), in dP^T's registers.
-          Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-          const float* delta = ss.delta[stage] + skip;
-          CUTE_UNROLL
-          for (int j = 0; j < size<1>(dp); ++j) {
-            const float dl = delta[get<1>(tScS_rc(0, j))];
-            CUTE_UNROLL
-            for (int i = 0; i < kRows; ++i) dp(i, j) = s(i, j) * (dp(i, j) - dl);
-          }
-          Tensor p_elem = make_fragment_like<Elem>(acc_s);
-          Tensor ds_elem = make_fragment_like<Elem>(acc_dp);
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_s); ++i) {
-            p_elem(i) = Elem(acc_s(i));
-            ds_elem(i) = Elem(acc_dp(i));
-          }
-          Tensor tPa = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
-          Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
-
-          warpgroup_fence_operand(acc_dv);
-          warpgroup_fence_operand(acc_dk);
-          if constexpr (Cfg::kPingPong) turns.take();
-          warpgroup_arrive();
-          CUTE_UNROLL
-          for (int kb = 0; kb < size<2>(tPa); ++kb)
-            gemm(mma_kv, tPa(_, _, kb), tVrdOt(_, _, kb, stage), acc_dv);
-          if constexpr (Cfg::kPingPong) warpgroup_commit_batch();  // dV alone: pass once it is done
-          CUTE_UNROLL
-          for (int kb = 0; kb < size<2>(tdSa); ++kb)
-            gemm(mma_kv, tdSa(_, _, kb), tKrQt(_, _, kb, stage), acc_dk);
-          warpgroup_commit_batch();
-          if constexpr (Cfg::kPingPong) {
-            warpgroup_wait<1>();
-            turns.pass();
-          }
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_dv);
-          warpgroup_fence_operand(acc_dk);
-          Barrier::arrive(&ss.empty[stage]);
-        }
-      }
-    }
-
-    if constexpr (Cfg::kPingPong) if (n_visits > 0) turns.finish();
   }
 
   // Epilogue: dK = scale * sum dS^T Q and dV straight from registers; rows are keys.
@@ -789,166 +626,73 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     delta[i] = row < q_tile.hi ? p.delta[at] : 0.f;
   }
   Barrier::wait(&ss.q_full, 0);
-  [[maybe_unused]] const ConsumerTurns turns{consumer};
-  [[maybe_unused]] const int n_visits = runs.count();  // the same for both consumers
 
-  if constexpr (Cfg::kOverlap) {
-    // FlashAttention-3's in-warpgroup overlap, the forward's pattern: tile j issues S_j and then
-    // dQ_{j-1} += dS_{j-1} K_{j-1} behind it, computes P_j while that dQ runs, then issues dP_j
-    // once dQ_{j-1} has freed dS's registers. Nothing is in flight across the loop's back edge
-    // (a wgmma pending there made ptxas serialize every wgmma, C7515). Registers at the peak as
-    // in the shipped loop (dQ, S, dP: 192 fp32); dS_{j-1} (32 registers) lives while S_j runs.
-    const int n_first = runs.end[0] - runs.begin[0];
-    Tensor ds_elem = make_fragment_like<Elem>(partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{}));
-    Tensor ds_rc = make_tensor(ds_elem.data(), acc_rowcol(ds_elem.layout()));
-    Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
-    if constexpr (Cfg::kPingPong) if (n_visits > 0) turns.start();
-    for (int j = 0; j < n_visits; ++j) {
-      const int stage = j % STAGES, phase = (j / STAGES) & 1;
-      const int prev = (j + STAGES - 1) % STAGES;
-      const int kt = j < n_first ? runs.begin[0] + j : runs.begin[1] + (j - n_first);
+  int it = 0;
+  for (int r = 0; r < 2; ++r) {
+    for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
+      const int stage = it % STAGES, phase = (it / STAGES) & 1;
       const Visit visit = plans.visit(qt, kt);
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
       Barrier::wait(&ss.k_full[stage], phase);
-      if constexpr (Cfg::kPingPong) turns.take();
-      issue_ss(mma_sdp, tSrQ, tSrK(_, _, _, stage), acc_s);
-      if (j > 0) {
-        warpgroup_fence_operand(acc_dq);
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tdSa); ++kb)
-          gemm(mma_dq, tdSa(_, _, kb), tQrKt(_, _, kb, prev), acc_dq);
-        warpgroup_commit_batch();
-        warpgroup_wait<1>();  // S_j is ready; dQ_{j-1} runs on
-      } else {
-        warpgroup_wait<0>();
-      }
-      if constexpr (Cfg::kPingPong) turns.pass();
       warpgroup_fence_operand(acc_s);
+      warpgroup_arrive();
+      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        gemm(mma_sdp, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
+        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      Barrier::wait(&ss.v_full[stage], phase);
+      warpgroup_fence_operand(acc_dp);
+      warpgroup_arrive();
+      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrdO); ++kb) {
+        gemm(mma_sdp, tSrdO(_, _, kb), tSrV(_, _, kb, stage), acc_dp);
+        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc_s);
+
       Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, keys)
       const bool masked = !visit.full || visit.end - visit.start < BN;
       CUTE_UNROLL
       for (int i = 0; i < kRows; ++i) {
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(s); ++c) {
-          float x = s(i, c) * p.scale_log2 - lse2[i];
+        for (int j = 0; j < size<1>(s); ++j) {
+          float x = s(i, j) * p.scale_log2 - lse2[i];
           if (masked) {
-            const int col = visit.start + get<1>(tScS_rc(i, c));
+            const int col = visit.start + get<1>(tScS_rc(i, j));
             x = col < visit.end && seen[i].contains(col) ? x : -INFINITY;
           }
-          s(i, c) = exp2_approx(x);
+          s(i, j) = exp2_approx(x);
         }
       }
-      warpgroup_wait<0>();  // dQ_{j-1} is done: dS and K_{j-1} are free
-      warpgroup_fence_operand(ds_elem);
-      warpgroup_fence_operand(acc_dq);
-      if (j > 0) Barrier::arrive(&ss.k_empty[prev]);
-      Barrier::wait(&ss.v_full[stage], phase);
-      if constexpr (Cfg::kPingPong) turns.take();
-      issue_ss(mma_sdp, tSrdO, tSrV(_, _, _, stage), acc_dp);
       warpgroup_wait<0>();
-      if constexpr (Cfg::kPingPong) turns.pass();
       warpgroup_fence_operand(acc_dp);
       Barrier::arrive(&ss.v_empty[stage]);  // V is read only by dP
       Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+      Tensor ds_elem = make_fragment_like<Elem>(acc_dp);
+      Tensor ds_rc = make_tensor(ds_elem.data(), acc_rowcol(ds_elem.layout()));
       CUTE_UNROLL
       for (int i = 0; i < kRows; ++i)
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(dp); ++c) ds_rc(i, c) = Elem(s(i, c) * (dp(i, c) - delta[i]));
-    }
-    if (n_visits > 0) {  // the last tile's dQ
-      const int last = (n_visits - 1) % STAGES;
-      if constexpr (Cfg::kPingPong) turns.take();
+        for (int j = 0; j < size<1>(dp); ++j) ds_rc(i, j) = Elem(s(i, j) * (dp(i, j) - delta[i]));
+      Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
+
       warpgroup_fence_operand(acc_dq);
       warpgroup_arrive();
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tdSa); ++kb)
-        gemm(mma_dq, tdSa(_, _, kb), tQrKt(_, _, kb, last), acc_dq);
+        gemm(mma_dq, tdSa(_, _, kb), tQrKt(_, _, kb, stage), acc_dq);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
-      if constexpr (Cfg::kPingPong) turns.pass();
       warpgroup_fence_operand(acc_dq);
-      Barrier::arrive(&ss.k_empty[last]);
+      Barrier::arrive(&ss.k_empty[stage]);
     }
-    if constexpr (Cfg::kPingPong) if (n_visits > 0) turns.finish();
-  } else {
-    if constexpr (Cfg::kPingPong) if (n_visits > 0) turns.start();
-    int it = 0;
-    for (int r = 0; r < 2; ++r) {
-      for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
-        const int stage = it % STAGES, phase = (it / STAGES) & 1;
-        const Visit visit = plans.visit(qt, kt);
-        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
-        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
-        Barrier::wait(&ss.k_full[stage], phase);
-        if constexpr (Cfg::kPingPong) {  // the S / dP pair is issued within one turn
-          Barrier::wait(&ss.v_full[stage], phase);
-          turns.take();
-        }
-        warpgroup_fence_operand(acc_s);
-        warpgroup_arrive();
-        mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-          gemm(mma_sdp, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
-          mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        Barrier::wait(&ss.v_full[stage], phase);
-        warpgroup_fence_operand(acc_dp);
-        warpgroup_arrive();
-        mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tSrdO); ++kb) {
-          gemm(mma_sdp, tSrdO(_, _, kb), tSrV(_, _, kb, stage), acc_dp);
-          mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<1>();
-        if constexpr (Cfg::kPingPong) turns.pass();  // S is ready (dP may still run)
-        warpgroup_fence_operand(acc_s);
-
-        Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, keys)
-        const bool masked = !visit.full || visit.end - visit.start < BN;
-        CUTE_UNROLL
-        for (int i = 0; i < kRows; ++i) {
-          CUTE_UNROLL
-          for (int j = 0; j < size<1>(s); ++j) {
-            float x = s(i, j) * p.scale_log2 - lse2[i];
-            if (masked) {
-              const int col = visit.start + get<1>(tScS_rc(i, j));
-              x = col < visit.end && seen[i].contains(col) ? x : -INFINITY;
-            }
-            s(i, j) = exp2_approx(x);
-          }
-        }
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_dp);
-        Barrier::arrive(&ss.v_empty[stage]);  // V is read only by dP
-        Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-        Tensor ds_elem = make_fragment_like<Elem>(acc_dp);
-        Tensor ds_rc = make_tensor(ds_elem.data(), acc_rowcol(ds_elem.layout()));
-        CUTE_UNROLL
-        for (int i = 0; i < kRows; ++i)
-          CUTE_UNROLL
-          for (int j = 0; j < size<1>(dp); ++j) ds_rc(i, j) = Elem(s(i, j) * (dp(i, j) - delta[i]));
-        Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
-
-        warpgroup_fence_operand(acc_dq);
-        if constexpr (Cfg::kPingPong) turns.take();
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tdSa); ++kb)
-          gemm(mma_dq, tdSa(_, _, kb), tQrKt(_, _, kb, stage), acc_dq);
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        if constexpr (Cfg::kPingPong) turns.pass();
-        warpgroup_fence_operand(acc_dq);
-        Barrier::arrive(&ss.k_empty[stage]);
-      }
-    }
-    if constexpr (Cfg::kPingPong) if (n_visits > 0) turns.finish();
   }
 
   Tensor tQcQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));

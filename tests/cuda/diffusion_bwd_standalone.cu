@@ -8,11 +8,9 @@
 //     -o bwd_standalone tests/cuda/diffusion_bwd_standalone.cu
 //   ./bwd_standalone            # = shipped: checks of the four instantiations, bf16 D=128 timed
 //   ./bwd_standalone check      # checks only;  ./bwd_standalone time: timing only
-//   ./bwd_standalone dkdv3      # timing variants: dK/dV with 3 stages, dq64: dQ over 64-key tiles
+//   ./bwd_standalone dkdv3      # checks + timing of dK/dV with a 3-stage ring (the shipped loop)
+//   ./bwd_standalone dq64       # checks + timing of dQ over 64-key tiles
 //   ./bwd_standalone small      # two small checks, for compute-sanitizer (memcheck, racecheck)
-//   ./bwd_standalone variants   # A/B of the PINGPONG / OVERLAP variants against the shipped configs:
-//                               # checks of each, then every kernel timed in one run, a table last
-//                               # (~50 s on an H200; csrc/NOTES.md "Backward variants (next A/B)")
 //   ./bwd_standalone varlen     # odd lengths (kStartAny) and varlen (kStartVarlen), forward and
 //                               # backward: checks of every output element's poison and sampled
 //                               # rows against fp64, then varlen vs batched timing at 16K tokens
@@ -389,101 +387,6 @@ void timing(const char* name) {
   }
 }
 
-// ------------------------------------------------------------------------------ variants A/B
-// csrc/NOTES.md "Backward variants (next A/B)". The variants of each kernel run on the same inputs
-// in the same process, interleaved per shape (shipped first), so GPU state drifts hit all alike.
-// Pairing is free: the dK/dV and dQ kernels are independent, so the best backward is the
-// preprocess plus the faster of each.
-namespace ab {
-using namespace dlm::sm90;
-template <bool PP, bool OV, int STAGES = kBwdStages>
-using Dk = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, STAGES, PP, OV>;
-template <bool PP, bool OV>
-using Dq = DqConfig<bf16, 128, kDqBlockM, kDqBlockN, kDqStages, PP, OV>;
-constexpr int kVariants = 5;  // dK/dV: shipped, pp, ov, pp+ov, ov+3 stages; dQ: the first four
-const char* const kNames[kVariants] = {"shipped", "pingpong", "overlap", "pingpong+overlap",
-                                       "overlap, 3 stages"};
-constexpr int kShapes = 6;
-const Run kRuns[kShapes] = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
-                            {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4},  {4, 2048, 32, 8, 16}};
-
-void checks_all() {
-  checks<bf16, 128, Dk<true, false>, Dq<true, false>>("bf16 D=128 pingpong", false);
-  checks<bf16, 128, Dk<false, true>, Dq<false, true>>("bf16 D=128 overlap", false);
-  checks<bf16, 128, Dk<true, true>, Dq<true, true>>("bf16 D=128 pingpong+overlap", false);
-  checks<bf16, 128, Dk<false, true, 3>, Dq<false, false>>("bf16 D=128 dK/dV overlap 3 stages", false);
-  // The other head dim once (GQA, bs not dividing the tile), both options on.
-  check<fp16, 64, DkDvConfig<fp16, 64, kBwdBlockM, kBwdBlockN, kBwdStages, true, true>,
-        DqConfig<fp16, 64, kDqBlockM, kDqBlockN, kDqStages, true, true>>(
-      "fp16 D=64 pingpong+overlap", {2, 256, 4, 2, 5});
-}
-
-void timing_all() {
-  printf("== variants A/B (bf16, D=128, 16K tokens; ms per call, 20 calls after 3 warm-ups; "
-         "TFLOPS of each kernel's own matmuls: dK/dV 4, dQ 3)\n");
-  float dk_ms[kVariants][kShapes] = {}, dq_ms[kVariants - 1][kShapes] = {}, pre_ms[kShapes] = {};
-  float both_ms[2][kShapes] = {};  // whole backward: shipped, all variants' options on
-  double matmul[kShapes];
-  for (int r = 0; r < kShapes; ++r) {
-    Problem<bf16> P(kRuns[r], 128);
-    P.to_device();
-    matmul[r] = 2.0 * (double)P.mask.num_pairs() * 128 * kRuns[r].H * kRuns[r].B / 1e9;
-    Bwd<bf16, 128, Dk<false, false>, Dq<false, false>> b0(P);
-    Bwd<bf16, 128, Dk<true, false>, Dq<true, false>> b1(P);
-    Bwd<bf16, 128, Dk<false, true>, Dq<false, true>> b2(P);
-    Bwd<bf16, 128, Dk<true, true>, Dq<true, true>> b3(P);
-    Bwd<bf16, 128, Dk<false, true, 3>, Dq<false, false>> b4(P);
-    pre_ms[r] = time_ms([&] { b0.pre(); }, 20);
-    dk_ms[0][r] = time_ms([&] { b0.dkdv(); }, 20);
-    dk_ms[1][r] = time_ms([&] { b1.dkdv(); }, 20);
-    dk_ms[2][r] = time_ms([&] { b2.dkdv(); }, 20);
-    dk_ms[3][r] = time_ms([&] { b3.dkdv(); }, 20);
-    dk_ms[4][r] = time_ms([&] { b4.dkdv(); }, 20);
-    dq_ms[0][r] = time_ms([&] { b0.dq(); }, 20);
-    dq_ms[1][r] = time_ms([&] { b1.dq(); }, 20);
-    dq_ms[2][r] = time_ms([&] { b2.dq(); }, 20);
-    dq_ms[3][r] = time_ms([&] { b3.dq(); }, 20);
-    both_ms[0][r] = time_ms([&] { b0.all(); }, 20);
-    both_ms[1][r] = time_ms([&] { b3.all(); }, 20);
-    CK(cudaGetLastError());
-    printf("timed B=%d n=%d H=%d/%d bs=%d\n", kRuns[r].B, kRuns[r].n, kRuns[r].H, kRuns[r].Hkv,
-           kRuns[r].bs);
-  }
-  auto header = [&](const char* what) {
-    printf("%-26s", what);
-    for (const Run& r : kRuns) {
-      char col[32];
-      snprintf(col, sizeof col, "n=%d bs=%d%s", r.n, r.bs, r.Hkv != r.H ? " GQA" : "");
-      printf(" | %-17s", col);
-    }
-    printf("\n");
-  };
-  auto row = [&](const char* name, const float* ms, int flops_of, const float* base) {
-    printf("%-26s", name);
-    for (int r = 0; r < kShapes; ++r)
-      printf(" | %.3f %4.0f %+5.1f%%", ms[r], flops_of * matmul[r] / ms[r],
-             100.0 * (base[r] / ms[r] - 1.0));
-    printf("\n");
-  };
-  printf("\n(each cell: ms, TFLOPS, speed vs shipped)\n");
-  header("dK/dV kernel");
-  for (int v = 0; v < kVariants; ++v) row(kNames[v], dk_ms[v], 4, dk_ms[0]);
-  header("dQ kernel");
-  for (int v = 0; v < kVariants - 1; ++v) row(kNames[v], dq_ms[v], 3, dq_ms[0]);
-  header("backward (5 matmuls)");
-  row("shipped", both_ms[0], 5, both_ms[0]);
-  row("pingpong+overlap", both_ms[1], 5, both_ms[0]);
-  float best[kShapes];
-  for (int r = 0; r < kShapes; ++r) {
-    float dk = dk_ms[0][r], dq = dq_ms[0][r];
-    for (int v = 1; v < kVariants; ++v) dk = std::min(dk, dk_ms[v][r]);
-    for (int v = 1; v < kVariants - 1; ++v) dq = std::min(dq, dq_ms[v][r]);
-    best[r] = pre_ms[r] + dk + dq;
-  }
-  row("best of each (sum)", best, 5, both_ms[0]);
-}
-}  // namespace ab
-
 // The reference alone on one small problem, written out for tests against torch autograd:
 // header (B, S, H, Hkv, D, n_noisy, bs) as 7 int32, then q, k, v, dO, dq, dk, dv as float64.
 void refdump(const char* path) {
@@ -558,8 +461,8 @@ void make_entries(const std::vector<dlm::SequenceMask>& masks, bool varlen, F pl
 template <class Elem, int D, int START>
 struct VarRun {
   using FwdCfg = dlm::sm90::FwdConfig<Elem, D, 128, dlm::sm90::fwd_block_n(D), 2, true, START>;
-  using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, 128, 2, false, false, START>;
-  using DqCfg = dlm::sm90::DqConfig<Elem, D, 128, 128, 2, false, false, START>;
+  using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, 128, 2, START>;
+  using DqCfg = dlm::sm90::DqConfig<Elem, D, 128, 128, 2, START>;
   VarSpec v;
   std::vector<int32_t> off;                // sequence offsets (+ total)
   std::vector<dlm::SequenceMask> masks;
@@ -847,11 +750,6 @@ int main(int argc, char** argv) {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;
     checks<bf16, 128, Dk3, Dq>("bf16 D=128, dK/dV 3 stages", false);
     timing<Dk3, Dq>("dK/dV 3 stages");
-  }
-  if (mode == "variants") {
-    ab::checks_all();
-    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
-    ab::timing_all();
   }
   if (mode == "dq64") {
     using Dq64 = DqConfig<bf16, 128, kDqBlockM, 64, kDqStages>;
