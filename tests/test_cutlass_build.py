@@ -240,3 +240,17 @@ def test_the_cutlass_backend_is_the_default_unless_opted_out(monkeypatch):
         "chosen automatically only when DLM_OPS_CUTLASS is not 0 (force it with backend='cutlass')"]
     monkeypatch.delenv("DLM_OPS_CUTLASS")
     assert _auto_reasons(b, problem) == []
+
+
+def test_the_forward_grid_is_persistent_only_for_short_halves(monkeypatch):
+    """One CTA per SM walking the work items up to PERSISTENT_MAX_HALF per half, one CTA per query
+    tile above (the measured crossover: cutlass_diffusion's comment)."""
+    from dlm_ops import geometry
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    monkeypatch.setattr(cd, "_sm_count", lambda device: 132)
+    limit = cd.PERSISTENT_MAX_HALF
+    assert cd._max_ctas(geometry.SequenceMask.block_diffusion(2 * limit, 16), "cuda") == 132
+    assert cd._max_ctas(geometry.SequenceMask.block_causal(limit, 16), "cuda") == 132
+    assert cd._max_ctas(geometry.SequenceMask.block_diffusion(2 * limit + 256, 16), "cuda") == 0
+    assert cd._max_ctas(geometry.SequenceMask.block_causal(limit + 128, 16), "cuda") == 0

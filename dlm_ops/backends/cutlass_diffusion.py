@@ -4,8 +4,9 @@ warpgroups), JIT-built on first use by ``cutlass.build``; everything else runs t
 (this backend subclasses the Triton one).
 
 Which kernel runs where is data (FORWARD_HEAD_DIMS, BACKWARD_HEAD_DIMS below): each CUTLASS kernel
-runs for the head dims where it measured faster than Triton's on the H200, the forward at D = 64 /
-128 / 256 and the backward at D = 64 / 128 (D = 256 runs Triton's backward). Both kernels need
+runs for the head dims where it measured faster than Triton's on the H200, the forward at D = 128 /
+256 and the backward at D = 64 / 128 (Triton's forward at D = 64, its backward at D = 256). Both
+kernels need
 sm90, fp16/bf16, the batched layout, no softcap (declared capabilities: such calls select
 ``triton``) and, checked per call, both halves multiples of 128 long (every tile starts on a TMA
 tile boundary) with 16-byte aligned rows; a call outside that runs Triton's kernel, counted in
@@ -69,24 +70,33 @@ def _tile_order(n_noisy: int, n_clean: int, block_size: int, head_dim: int,
     return _EXT.tile_order(n_noisy, n_clean, block_size, head_dim).to(device)
 
 
-# Which head dims run which CUTLASS kernel; the rest run Triton's. Measured on the H200 (bf16, H=16,
-# 16K tokens, csrc/NOTES.md): the CUTLASS backward beats Triton's through torch (n = 1K: 222 vs 173
-# TFLOPS, n = 4K: 377 vs 269); the forward v5 (standalone 296 / 491 TFLOPS at n = 1K / 4K) beats
-# Triton's (252 / 354 through torch), and at D = 256 v4 already did (n = 2K: 357 vs 246). The
-# kernels cover every head dim listed in SUPPORTED_HEAD_DIMS.
+# Which head dims run which CUTLASS kernel; the rest run Triton's. Measured on the H200 through torch
+# in one process (bf16, H=16, 16K tokens, csrc/NOTES.md): the CUTLASS backward beats Triton's (n = 1K:
+# 210 vs 180 TFLOPS, n = 8K: 388 vs 283); the forward v5 does at D = 128 (287 vs 256, 542 vs 376) and
+# D = 256 (n = 2K: 439 vs 243) but not at D = 64 (n = 2K: 257 vs 292). The kernels cover every head
+# dim listed in SUPPORTED_HEAD_DIMS.
 SUPPORTED_HEAD_DIMS = {"fwd": (64, 128, 256), "bwd": (64, 128)}
-FORWARD_HEAD_DIMS = (64, 128, 256)
+FORWARD_HEAD_DIMS = (128, 256)
 BACKWARD_HEAD_DIMS = (64, 128)
 
-# The forward's grid: one CTA per SM walking its work items (the next tile's Q and K/V load while
-# this one's last P V and stores run) when True, one CTA per query tile when False. Persistent
-# measured +6% at n = 1K, -2% / -4% at n = 4K / 8K (bf16 D=128, standalone): off.
-PERSISTENT = False
+# The forward's grid: one CTA per SM walking its work items (the next item's Q and K/V load while
+# this one's last P V and stores run) when both halves are at most PERSISTENT_MAX_HALF long, else
+# one CTA per query tile. Forward v5 on the H200 (standalone, bf16 D=128, 16K tokens), persistent
+# against one CTA per tile: +7.5% at n = 1K, +1.7% at 2K, -0.6% at 4K, -3.7% at 8K, +7% for GQA
+# 32/8 at 2K: short halves give items of few key tiles, whose prologue and epilogue the persistent
+# loop overlaps; long ones balance worse under its static round-robin than under the hardware's
+# CTA scheduler.
+PERSISTENT_MAX_HALF = 2048
 
 
 @lru_cache(maxsize=16)
-def _max_ctas(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if PERSISTENT else 0
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _max_ctas(mask, device: torch.device) -> int:
+    """The forward's grid bound: the SM count (persistent) or 0 (one CTA per work item)."""
+    return _sm_count(device) if max(mask.n_noisy, mask.n_clean) <= PERSISTENT_MAX_HALF else 0
 
 
 @lru_cache(maxsize=64)
@@ -139,7 +149,7 @@ class CutlassDiffusionBackend(TritonBackend):
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, s), torch.float32)
         order = _tile_order(mask.n_noisy, mask.n_clean, mask.block_size, q.shape[-1], str(q.device))
-        ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale, _max_ctas(q.device))
+        ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale, _max_ctas(mask, q.device))
         STATS["fwd"] += 1
         return out, lse
 
