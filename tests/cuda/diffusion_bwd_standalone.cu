@@ -633,7 +633,14 @@ void odd_varlen_checks(const char* name) {
   for (const VarSpec& s : {batched(1, 100, 2, 2, 16), batched(5, 300, 2, 1, 5, false, 5),
                            batched(1, 1000, 2, 2, 300, false, 9), batched(16, 37, 2, 1, 1),
                            batched(1, 77, 4, 2, 16, true), batched(2, 300, 2, 2, 1, true, 3),
-                           batched(1, 256, 2, 2, 16)})
+                           batched(1, 256, 2, 2, 16),
+                           // A short key tile that is FULL for a query tile (one block holds both)
+                           // still needs the column mask (issue #7, n = 500 bs = 300, the forward's
+                           // loop before v5); all but the last two fail fwd_mask_mirror's MODE 1.
+                           batched(1, 500, 2, 1, 300, false, 5), batched(2, 180, 2, 1, 60, false, 2),
+                           batched(3, 70, 2, 2, 100), batched(1, 250, 2, 1, 128, false, 2),
+                           batched(4, 33, 2, 1, 40), batched(1, 200, 2, 1, 150, false, 2),
+                           batched(1, 129, 2, 2, 100, false, 2)})
     VarRun<Elem, D, kStartAny>(s).check(name);
   std::vector<int> many(30);
   uint32_t st = 12345;
@@ -642,6 +649,7 @@ void odd_varlen_checks(const char* name) {
                            VarSpec{true, {5, 0, 0, 64, 129, 0}, 2, 2, 1},
                            VarSpec{true, {0, 0, 3}, 2, 1, 5},
                            VarSpec{true, {500}, 2, 1, 300, false, 5},
+                           VarSpec{true, {200, 70, 0, 33, 160, 129, 250, 180, 1}, 2, 1, 100, false, 2},
                            VarSpec{true, many, 2, 1, 5, false, 2}})
     VarRun<Elem, D, kStartVarlen>(s).check(name);
 }

@@ -345,11 +345,23 @@ void odd_checks(const char* name) {
   run<Any>({1, 77, 4, 2, 16, true}, true, 0);    // block-causal over 154 tokens
   run<Any>({1, 300, 2, 2, 1, true}, true, 0);
   run<Any>({2, 256, 2, 2, 16}, true, 0);         // multiples of 128: the shipped tiling
+  // A short key tile (the last of a half) that is FULL for a query tile (one block holds both)
+  // still needs the column mask (issue #7, n = 500 bs = 300, failed on the H200 by the loop before
+  // v5). Each case fails tests/cuda/fwd_mask_mirror.cpp's mirror of that loop.
+  run<Any>({1, 500, 2, 1, 300}, true, 0);
+  run<Any>({2, 180, 2, 1, 60}, true, 0);
+  run<Any>({3, 70, 2, 2, 100}, true, 0);         // (128-key tiles only: D = 256's 64 were right)
+  run<Any>({1, 250, 2, 1, 128}, true, 0);
+  run<Any>({4, 33, 2, 1, 40}, true, 0);
+  run<Any>({1, 200, 2, 1, 150}, true, 0);        // nearby shapes (right in that loop too)
+  run<Any>({1, 129, 2, 2, 100}, true, 0);
   printf("== varlen (kStartVarlen): %s\n", name);
   run_varlen<Var>({0, 100, 37, 0, 256, 1, 300}, 4, 2, 16, true, 0);
   run_varlen<Var>({5, 0, 0, 64, 129, 0}, 2, 2, 1, true, 0);
   run_varlen<Var>({1000}, 2, 1, 300, true, 0);
   run_varlen<Var>({0, 0, 3}, 2, 2, 5, true, 0);
+  run_varlen<Var>({500}, 2, 1, 300, true, 0);    // short FULL key tiles, as the batched ones above
+  run_varlen<Var>({200, 70, 0, 33, 160, 129, 250, 180, 1}, 2, 1, 100, true, 0);
   std::mt19937 g(3);
   std::vector<int> many(40);
   for (auto& x : many) x = g() % 5 == 0 ? 0 : (int)(g() % 200);
