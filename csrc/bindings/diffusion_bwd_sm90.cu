@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -31,17 +32,40 @@ std::vector<torch::Tensor> bwd_tile_orders(int64_t n_noisy, int64_t n_clean, int
           tile_order_tensor(mask.fwd_tiles(kDqBlockM, kDqBlockN))};
 }
 
+// The work entries of packed samples: {dK/dV key tiles, their samples, dQ query tiles, their
+// samples}, each kernel's most expensive first over all samples (CPU int32 tensors).
+std::vector<torch::Tensor> varlen_bwd_tile_orders(std::vector<int64_t> cu_seqlens, int64_t block_size) {
+  auto dkdv = dlm_bindings::varlen_entries(cu_seqlens, block_size, [](const dlm::SequenceMask& m) {
+    return m.bwd_tiles(kBwdBlockM, kBwdBlockN);
+  });
+  auto dq = dlm_bindings::varlen_entries(cu_seqlens, block_size, [](const dlm::SequenceMask& m) {
+    return m.fwd_tiles(kDqBlockM, kDqBlockN);
+  });
+  return {dkdv[0], dkdv[1], dq[0], dq[1]};
+}
+
 struct LaunchBwd {
   const dlm::sm90::BwdArgs& args;
+  bool varlen;
   template <class Elem, int D>
-  cudaError_t run() const { return dlm::sm90::launch_bwd<Elem, D>(args); }
+  cudaError_t run() const {
+    return varlen ? dlm::sm90::launch_bwd<Elem, D, dlm::sm90::kStartVarlen>(args)
+                  : dlm::sm90::launch_bwd<Elem, D>(args);
+  }
 };
 
-// Writes dq (B, S, H, D), dk and dv (B, S, Hkv, D); lse2 and delta are (B, H, S) fp32 scratch.
+// Writes dq (B, S, H, D), dk and dv (B, S, Hkv, D). lse2 and delta: 1-D fp32 scratch of at least
+// B * H * S + kVarlenScratchPad floats, 16-byte aligned, whose floats past B * H * S are zeros (the
+// odd-length / varlen dK/dV kernel reads up to kVarlenScratchPad of them; csrc/NOTES.md). Packed
+// samples (varlen): B = 1, S = total tokens, the orders and samples from varlen_bwd_tile_orders and
+// cu_seqlens the (num_samples + 1,) int32 offsets on the device; n_noisy is then unused.
 void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
          torch::Tensor lse, std::optional<torch::Tensor> dlse, torch::Tensor dq, torch::Tensor dk,
          torch::Tensor dv, torch::Tensor lse2, torch::Tensor delta, torch::Tensor dkdv_order,
-         torch::Tensor dq_order, int64_t n_noisy, int64_t block_size, double scale) {
+         torch::Tensor dq_order, int64_t n_noisy, int64_t block_size, double scale,
+         std::optional<torch::Tensor> dkdv_sample, std::optional<torch::Tensor> dq_sample,
+         std::optional<torch::Tensor> cu_seqlens) {
+  const bool varlen = cu_seqlens.has_value();
   const auto dev = q.device();
   for (const auto& t : {dout, k, v, out, lse, dq, dk, dv, lse2, delta, dkdv_order, dq_order})
     TORCH_CHECK(t.device() == dev, "all tensors on one CUDA device");
@@ -49,15 +73,40 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   for (const auto& t : {dout, k, v, out, dq, dk, dv})
     TORCH_CHECK(t.scalar_type() == q.scalar_type(), "one dtype for q, k, v, out, dout and the grads");
   for (const auto& t : {lse, lse2, delta}) TORCH_CHECK(t.scalar_type() == torch::kFloat32, "fp32 lse");
-  TORCH_CHECK(dkdv_order.scalar_type() == torch::kInt32 && dq_order.scalar_type() == torch::kInt32,
-              "int32 tile orders");
-  TORCH_CHECK(n_noisy % 128 == 0 && (q.size(1) - n_noisy) % 128 == 0 && n_noisy >= 0 &&
-                  n_noisy <= q.size(1) && block_size >= 1,
-              "both halves must be multiples of 128 long");
+  TORCH_CHECK(dkdv_order.scalar_type() == torch::kInt32 && dq_order.scalar_type() == torch::kInt32 &&
+                  dkdv_order.is_contiguous() && dq_order.is_contiguous(),
+              "contiguous int32 tile orders");
+  TORCH_CHECK(n_noisy >= 0 && n_noisy <= q.size(1) && block_size >= 1, "bad mask");
+  TORCH_CHECK(dlm::sm90::kBatchedStart != dlm::sm90::kStartTile || varlen ||
+                  (n_noisy % 128 == 0 && (q.size(1) - n_noisy) % 128 == 0),
+              "both halves must be multiples of 128 long (kBatchedStart is kStartTile)");
+  if (varlen) {
+    TORCH_CHECK(dkdv_sample.has_value() && dq_sample.has_value() && q.size(0) == 1,
+                "varlen: batch 1, cu_seqlens and both sample tables");
+    for (const auto& t : {*dkdv_sample, *dq_sample, *cu_seqlens})
+      TORCH_CHECK(t.device() == dev && t.scalar_type() == torch::kInt32 && t.is_contiguous(),
+                  "varlen tables: contiguous int32 on q's device");
+    TORCH_CHECK(dkdv_sample->numel() == dkdv_order.numel() && dq_sample->numel() == dq_order.numel(),
+                "one sample per work entry");
+  }
   for (const auto& t : {dout, q, k, v, out, dq, dk, dv})
     TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "(B, S, H, D) layout with unit stride in D");
-  for (const auto& t : {lse, lse2, delta}) TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, "lse layout");
-  TORCH_CHECK(lse2.is_contiguous() && delta.is_contiguous(), "contiguous scratch");
+  // TMA: 16-byte aligned base and strides (dlm_ops checks the same before choosing this backend).
+  for (const auto& t : {dout, q, k, v}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+                    (t.stride(0) * t.element_size()) % 16 == 0 &&
+                    (t.stride(1) * t.element_size()) % 16 == 0 &&
+                    (t.stride(2) * t.element_size()) % 16 == 0,
+                "q, k, v and dout must be 16-byte aligned (TMA)");
+  }
+  TORCH_CHECK(lse.dim() == 3 && lse.stride(2) == 1, "lse layout");
+  const int64_t rows = q.size(0) * q.size(1) * q.size(2);
+  for (const auto& t : {lse2, delta}) {
+    TORCH_CHECK(t.dim() == 1 && t.is_contiguous() && t.numel() >= rows + dlm::sm90::kVarlenScratchPad &&
+                    reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                "lse2 / delta: 16-byte aligned 1-D scratch of B * H * S + ", dlm::sm90::kVarlenScratchPad,
+                " floats");
+  }
   if (dlse) {
     TORCH_CHECK(dlse->device() == dev && dlse->scalar_type() == torch::kFloat32 && dlse->dim() == 3 &&
                     dlse->stride(2) == 1, "dlse: fp32 (B, H, S) with unit stride in S");
@@ -74,12 +123,18 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   a.lse_stride[0] = lse.stride(0), a.lse_stride[1] = lse.stride(1);
   if (dlse) a.dlse_stride[0] = dlse->stride(0), a.dlse_stride[1] = dlse->stride(1);
   a.batch = q.size(0), a.seqlen = q.size(1), a.heads = q.size(2), a.kv_heads = k.size(2);
-  a.n_noisy = static_cast<int>(n_noisy), a.block_size = static_cast<int>(block_size);
+  a.n_noisy = varlen ? 0 : static_cast<int>(n_noisy), a.block_size = static_cast<int>(block_size);
   a.scale = static_cast<float>(scale);
   a.dkdv_order = dkdv_order.data_ptr<int32_t>(), a.dkdv_tiles = dkdv_order.size(0);
   a.dq_order = dq_order.data_ptr<int32_t>(), a.dq_tiles = dq_order.size(0);
   a.stream = c10::cuda::getCurrentCUDAStream();
-  const cudaError_t err = dlm_bindings::dispatch<64, 128>(q.scalar_type(), q.size(3), LaunchBwd{a});
+  if (varlen) {
+    a.dkdv_sample = dkdv_sample->data_ptr<int32_t>(), a.dq_sample = dq_sample->data_ptr<int32_t>();
+    a.cu_seqlens = cu_seqlens->data_ptr<int32_t>();
+  }
+  // launch_bwd skips empty problems and each gradient kernel whose grid would be empty.
+  const cudaError_t err =
+      dlm_bindings::dispatch<64, 128>(q.scalar_type(), q.size(3), LaunchBwd{a, varlen});
   C10_CUDA_CHECK(err);
 }
 
@@ -88,6 +143,14 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
 namespace dlm_bindings {
 void add_bwd(pybind11::module_& m) {
   m.def("bwd_tile_orders", &bwd_tile_orders);
-  m.def("bwd", &bwd);
+  m.def("varlen_bwd_tile_orders", &varlen_bwd_tile_orders);
+  m.def("bwd", &bwd, pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
+        pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("dlse"), pybind11::arg("dq"),
+        pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("lse2"), pybind11::arg("delta"),
+        pybind11::arg("dkdv_order"), pybind11::arg("dq_order"), pybind11::arg("n_noisy"),
+        pybind11::arg("block_size"), pybind11::arg("scale"),
+        pybind11::arg("dkdv_sample") = pybind11::none(), pybind11::arg("dq_sample") = pybind11::none(),
+        pybind11::arg("cu_seqlens") = pybind11::none());
+  m.attr("scratch_pad") = dlm::sm90::kVarlenScratchPad;  // floats past lse2 / delta, zeroed
 }
 }  // namespace dlm_bindings

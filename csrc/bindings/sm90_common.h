@@ -1,10 +1,11 @@
 // What both sm90 bindings (diffusion_fwd_sm90.cu, diffusion_bwd_sm90.cu) need besides their own
-// checks: strides in the kernels' argument form, a CTA schedule as a tensor, and the choice of the
-// (dtype, head dim) instantiation.
+// checks: strides in the kernels' argument form, a CTA schedule as a tensor (batched, or the work
+// entries of packed samples), and the choice of the (dtype, head dim) instantiation.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <vector>
 
 #include <cutlass/numeric_types.h>
@@ -26,6 +27,36 @@ inline torch::Tensor tile_order_tensor(const dlm::TilePlans& plans) {
   auto order = torch::empty({count}, torch::dtype(torch::kInt32));
   dlm::most_expensive_first(area.data(), count, order.data_ptr<int32_t>());
   return order;
+}
+
+// The work entries of packed samples (kStartVarlen): every sample's tiles (plans_of(mask) gives
+// a sample's TilePlans), most expensive first over all samples, as two CPU int32 tensors: {tile
+// within its sample, sample}. cu_seqlens: the host's copy of the offsets (num_samples + 1).
+template <class PlansOf>
+std::vector<torch::Tensor> varlen_entries(const std::vector<int64_t>& cu_seqlens, int64_t block_size,
+                                          PlansOf plans_of) {
+  TORCH_CHECK(!cu_seqlens.empty() && cu_seqlens.back() <= INT32_MAX, "cu_seqlens: 1 to 2^31 - 1 tokens");
+  const std::vector<int32_t> cu(cu_seqlens.begin(), cu_seqlens.end());
+  const dlm::VarlenMask mask{cu.data(), static_cast<int>(cu.size()) - 1, static_cast<int>(block_size)};
+  TORCH_CHECK(dlm::varlen_valid(mask), "cu_seqlens must start at 0 and step by even lengths >= 0, "
+              "block_size >= 1");
+  std::vector<int64_t> area;
+  std::vector<int32_t> tile, sample;
+  for (int i = 0; i < mask.num_samples; ++i) {
+    const dlm::TilePlans plans = plans_of(mask.sample(i));
+    for (int t = 0; t < plans.count(); ++t)
+      area.push_back(plans.area(t)), tile.push_back(t), sample.push_back(i);
+  }
+  const int count = static_cast<int>(area.size());
+  std::vector<int32_t> order(count);
+  dlm::most_expensive_first(area.data(), count, order.data());
+  auto tiles = torch::empty({count}, torch::dtype(torch::kInt32));
+  auto samples = torch::empty({count}, torch::dtype(torch::kInt32));
+  for (int i = 0; i < count; ++i) {
+    tiles.data_ptr<int32_t>()[i] = tile[order[i]];
+    samples.data_ptr<int32_t>()[i] = sample[order[i]];
+  }
+  return {tiles, samples};
 }
 
 // launch.template run<Elem, D>() for the instantiation of `dtype` (bf16 or fp16) and head dim `d`,

@@ -25,10 +25,10 @@
 //               behind that choice. Every output element is written by one CTA, in one order, so
 //               the whole backward is bitwise deterministic.
 //
-// Coverage as the forward's (dlm_ops/backends/cutlass_diffusion.py checks): both halves multiples
-// of 128, batched layout, head dim 64 or 128, bf16/fp16, no softcap; any [n_noisy | n_clean]
-// SequenceMask (BD3, or block-causal with n_noisy 0). Odd lengths and varlen: the default-off
-// START_ option of both configs (hopper/common.cuh), not yet called by the backend.
+// Coverage as the forward's (dlm_ops/backends/cutlass_diffusion.py checks): halves of any length
+// and packed samples (the START_ option of both configs, hopper/common.cuh: launch_bwd<Elem, D>
+// runs kBatchedStart, launch_bwd<Elem, D, kStartVarlen> packed samples), head dim 64 or 128,
+// bf16/fp16, no softcap; any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy 0).
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2, lse in natural log on the outside,
 // scale the softmax scale (dS is the gradient of the scaled logits, hence the final * scale).
@@ -793,19 +793,28 @@ cudaError_t launch_dq(const BwdArgs& a) {
   return cudaGetLastError();
 }
 
+// The shipped configs with their tiles starting per START (the one place that names the options).
+template <class Elem, int D, int START>
+using DkDvShipped = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, false, false, START>;
+template <class Elem, int D, int START>
+using DqShipped = DqConfig<Elem, D, kDqBlockM, kDqBlockN, kDqStages, false, false, START>;
+
 // The whole backward: preprocess, dK/dV, dQ (one stream, so each sees the previous one's writes).
-template <class Elem, int D>
+// START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, dkdv_sample,
+// dq_sample and cu_seqlens set). Unless START is kStartTile, lse2 / delta need kVarlenScratchPad
+// zeroed floats past their B * H * S.
+template <class Elem, int D, int START = kBatchedStart>
 cudaError_t launch_bwd(const BwdArgs& a) {
   if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
   cudaError_t err = launch_preprocess<Elem, D>(a);
-  if (err == cudaSuccess && a.dkdv_tiles)
-    err = launch_dkdv<DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages>>(a);
-  if (err == cudaSuccess && a.dq_tiles)
-    err = launch_dq<DqConfig<Elem, D, kDqBlockM, kDqBlockN, kDqStages>>(a);
+  if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDvShipped<Elem, D, START>>(a);
+  if (err == cudaSuccess && a.dq_tiles) err = launch_dq<DqShipped<Elem, D, START>>(a);
   return err;
 }
 
-#define DLM_DECLARE_BWD(ELEM, D) extern template cudaError_t launch_bwd<ELEM, D>(const BwdArgs&);
+#define DLM_DECLARE_BWD(ELEM, D)                                         \
+  extern template cudaError_t launch_bwd<ELEM, D>(const BwdArgs&); \
+  extern template cudaError_t launch_bwd<ELEM, D, kStartVarlen>(const BwdArgs&);
 DLM_DECLARE_BWD(cutlass::bfloat16_t, 64)
 DLM_DECLARE_BWD(cutlass::bfloat16_t, 128)
 DLM_DECLARE_BWD(cutlass::half_t, 64)

@@ -13,13 +13,12 @@
 // consumers take turns at issuing (ping-pong), so one's softmax also overlaps the other's
 // matmuls. The producer gives most of its registers to them (setmaxnreg 24 / 240).
 //
-// What this first version leaves to the Triton kernel (dlm_ops/backends/cutlass_diffusion.py
-// checks): both halves must be multiples of 128 long (every tile starts on a tile boundary, so TMA
-// addresses whole tiles), batched layout only (no varlen), head dim 64, 128 or 256, bf16/fp16, no
-// softcap. (Odd lengths and varlen: the default-off START_ option, hopper/common.cuh, not yet
-// called by the backend.) The mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal
-// with n_noisy 0). Tiles that run past a half's end are masked by column, so the next half's rows they load get
-// probability 0.
+// What it leaves to the Triton kernel (dlm_ops/backends/cutlass_diffusion.py checks): softcap,
+// head dims other than 64, 128, 256, dtypes other than bf16/fp16, rows not 16-byte aligned for TMA.
+// Halves of any length and packed samples (varlen) run through the START_ option (hopper/common.cuh:
+// launch_fwd<Elem, D> runs kBatchedStart, launch_fwd<Elem, D, kStartVarlen> packed samples). The
+// mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy 0). Tiles that
+// run past a half's end are masked by column, so the next half's rows they load get probability 0.
 //
 // Versions, predictions and measurements: csrc/NOTES.md (this is v5).
 //
@@ -510,12 +509,20 @@ cudaError_t launch_fwd_cfg(const FwdArgs& a) {
   return cudaGetLastError();
 }
 
-template <class Elem, int D>
+// The shipped config with its tiles starting per START (the one place that names the options).
+template <class Elem, int D, int START>
+using FwdShipped = FwdConfig<Elem, D, kFwdBlockM, fwd_block_n(D), kFwdStages, true, START>;
+
+// START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, tile_sample and
+// cu_seqlens set).
+template <class Elem, int D, int START = kBatchedStart>
 cudaError_t launch_fwd(const FwdArgs& a) {
-  return launch_fwd_cfg<FwdConfig<Elem, D, kFwdBlockM, fwd_block_n(D), kFwdStages>>(a);
+  return launch_fwd_cfg<FwdShipped<Elem, D, START>>(a);
 }
 
-#define DLM_DECLARE_FWD(ELEM, D) extern template cudaError_t launch_fwd<ELEM, D>(const FwdArgs&);
+#define DLM_DECLARE_FWD(ELEM, D)                                         \
+  extern template cudaError_t launch_fwd<ELEM, D>(const FwdArgs&); \
+  extern template cudaError_t launch_fwd<ELEM, D, kStartVarlen>(const FwdArgs&);
 DLM_DECLARE_FWD(cutlass::bfloat16_t, 64)
 DLM_DECLARE_FWD(cutlass::bfloat16_t, 128)
 DLM_DECLARE_FWD(cutlass::half_t, 64)

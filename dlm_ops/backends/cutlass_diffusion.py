@@ -5,21 +5,30 @@ warpgroups), JIT-built on first use by ``cutlass.build``; everything else runs t
 
 Which kernel runs where is data (FORWARD_HEAD_DIMS, BACKWARD_HEAD_DIMS below): each CUTLASS kernel
 runs for the head dims where it measured faster than Triton's on the H200, the forward at D = 128 /
-256 and the backward at D = 64 / 128 (Triton's forward at D = 64, its backward at D = 256). Both
-kernels need
-sm90, fp16/bf16, the batched layout, no softcap (declared capabilities: such calls select
-``triton``) and, checked per call, both halves multiples of 128 long (every tile starts on a TMA
-tile boundary) with 16-byte aligned rows; a call outside that runs Triton's kernel, counted in
-``STATS``. The backward (preprocess, dK/dV per key tile, dQ per query tile: three kernels with
-disjoint writes) is bitwise deterministic, so ``deterministic=True`` takes it too.
+256 and the backward at D = 64 / 128 (Triton's forward at D = 64, its backward at D = 256). The
+same split holds for batched calls (halves of any length, incl. block-causal with n_noisy 0: the
+kernels' kBatchedStart, hopper/common.cuh) and for packed samples (``varlen_fwd`` /
+``varlen_bwd``: the kStartVarlen instantiations, zero-length samples included). Both need sm90,
+fp16/bf16, no softcap (declared capabilities: such calls select ``triton``) and, checked per call,
+16-byte aligned rows for TMA; a call outside that runs Triton's kernel, counted in ``STATS`` per
+direction and layout. (Were kBatchedStart flipped back to kStartTile, the extension says so
+through ``batched_any_length`` and batched halves that are not multiples of 128 run Triton's
+again.) The backward (preprocess, dK/dV per key tile, dQ per query tile: three kernels with
+disjoint writes) is bitwise deterministic, batched and varlen, so ``deterministic=True`` takes it
+too.
 
-The build happens at the first call (one WARNING line; 80-90 s on the H200 machine's 16 cores, 13
-translation units compiled in parallel by ninja). If it fails, the failure is remembered, reported
-by ``unavailable_reason`` (so ``python -m dlm_ops`` shows it and dispatch picks Triton from then
-on) and warned once. Dispatch picks this backend automatically wherever it can be built;
-``DLM_OPS_CUTLASS=0`` opts out (no build, Triton everywhere) and ``backend="cutlass"`` forces it.
-GPU tests: tests/test_gpu.py (test_cutlass_*), torch-free harnesses in tests/cuda; results and
-versions in csrc/NOTES.md.
+Work tables (the CTA schedules, most expensive tile first) are built in C++ from dlm/geometry.h
+and cached here: batched per (halves, block_size[, head dim], device), varlen per (cu_seqlens,
+block_size, head dim, device), the host tuple of VarlenMask (no device sync), each entry one
+host-to-device copy of the offsets and every kernel's (tile, sample) table.
+
+The build happens at the first call (one WARNING line; 23 translation units compiled in parallel
+by ninja: about twice the 80-90 s the 13 batched-only units took on the H200 machine's 16 cores).
+If it fails, the failure is remembered, reported by ``unavailable_reason`` (so ``python -m
+dlm_ops`` shows it and dispatch picks Triton from then on) and warned once. Dispatch picks this
+backend automatically wherever it can be built; ``DLM_OPS_CUTLASS=0`` opts out (no build, Triton
+everywhere) and ``backend="cutlass"`` forces it. GPU tests: tests/test_gpu.py (test_cutlass_*),
+torch-free harnesses in tests/cuda; results and versions in csrc/NOTES.md.
 """
 
 from __future__ import annotations
@@ -27,23 +36,28 @@ from __future__ import annotations
 import os
 import warnings
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
 from . import cutlass, register
-from .base import DETERMINISTIC, GQA, Capabilities, new_output
+from .base import DETERMINISTIC, GQA, VARLEN, Capabilities, new_output
 from .triton_backend import TritonBackend
 
 SOURCES = [
     "bindings/diffusion_sm90.cpp",
     "bindings/diffusion_fwd_sm90.cu",
     "bindings/diffusion_bwd_sm90.cu",
-] + [f"hopper/diffusion_{d}_{t}_d{h}.cu"
+] + [f"hopper/diffusion_{d}{layout}_{t}_d{h}.cu"
      for d, dims in (("fwd", (64, 128, 256)), ("bwd", (64, 128)))
+     for layout in ("", "_varlen")  # batched, packed samples: one instantiation per unit
      for t in ("bf16", "fp16") for h in dims]
-TILE = 128  # the kernels' largest tile: both halves must be multiples of it
-# CUTLASS calls run, and calls handed to Triton, per direction
-STATS = {"fwd": 0, "fwd_fallback": 0, "bwd": 0, "bwd_fallback": 0}
+# The kernels' largest tile. Batched halves must be multiples of it only where the extension says
+# it was built with tiles on tile boundaries (batched_any_length false: kBatchedStart kStartTile).
+TILE = 128
+# CUTLASS calls run, and calls handed to Triton, per direction and layout
+STATS = {"fwd": 0, "fwd_fallback": 0, "bwd": 0, "bwd_fallback": 0,
+         "varlen_fwd": 0, "varlen_fwd_fallback": 0, "varlen_bwd": 0, "varlen_bwd_fallback": 0}
 
 _EXT = None
 _BUILD_ERROR: str | None = None
@@ -105,11 +119,49 @@ def _bwd_tile_orders(n_noisy: int, n_clean: int, block_size: int, device: str):
     return tuple(t.to(device) for t in _EXT.bwd_tile_orders(n_noisy, n_clean, block_size))
 
 
+class VarlenTables(NamedTuple):
+    """Device tables of one packed batch: the offsets and, per kernel, (tile order, tile sample)."""
+
+    cu_seqlens: torch.Tensor
+    longest_half: int  # of any sample: the forward's persistent-grid rule (PERSISTENT_MAX_HALF)
+    fwd: tuple[torch.Tensor, torch.Tensor]
+    dkdv: tuple[torch.Tensor, torch.Tensor]
+    dq: tuple[torch.Tensor, torch.Tensor]
+
+
+@lru_cache(maxsize=64)
+def _varlen_tables(cu_seqlens: tuple[int, ...], block_size: int, head_dim: int,
+                   device: str) -> VarlenTables:
+    """Every kernel's work entries over all samples, most expensive first (built in C++ from
+    dlm/geometry.h), moved to the device in one copy. Keyed by VarlenMask's host tuple, so a
+    training loop that repeats a packing (or a forward followed by its backward) builds once; the
+    bound keeps ever-new packings from growing the cache (each entry is a few KB)."""
+    cu = list(cu_seqlens)
+    parts = [torch.tensor(cu, dtype=torch.int32),
+             *_EXT.varlen_tile_order(cu, block_size, head_dim),
+             *_EXT.varlen_bwd_tile_orders(cu, block_size)]
+    flat = torch.cat(parts).to(device)
+    cu_d, *tables = flat.split([p.numel() for p in parts])
+    longest_half = max((b - a for a, b in zip(cu, cu[1:])), default=0) // 2
+    return VarlenTables(cu_d, longest_half, tuple(tables[0:2]), tuple(tables[2:4]), tuple(tables[4:6]))
+
+
 def _tma_ready(t: torch.Tensor) -> bool:
     """Viewable as the kernel's (S, D, H, B) TMA tensor: unit stride in D, 16-byte aligned."""
     size = t.element_size()
     return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
             and all((t.stride(i) * size) % 16 == 0 for i in range(3)))
+
+
+def _scratch(ext, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """lse2 and delta for the backward, one allocation: ``rows`` floats each plus the
+    ``ext.scratch_pad`` floats the odd-length / varlen dK/dV kernel reads past the end (its lse2 /
+    delta bulk copies start at the aligned float at or before a tile's first row), zeroed so that
+    masked queries keep dS = 0; each starts 16-byte aligned (width a multiple of 4)."""
+    width = -(-rows // 4) * 4 + ext.scratch_pad
+    buf = torch.empty((2, width), dtype=torch.float32, device=device)
+    buf[:, rows:].zero_()
+    return buf[0], buf[1]
 
 
 class CutlassDiffusionBackend(TritonBackend):
@@ -120,7 +172,7 @@ class CutlassDiffusionBackend(TritonBackend):
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         max_head_dim=256,
         head_dim_multiple=64,  # 64, 128, 256 (the forward; the backward 64, 128): 192 runs Triton
-        features=frozenset({GQA, DETERMINISTIC}),
+        features=frozenset({GQA, DETERMINISTIC, VARLEN}),
     )
 
     opt_in = "DLM_OPS_CUTLASS is not 0"
@@ -135,14 +187,28 @@ class CutlassDiffusionBackend(TritonBackend):
         return super().unavailable_reason() or _TOOLCHAIN[0] or _BUILD_ERROR
 
     @staticmethod
-    def _covers(mask, head_dims, *tensors) -> bool:
-        return not (mask.n_noisy % TILE or mask.n_clean % TILE
-                    or tensors[0].shape[-1] not in head_dims
-                    or not all(_tma_ready(t) for t in tensors))
+    def _covers(ext, mask, head_dims, *tensors) -> bool:
+        """Whether the CUTLASS kernels take this call: head dim, TMA-ready (B, S, H, D) tensors
+        and, batched (``mask`` a SequenceMask; None for packed samples), halves on tile boundaries
+        where the extension needs them."""
+        aligned = (mask is None or getattr(ext, "batched_any_length", False)
+                   or not (mask.n_noisy % TILE or mask.n_clean % TILE))
+        return (aligned and tensors[0].shape[-1] in head_dims
+                and all(_tma_ready(t) for t in tensors))
+
+    @staticmethod
+    def _backward_extension(softcap, dout):
+        """(extension or None, dout made TMA-ready). dout comes from autograd in any layout (an
+        expand, a transpose): one copy makes it TMA-ready rather than handing the whole backward
+        to Triton."""
+        ext = _extension() if softcap == 0 else None
+        if ext is not None and not _tma_ready(dout if dout.dim() == 4 else dout[None]):
+            dout = dout.contiguous()
+        return ext, dout
 
     def fwd(self, q, k, v, mask, scale, softcap, deterministic):
         ext = _extension() if softcap == 0 else None
-        if ext is None or not self._covers(mask, FORWARD_HEAD_DIMS, q, k, v):
+        if ext is None or not self._covers(ext, mask, FORWARD_HEAD_DIMS, q, k, v):
             STATS["fwd_fallback"] += 1
             return super().fwd(q, k, v, mask, scale, softcap, deterministic)
         b, s, h, _ = q.shape
@@ -153,27 +219,62 @@ class CutlassDiffusionBackend(TritonBackend):
         STATS["fwd"] += 1
         return out, lse
 
-    def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
+    def varlen_fwd(self, q, k, v, mask, scale, softcap, deterministic):
         ext = _extension() if softcap == 0 else None
-        if ext is not None and not _tma_ready(dout):
-            # dout comes from autograd in any layout (an expand, a transpose): one copy makes it
-            # TMA-ready rather than handing the whole backward to Triton.
-            dout = dout.contiguous()
-        if ext is None or not self._covers(mask, BACKWARD_HEAD_DIMS, q, k, v, dout, out):
-            STATS["bwd_fallback"] += 1
-            return super().bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic)
+        if ext is None or not self._covers(ext, None, FORWARD_HEAD_DIMS, q[None], k[None], v[None]):
+            STATS["varlen_fwd_fallback"] += 1
+            return super().varlen_fwd(q, k, v, mask, scale, softcap, deterministic)
+        total, h, d = q.shape
+        out = new_output(q, q.shape)
+        lse = new_output(q, (h, total), torch.float32)
+        t = _varlen_tables(mask.cu_seqlens, mask.block_size, d, str(q.device))
+        ext.fwd(q[None], k[None], v[None], out[None], lse[None], t.fwd[0], 0, mask.block_size, scale,
+                _sm_count(q.device) if t.longest_half <= PERSISTENT_MAX_HALF else 0,
+                tile_sample=t.fwd[1], cu_seqlens=t.cu_seqlens)
+        STATS["varlen_fwd"] += 1
+        return out, lse
+
+    @staticmethod
+    def _run_bwd(ext, dout, q, k, v, out, lse, dlse, n_noisy, block_size, scale, dkdv, dq_tables,
+                 cu_seqlens=None):
+        """The three backward kernels on (B, S, H, D) views; dkdv / dq_tables: (order, sample or
+        None)."""
         b, s, h, _ = q.shape
         lse = lse.float().contiguous()
         dlse = None if dlse is None else dlse.float().contiguous()
         dq, dk, dv = new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape)
-        lse2 = torch.empty((b, h, s), dtype=torch.float32, device=q.device)  # scratch
-        delta = torch.empty_like(lse2)
+        lse2, delta = _scratch(ext, b * h * s, q.device)
+        ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv[0], dq_tables[0],
+                n_noisy, block_size, scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1],
+                cu_seqlens=cu_seqlens)
+        return dq, dk, dv
+
+    def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
+        ext, dout = self._backward_extension(softcap, dout)
+        if ext is None or not self._covers(ext, mask, BACKWARD_HEAD_DIMS, q, k, v, dout, out):
+            STATS["bwd_fallback"] += 1
+            return super().bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic)
         dkdv_order, dq_order = _bwd_tile_orders(mask.n_noisy, mask.n_clean, mask.block_size,
                                                 str(q.device))
-        ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
-                mask.n_noisy, mask.block_size, scale)
+        grads = self._run_bwd(ext, dout, q, k, v, out, lse, dlse, mask.n_noisy, mask.block_size,
+                              scale, (dkdv_order, None), (dq_order, None))
         STATS["bwd"] += 1
-        return dq, dk, dv
+        return grads
+
+    def varlen_bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
+        ext, dout = self._backward_extension(softcap, dout)
+        views = [t[None] for t in (q, k, v, dout, out)]
+        if ext is None or not self._covers(ext, None, BACKWARD_HEAD_DIMS, *views):
+            STATS["varlen_bwd_fallback"] += 1
+            return super().varlen_bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap,
+                                      deterministic)
+        t = _varlen_tables(mask.cu_seqlens, mask.block_size, q.shape[-1], str(q.device))
+        q4, k4, v4, dout4, out4 = views
+        grads = self._run_bwd(ext, dout4, q4, k4, v4, out4, lse[None],
+                              None if dlse is None else dlse[None], 0, mask.block_size, scale,
+                              t.dkdv, t.dq, t.cu_seqlens)
+        STATS["varlen_bwd"] += 1
+        return tuple(g[0] for g in grads)
 
 
 register(CutlassDiffusionBackend())
