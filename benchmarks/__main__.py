@@ -34,6 +34,8 @@ def _preset(name: str) -> list[Case]:
         cases = [main_case(n, bs) for bs in (16, 4) for n in (1024, 2048, 4096, 8192)]
         cases += [main_case(2048, 16, d=d) for d in (64, 256)]
         return cases + [main_case(n, 16, h=32, hkv=8) for n in (2048, 8192)]
+    if name == "odd":  # halves that are not multiples of 128: the CUTLASS kernels' kStartAny tiles
+        return [main_case(n, 16) for n in (1000, 4000)] + [main_case(2000, 16, d=64)]
     if name == "exact":  # dlm_ops.attention against SDPA, DESIGN.md's shape budget
         return [ExactCase(max(1, TOKENS // s), 16, s, d, causal)
                 for causal in (True, False) for d in (64, 128) for s in (1024, 4096, 8192)]
@@ -177,7 +179,7 @@ def write_results(folder, tag: str, rows: list[dict], meta: dict, what: str, tab
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="main", choices=["quick", "main", "sweep", "exact"],
+    p.add_argument("--preset", default="main", choices=["quick", "main", "sweep", "exact", "odd"],
                    help="exact: dlm_ops.attention vs SDPA; the others: block diffusion")
     p.add_argument("--contenders", default=None, help="comma-separated subset (default: all)")
     p.add_argument("--modes", default="fwd,bwd,step")

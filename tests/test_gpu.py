@@ -195,19 +195,22 @@ def test_cutlass_forward(monkeypatch, dtype, n, block_size, d, heads, layout):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the cutlass backend is sm90 only")
-def test_cutlass_forward_hands_uncovered_shapes_to_triton():
+def test_cutlass_hands_uncovered_calls_to_triton():
+    """Rows TMA cannot read (a view 2 bytes into its storage) run Triton's kernels, counted."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
-    q, k, v = _qkv(1, 2 * 300, 4, 4, 128, torch.bfloat16)  # n = 300: not a multiple of 128
+    q, k, v = _qkv(1, 2 * 300, 4, 4, 128, torch.bfloat16)
+    q = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape).copy_(q)
     before = dict(cd.STATS)
-    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    inputs = [t.clone().requires_grad_() if t is not q else t.detach().requires_grad_()
+              for t in (q, k, v)]
     out = dlm_ops.diffusion_attn_func(*inputs, 16, backend="cutlass")
     grads = torch.autograd.grad(out.float().sum(), inputs)
     assert cd.STATS["fwd_fallback"] == before["fwd_fallback"] + 1 and cd.STATS["fwd"] == before["fwd"]
     assert cd.STATS["bwd_fallback"] == before["bwd_fallback"] + 1 and cd.STATS["bwd"] == before["bwd"]
     ref, _ = diffusion_attn_ref(q, k, v, 16)
     assert (out.float() - ref).abs().max().item() < 2e-2
-    ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     ref_grads = torch.autograd.grad(diffusion_attn_ref(*ref_inputs, 16)[0].float().sum(), ref_inputs)
     for g, r in zip(grads, ref_grads):
         assert (g.float() - r.float()).abs().max().item() < 5e-2
@@ -262,3 +265,161 @@ def test_cutlass_backward(dtype, n, block_size, d, heads, layout):
         err_c = (c.float() - g.float()).abs().max().item()
         err_t = (t.float() - g.float()).abs().max().item()
         assert err_c <= 2 * err_t + 1e-3, (name, err_c, err_t)
+
+
+# -- odd lengths and varlen through the CUTLASS kernels (kBatchedStart, kStartVarlen) -------------
+
+_SM90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                           reason="the cutlass backend is sm90 only")
+
+
+def _check_cutlass(monkeypatch, run, ref, inputs, dtype, d, kind, dlse_shape):
+    """The accuracy rule (fwd and bwd), STATS proving the CUTLASS kernels ran (no fallback), errors
+    within 2x the Triton backend's against the same fp32 reference, and a bitwise reproducible
+    backward. ``kind``: "" (batched) or "varlen_"."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    monkeypatch.setattr(cd, "FORWARD_HEAD_DIMS", cd.SUPPORTED_HEAD_DIMS["fwd"])
+    with_bwd = d in cd.BACKWARD_HEAD_DIMS
+    before = dict(cd.STATS)
+    check_against_reference(run, ref, inputs, dtype)
+    assert cd.STATS[kind + "fwd"] > before[kind + "fwd"], "the CUTLASS forward did not run"
+    assert cd.STATS[kind + "fwd_fallback"] == before[kind + "fwd_fallback"], "forward fell back"
+    if with_bwd:
+        assert cd.STATS[kind + "bwd"] > before[kind + "bwd"], "the CUTLASS backward did not run"
+        assert cd.STATS[kind + "bwd_fallback"] == before[kind + "bwd_fallback"], "backward fell back"
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    dout = torch.randn(inputs[0].shape, device="cuda", generator=gen).to(dtype)
+    dlse = torch.randn(dlse_shape, device="cuda", generator=gen)
+
+    def step(fn):
+        x = [t.detach().clone().requires_grad_() for t in inputs]
+        out, lse = fn(*x)
+        loss = (out.float() * dout.float()).sum() + (lse * dlse).sum()
+        return (out, lse, *torch.autograd.grad(loss, x))
+
+    ours, again = step(run), step(run)
+    theirs = step(lambda *t: run(*t, backend="triton"))
+    gold = step(lambda *t: ref(*t, compute_dtype=torch.float32))
+    for name, c, c2, t, g in zip(("out", "lse", "dq", "dk", "dv"), ours, again, theirs, gold):
+        assert torch.equal(c, c2), f"{name}: two runs differ"
+        if c.numel():
+            err_c = (c.float() - g.float()).abs().max().item()
+            err_t = (t.float() - g.float()).abs().max().item()
+            assert err_c <= 2 * err_t + 1e-3, (name, err_c, err_t)
+
+
+@_SM90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,n,block_size,d,heads,layout", [
+    (2, 1, 1, 64, (2, 2), "bd3"), (3, 3, 5, 128, (4, 2), "bd3"), (5, 100, 5, 128, (4, 1), "bd3"),
+    (2, 300, 16, 64, (4, 2), "bd3"), (1, 1000, 300, 128, (2, 2), "bd3"), (16, 37, 1, 128, (8, 2), "bd3"),
+    (2, 300, 16, 256, (4, 2), "bd3"),  # 128 x 64 tiles (the D = 256 backward is Triton's)
+    (2, 77, 16, 128, (4, 2), "causal"), (2, 300, 1, 64, (2, 2), "causal"), (2, 3, 1, 128, (2, 1), "causal"),
+])
+def test_cutlass_odd_lengths(monkeypatch, dtype, batch, n, block_size, d, heads, layout):
+    """Halves that are not multiples of 128 (and block-causal over 2n tokens, n_noisy 0) run the
+    CUTLASS kernels forward and backward (kBatchedStart = kStartAny)."""
+    h, hkv = heads
+    q, k, v = _qkv(batch, 2 * n, h, hkv, d, dtype, seed=n + d)
+    attn, ref = ((dlm_ops.block_causal_attn_func, block_causal_attn_ref) if layout == "causal"
+                 else (dlm_ops.diffusion_attn_func, diffusion_attn_ref))
+
+    def run(q, k, v, backend="cutlass"):
+        return attn(q, k, v, block_size, return_lse=True, backend=backend)
+
+    _check_cutlass(monkeypatch, run, lambda q, k, v, **kw: ref(q, k, v, block_size, **kw),
+                   (q, k, v), dtype, d, "", (batch, h, 2 * n))
+
+
+_MANY = [0 if i % 5 == 0 else (37 * i * i + 11) % 150 for i in range(30)]  # zeros and odd halves
+
+
+@_SM90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("halves,block_size,d,heads", [
+    ([0, 100, 37, 0, 256, 1, 300], 16, 128, (4, 2)),
+    ([5, 0, 0, 64, 129, 0], 1, 64, (2, 2)),
+    ([1000], 300, 128, (2, 2)),                # a single sample
+    ([500], 300, 128, (2, 2)),                 # a single sample, one block per half
+    ([0, 0, 3], 5, 128, (4, 4)),               # fewer tokens than a tile
+    (_MANY, 16, 64, (4, 2)),                   # many samples
+    ([1024, 1024], 16, 128, (4, 4)),           # multiples of 128: the batched tiles, packed
+    ([3, 100, 300, 0, 1000], 16, 256, (4, 2)),  # 128 x 64 tiles (the D = 256 backward is Triton's)
+])
+def test_cutlass_varlen(monkeypatch, dtype, halves, block_size, d, heads):
+    """Packed samples (zero-length ones, odd halves, one sample, many) run the kStartVarlen
+    kernels forward and backward."""
+    h, hkv = heads
+    cu_list = [0]
+    for n in halves:
+        cu_list.append(cu_list[-1] + 2 * n)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    q, k, v = (t[0] for t in _qkv(1, cu_list[-1], h, hkv, d, dtype, seed=len(halves) + d))
+
+    def run(q, k, v, backend="cutlass"):
+        return dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 2 * max(halves), block_size,
+                                                  return_lse=True, backend=backend)
+
+    _check_cutlass(monkeypatch, run,
+                   lambda q, k, v, **kw: diffusion_attn_varlen_ref(q, k, v, cu, block_size, **kw),
+                   (q, k, v), dtype, d, "varlen_", (h, cu_list[-1]))
+
+
+@_SM90
+@pytest.mark.parametrize("cu_list", [[0], [0, 0, 0], [0, 0, 8, 8]])
+def test_cutlass_varlen_empty_packings(cu_list):
+    """No tokens at all, only zero-length samples, or a tiny sample among empty ones: no launch
+    with an empty grid, outputs of the right shapes, the CUTLASS path counted."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    q, k, v = (t[0].requires_grad_() for t in _qkv(1, cu_list[-1], 4, 2, 128, torch.bfloat16))
+    before = dict(cd.STATS)
+    out, lse = dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 8, 4, return_lse=True,
+                                                  backend="cutlass")
+    grads = torch.autograd.grad((out.float().sum() + lse.sum()), (q, k, v), allow_unused=True)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and lse.shape == (4, cu_list[-1])
+    assert all(g is None or (g.shape == t.shape and torch.isfinite(g).all()) for g, t in zip(grads, (q, k, v)))
+    assert cd.STATS["varlen_bwd"] == before["varlen_bwd"] + 1
+    assert cd.STATS["varlen_bwd_fallback"] == before["varlen_bwd_fallback"]
+    if cu_list[-1]:
+        gold, gold_lse = diffusion_attn_varlen_ref(q.detach(), k.detach(), v.detach(), cu, 4)
+        assert (out.float() - gold).abs().max().item() < 2e-2
+        assert (lse - gold_lse).abs().max().item() < 1e-3
+
+
+@_SM90
+@pytest.mark.parametrize("cu_list,block_size,d", [
+    ([0, 0, 200, 274, 274, 786, 788, 1388], 16, 128), ([0, 2000], 300, 256), ([0, 10, 10, 2058], 1, 64),
+])
+def test_cutlass_varlen_tables_match_geometry(cu_list, block_size, d):
+    """The C++ work tables (tile, sample per entry, most expensive first over all samples) equal
+    the ones written from dlm_ops.geometry (tests/test_cutlass_dispatch.py's mirror)."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    from .test_cutlass_dispatch import entries
+
+    cd._extension()
+    t = cd._varlen_tables(tuple(cu_list), block_size, d, "cuda")
+    bn = 64 if d > 128 else 128
+    assert t.cu_seqlens.tolist() == cu_list
+    assert tuple(x.tolist() for x in t.fwd) == entries(cu_list, block_size, lambda m: m.fwd_tiles(128, bn))
+    assert tuple(x.tolist() for x in t.dkdv) == entries(cu_list, block_size, lambda m: m.bwd_tiles(64, 128))
+    assert tuple(x.tolist() for x in t.dq) == entries(cu_list, block_size, lambda m: m.fwd_tiles(128, 128))
+
+
+@_SM90
+def test_cutlass_varlen_is_the_default_on_sm90():
+    """Unforced, a varlen call selects the cutlass backend (it declares VARLEN) and its backward
+    runs the CUTLASS kernels at D = 128."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    cu = torch.tensor([0, 200, 200, 458], dtype=torch.int32, device="cuda")
+    q, k, v = (t[0].requires_grad_() for t in _qkv(1, 458, 4, 2, 128, torch.bfloat16))
+    before = dict(cd.STATS)
+    out = dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 258, 16)
+    torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert cd.STATS["varlen_bwd"] == before["varlen_bwd"] + 1

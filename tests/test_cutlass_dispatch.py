@@ -1,0 +1,244 @@
+"""The cutlass backend's Python side without a GPU (dlm_ops/backends/cutlass_diffusion.py): which
+calls it runs and which it hands to Triton (batched halves of any length, varlen, softcap, head
+dims, TMA alignment, a failed build), what it passes the extension (views, tables, scratch) and
+the varlen table cache. A fake extension stands in for the sm90 build and records its calls; its
+tables are written here from dlm_ops.geometry, the definition the C++ tables mirror (the GPU test
+test_cutlass_varlen_tables_match_geometry compares the real ones)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dlm_ops.backends import cutlass_diffusion as cd
+from dlm_ops.backends.triton_backend import TritonBackend
+from dlm_ops.geometry import SequenceMask, VarlenMask, most_expensive_first
+
+
+def _order(plans):
+    return [i for i in most_expensive_first([p.area for p in plans])]
+
+
+def entries(cu, block_size, plans_of):
+    """(tile, sample) of every packed sample, most expensive first over all samples."""
+    rows = [(t, i, p.area) for i, (_, m) in enumerate(VarlenMask(tuple(cu), block_size).samples)
+            for t, p in enumerate(plans_of(m))]
+    order = most_expensive_first([a for _, _, a in rows])
+    return ([rows[o][0] for o in order], [rows[o][1] for o in order])
+
+
+def _i32(x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+class FakeExtension:
+    """The extension's interface: tables from geometry.py, kernels that record and write zeros."""
+
+    scratch_pad = 128
+
+    def __init__(self, batched_any_length=True):
+        self.batched_any_length = batched_any_length
+        self.calls = []
+        self.table_builds = 0
+
+    def tile_order(self, nn, nc, bs, d):
+        return _i32(_order(SequenceMask(nn, nc, bs).fwd_tiles(128, 64 if d > 128 else 128)))
+
+    def bwd_tile_orders(self, nn, nc, bs):
+        m = SequenceMask(nn, nc, bs)
+        return _i32(_order(m.bwd_tiles(64, 128))), _i32(_order(m.fwd_tiles(128, 128)))
+
+    def varlen_tile_order(self, cu, bs, d):
+        self.table_builds += 1
+        return [_i32(x) for x in entries(cu, bs, lambda m: m.fwd_tiles(128, 64 if d > 128 else 128))]
+
+    def varlen_bwd_tile_orders(self, cu, bs):
+        dkdv = entries(cu, bs, lambda m: m.bwd_tiles(64, 128))
+        dq = entries(cu, bs, lambda m: m.fwd_tiles(128, 128))
+        return [_i32(x) for x in (*dkdv, *dq)]
+
+    def fwd(self, q, k, v, out, lse, order, n_noisy, block_size, scale, max_ctas, tile_sample=None,
+            cu_seqlens=None):
+        self.calls.append(("fwd", dict(q=q, out=out, lse=lse, order=order, n_noisy=n_noisy,
+                                       tile_sample=tile_sample, cu_seqlens=cu_seqlens)))
+        out.zero_(), lse.zero_()
+
+    def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
+            n_noisy, block_size, scale, dkdv_sample=None, dq_sample=None, cu_seqlens=None):
+        self.calls.append(("bwd", dict(q=q, lse=lse, dlse=dlse, lse2=lse2, delta=delta,
+                                       dkdv_order=dkdv_order, dq_order=dq_order,
+                                       dkdv_sample=dkdv_sample, dq_sample=dq_sample,
+                                       cu_seqlens=cu_seqlens)))
+        for g in (dq, dk, dv):
+            g.zero_()
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The backend wired to a FakeExtension; Triton's entry points replaced by markers."""
+    ext = FakeExtension()
+    monkeypatch.setattr(cd, "_EXT", ext)
+    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    monkeypatch.setattr(cd, "FORWARD_HEAD_DIMS", (64, 128, 256))  # every head dim the kernels have
+    for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd"):
+        monkeypatch.setattr(TritonBackend, name, lambda self, *a, _n=name: ("triton", _n))
+    for cached in (cd._tile_order, cd._bwd_tile_orders, cd._varlen_tables):
+        cached.cache_clear()
+    monkeypatch.setattr(cd, "STATS", dict.fromkeys(cd.STATS, 0))
+    yield ext
+    for cached in (cd._tile_order, cd._bwd_tile_orders, cd._varlen_tables):
+        cached.cache_clear()
+
+
+def _batched(b, nn, nc, h, hkv, d, dtype=torch.bfloat16):
+    s = nn + nc
+    q = torch.randn(b, s, h, d).to(dtype)
+    k, v = (torch.randn(b, s, hkv, d).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def _packed(halves, h, hkv, d, dtype=torch.bfloat16):
+    cu = [0]
+    for n in halves:
+        cu.append(cu[-1] + 2 * n)
+    q = torch.randn(cu[-1], h, d).to(dtype)
+    k, v = (torch.randn(cu[-1], hkv, d).to(dtype) for _ in range(2))
+    return q, k, v, VarlenMask(tuple(cu), 16)
+
+
+def _run_batched(backend, q, k, v, mask, softcap=0.0):
+    """The forward, then the backward on its outputs; each either CUTLASS's (a tuple of tensors)
+    or Triton's marker."""
+    fwd = backend.fwd(q, k, v, mask, 0.125, softcap, False)
+    out, lse = fwd if fwd[0] != "triton" else (torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1]))
+    bwd = backend.bwd(torch.randn_like(q), q, k, v, out, lse, None, mask, 0.125, softcap, False)
+    return fwd, bwd
+
+
+@given(st.integers(0, 300), st.integers(0, 300), st.integers(1, 400), st.sampled_from([64, 128, 256]),
+       st.booleans())
+def test_batched_halves_of_any_length_run_cutlass(nn, nc, bs, d, any_length):
+    """With batched_any_length (kBatchedStart = kStartAny) every halves pair runs the kernels
+    (block-causal n_noisy 0 and empty ones too); without it, only multiples of 128."""
+    ext = FakeExtension(any_length)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cd, "_EXT", ext)
+        mp.setattr(cd, "_extension", lambda: ext)
+        mp.setattr(cd, "FORWARD_HEAD_DIMS", (64, 128, 256))
+        mp.setattr(cd, "STATS", dict.fromkeys(cd.STATS, 0))
+        for name in ("fwd", "bwd"):
+            mp.setattr(TritonBackend, name, lambda self, *a, _n=name: ("triton", _n))
+        q, k, v = _batched(1, nn, nc, 2, 1, d)
+        fwd, bwd = _run_batched(cd.CutlassDiffusionBackend(), q, k, v, SequenceMask(nn, nc, bs))
+    runs = any_length or (nn % 128 == 0 and nc % 128 == 0)
+    assert (fwd[0] != "triton") == runs
+    assert (bwd[0] != "triton") == (runs and d in cd.BACKWARD_HEAD_DIMS)
+    if runs:
+        call = dict(ext.calls)["fwd"]
+        assert call["n_noisy"] == nn and call["tile_sample"] is None and call["cu_seqlens"] is None
+        assert call["order"].tolist() == _order(SequenceMask(nn, nc, bs).fwd_tiles(128, 64 if d > 128 else 128))
+        assert not fwd[0].isnan().any() and not fwd[1].isnan().any()
+
+
+def test_softcap_head_dims_alignment_and_failed_builds_fall_back(fake, monkeypatch):
+    backend = cd.CutlassDiffusionBackend()
+    mask = SequenceMask(100, 100, 5)
+    q, k, v = _batched(2, 100, 100, 4, 2, 128)
+    assert [r[0] for r in _run_batched(backend, q, k, v, mask, softcap=30.0)] == ["triton"] * 2
+    assert cd.STATS["fwd_fallback"] == cd.STATS["bwd_fallback"] == 1
+    # head dims outside FORWARD / BACKWARD_HEAD_DIMS: the forward alone, then neither
+    monkeypatch.setattr(cd, "FORWARD_HEAD_DIMS", (256,))
+    fwd, bwd = _run_batched(backend, q, k, v, mask)
+    assert fwd[0] == "triton" and bwd[0] != "triton"
+    q2, k2, v2 = _batched(2, 100, 100, 4, 2, 256)
+    fwd, bwd = _run_batched(backend, q2, k2, v2, mask)
+    assert fwd[0] != "triton" and bwd[0] == "triton"
+    # rows not 16-byte aligned for TMA: a view one element into its storage
+    monkeypatch.setattr(cd, "FORWARD_HEAD_DIMS", (64, 128, 256))
+    shifted = torch.randn(q.numel() + 1).to(q.dtype)[1:].view(q.shape)
+    assert _run_batched(backend, shifted, k, v, mask)[0][0] == "triton"
+    # a failed build: the extension is None
+    monkeypatch.setattr(cd, "_extension", lambda: None)
+    assert [r[0] for r in _run_batched(backend, q, k, v, mask)] == ["triton"] * 2
+    assert cd.STATS["fwd"] == cd.STATS["bwd"] == 1
+    assert cd.STATS["fwd_fallback"] == 4 and cd.STATS["bwd_fallback"] == 4
+
+
+def test_backward_scratch_is_padded_zeroed_and_aligned(fake):
+    """lse2 / delta: B * H * S floats plus the pad the odd-length dK/dV kernel reads, zeroed, each
+    16-byte aligned; dout in a layout TMA cannot read is copied, not handed to Triton."""
+    backend = cd.CutlassDiffusionBackend()
+    q, k, v = _batched(3, 37, 37, 5, 1, 64)  # B * H * S = 1110: not a multiple of 4
+    mask = SequenceMask(37, 37, 3)
+    out, lse = backend.fwd(q, k, v, mask, 0.125, 0.0, False)
+    dout = torch.randn(3, 74, 5, 65).to(q.dtype)[..., 1:]  # misaligned rows
+    grads = backend.bwd(dout, q, k, v, out, lse, None, mask, 0.125, 0.0, False)
+    assert grads[0] != "triton" and all(not g.isnan().any() for g in grads)
+    call = dict(fake.calls)["bwd"]
+    rows = 3 * 5 * 74
+    for t in (call["lse2"], call["delta"]):
+        assert t.dim() == 1 and t.numel() >= rows + fake.scratch_pad and t.data_ptr() % 16 == 0
+        assert torch.equal(t[rows:], torch.zeros_like(t[rows:]))
+    assert call["dkdv_sample"] is None and call["cu_seqlens"] is None
+
+
+@pytest.mark.parametrize("halves", [[0, 100, 37, 0, 256, 1, 300], [500], [0, 0, 3], [0, 0], []])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_varlen_runs_cutlass_with_its_tables(fake, halves, hkv):
+    backend = cd.CutlassDiffusionBackend()
+    q, k, v, mask = _packed(halves, 4, hkv, 128)
+    out, lse = backend.varlen_fwd(q, k, v, mask, 0.125, 0.0, False)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0]) and not out.isnan().any()
+    dlse = torch.randn(4, q.shape[0])
+    dq, dk, dv = backend.varlen_bwd(torch.randn_like(q), q, k, v, out, lse, dlse, mask, 0.125, 0.0,
+                                    False)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert cd.STATS["varlen_fwd"] == cd.STATS["varlen_bwd"] == 1
+    assert cd.STATS["varlen_fwd_fallback"] == cd.STATS["varlen_bwd_fallback"] == 0
+    (_, f), (_, b) = fake.calls
+    cu = list(mask.cu_seqlens)
+    assert f["q"].shape == (1, *q.shape) and f["lse"].shape == (1, 4, q.shape[0])
+    assert f["cu_seqlens"].tolist() == cu and b["cu_seqlens"].tolist() == cu
+    assert (f["order"].tolist(), f["tile_sample"].tolist()) == entries(cu, 16, lambda m: m.fwd_tiles(128, 128))
+    assert (b["dkdv_order"].tolist(), b["dkdv_sample"].tolist()) == entries(cu, 16, lambda m: m.bwd_tiles(64, 128))
+    assert (b["dq_order"].tolist(), b["dq_sample"].tolist()) == entries(cu, 16, lambda m: m.fwd_tiles(128, 128))
+    assert b["lse"].shape == (1, 4, q.shape[0]) and b["dlse"].shape == (1, 4, q.shape[0])
+    rows = 4 * q.shape[0]
+    assert torch.equal(b["lse2"][rows:], torch.zeros_like(b["lse2"][rows:]))
+    # the forward's tables served the backward: one build for both directions
+    assert fake.table_builds == 1
+
+
+def test_varlen_falls_back_where_batched_does(fake, monkeypatch):
+    backend = cd.CutlassDiffusionBackend()
+    q, k, v, mask = _packed([10, 0, 33], 4, 2, 128)
+
+    def both(q, k, v, softcap=0.0):
+        return (backend.varlen_fwd(q, k, v, mask, 0.125, softcap, False)[0],
+                backend.varlen_bwd(torch.randn_like(q), q, k, v, torch.zeros_like(q),
+                                   torch.zeros(4, q.shape[0]), None, mask, 0.125, softcap, False)[0])
+
+    assert both(q, k, v, softcap=5.0) == ("triton", "triton")
+    q96, k96, v96, _ = _packed([10, 0, 33], 4, 2, 96)
+    assert both(q96, k96, v96) == ("triton", "triton")
+    shifted = torch.randn(q.numel() + 4).to(q.dtype)[4:].view(q.shape)  # 8 bytes off: not TMA-ready
+    assert both(shifted, k, v) == ("triton", "triton")
+    monkeypatch.setattr(cd, "FORWARD_HEAD_DIMS", (256,))  # the default: D = 128 forward is Triton's
+    fwd, bwd = both(q, k, v)
+    assert fwd == "triton" and bwd != "triton"
+    monkeypatch.setattr(cd, "_extension", lambda: None)
+    assert both(q, k, v) == ("triton", "triton")
+    assert cd.STATS["varlen_fwd_fallback"] == 5 and cd.STATS["varlen_bwd_fallback"] == 4
+    assert cd.STATS["varlen_bwd"] == 1 and cd.STATS["varlen_fwd"] == 0
+
+
+def test_varlen_tables_are_cached_per_packing_block_size_head_dim_and_device(fake):
+    a = cd._varlen_tables((0, 4, 4, 10), 16, 128, "cpu")
+    assert cd._varlen_tables((0, 4, 4, 10), 16, 128, "cpu") is a and fake.table_builds == 1
+    for key in (((0, 4, 4, 12), 16, 128, "cpu"), ((0, 4, 4, 10), 2, 128, "cpu"),
+                ((0, 4, 4, 10), 16, 256, "cpu")):
+        assert cd._varlen_tables(*key) is not a
+    assert fake.table_builds == 4
+    assert a.cu_seqlens.dtype == torch.int32 and a.cu_seqlens.tolist() == [0, 4, 4, 10]
+    assert all(t.is_contiguous() and t.dtype == torch.int32 for pair in (a.fwd, a.dkdv, a.dq) for t in pair)
+    assert cd._varlen_tables.cache_info().maxsize is not None  # bounded
