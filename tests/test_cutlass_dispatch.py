@@ -223,7 +223,7 @@ def test_varlen_falls_back_where_batched_does(fake, monkeypatch):
     assert both(q96, k96, v96) == ("triton", "triton")
     shifted = torch.randn(q.numel() + 4).to(q.dtype)[4:].view(q.shape)  # 8 bytes off: not TMA-ready
     assert both(shifted, k, v) == ("triton", "triton")
-    monkeypatch.setattr(cd, "FORWARD_HEAD_DIMS", (256,))  # the default: D = 128 forward is Triton's
+    monkeypatch.setattr(cd, "FORWARD_HEAD_DIMS", (256,))  # a D = 128 forward left to Triton
     fwd, bwd = both(q, k, v)
     assert fwd == "triton" and bwd != "triton"
     monkeypatch.setattr(cd, "_extension", lambda: None)

@@ -413,8 +413,8 @@ def test_cutlass_varlen_tables_match_geometry(cu_list, block_size, d):
 
 @_SM90
 def test_cutlass_varlen_is_the_default_on_sm90():
-    """Unforced, a varlen call selects the cutlass backend (it declares VARLEN) and its backward
-    runs the CUTLASS kernels at D = 128."""
+    """Unforced, a varlen call selects the cutlass backend (it declares VARLEN) and runs the
+    CUTLASS kernels forward and backward at D = 128."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
     cu = torch.tensor([0, 200, 200, 458], dtype=torch.int32, device="cuda")
@@ -422,4 +422,5 @@ def test_cutlass_varlen_is_the_default_on_sm90():
     before = dict(cd.STATS)
     out = dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 258, 16)
     torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert cd.STATS["varlen_fwd"] == before["varlen_fwd"] + 1
     assert cd.STATS["varlen_bwd"] == before["varlen_bwd"] + 1
