@@ -319,10 +319,11 @@ def _check_cutlass(monkeypatch, run, ref, inputs, dtype, d, kind, dlse_shape):
     (2, 77, 16, 128, (4, 2), "causal"), (2, 300, 1, 64, (2, 2), "causal"), (2, 3, 1, 128, (2, 1), "causal"),
 ])
 def test_cutlass_odd_lengths(monkeypatch, dtype, batch, n, block_size, d, heads, layout):
-    """Halves that are not multiples of 128 (and block-causal over 2n tokens, n_noisy 0) run the
-    CUTLASS kernels forward and backward (kBatchedStart = kStartAny)."""
+    """Halves that are not multiples of 128 (and block-causal over an odd 2n + 1 tokens, n_noisy
+    0) run the CUTLASS kernels forward and backward (kBatchedStart = kStartAny)."""
     h, hkv = heads
-    q, k, v = _qkv(batch, 2 * n, h, hkv, d, dtype, seed=n + d)
+    s = 2 * n + (layout == "causal")
+    q, k, v = _qkv(batch, s, h, hkv, d, dtype, seed=n + d)
     attn, ref = ((dlm_ops.block_causal_attn_func, block_causal_attn_ref) if layout == "causal"
                  else (dlm_ops.diffusion_attn_func, diffusion_attn_ref))
 
@@ -330,7 +331,7 @@ def test_cutlass_odd_lengths(monkeypatch, dtype, batch, n, block_size, d, heads,
         return attn(q, k, v, block_size, return_lse=True, backend=backend)
 
     _check_cutlass(monkeypatch, run, lambda q, k, v, **kw: ref(q, k, v, block_size, **kw),
-                   (q, k, v), dtype, d, "", (batch, h, 2 * n))
+                   (q, k, v), dtype, d, "", (batch, h, s))
 
 
 _MANY = [0 if i % 5 == 0 else (37 * i * i + 11) % 150 for i in range(30)]  # zeros and odd halves
