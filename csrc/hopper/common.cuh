@@ -25,8 +25,8 @@ using namespace cute;
 constexpr int kStartTile = 0, kStartAny = 1, kStartVarlen = 2;
 // Where the batched launchers' tiles start (launch_fwd / launch_bwd; varlen always kStartVarlen).
 // kStartAny measured as fast as kStartTile on the shipped shapes (H200, bf16 D=128 H=16, 16K
-// tokens: fwd 202 / 314 TFLOPS both at n = 1K / 4K, bwd 229 vs 230 / 373 vs 375) and runs any even
-// halves; kStartTile would again need both halves multiples of 128 (the bindings export
+// tokens, the v4 forward loop: fwd 202 / 314 TFLOPS both at n = 1K / 4K, bwd 229 vs 230 / 373 vs
+// 375) and runs any even halves; kStartTile would again need both halves multiples of 128 (the bindings export
 // `batched_any_length` so that dlm_ops follows a flip of this constant).
 constexpr int kBatchedStart = kStartAny;
 
