@@ -60,7 +60,8 @@ class FakeExtension:
     def fwd(self, q, k, v, out, lse, order, n_noisy, block_size, scale, max_ctas, tile_sample=None,
             cu_seqlens=None):
         self.calls.append(("fwd", dict(q=q, out=out, lse=lse, order=order, n_noisy=n_noisy,
-                                       tile_sample=tile_sample, cu_seqlens=cu_seqlens)))
+                                       max_ctas=max_ctas, tile_sample=tile_sample,
+                                       cu_seqlens=cu_seqlens)))
         out.zero_(), lse.zero_()
 
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
@@ -80,6 +81,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(cd, "_EXT", ext)
     monkeypatch.setattr(cd, "_extension", lambda: ext)
     monkeypatch.setattr(cd, "FORWARD_HEAD_DIMS", (64, 128, 256))  # every head dim the kernels have
+    monkeypatch.setattr(cd, "_sm_count", lambda device: 132)  # no GPU to ask
     for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd"):
         monkeypatch.setattr(TritonBackend, name, lambda self, *a, _n=name: ("triton", _n))
     for cached in (cd._tile_order, cd._bwd_tile_orders, cd._varlen_tables):
@@ -126,6 +128,7 @@ def test_batched_halves_of_any_length_run_cutlass(nn, nc, bs, d, any_length):
         mp.setattr(cd, "_extension", lambda: ext)
         mp.setattr(cd, "FORWARD_HEAD_DIMS", (64, 128, 256))
         mp.setattr(cd, "STATS", dict.fromkeys(cd.STATS, 0))
+        mp.setattr(cd, "_sm_count", lambda device: 132)
         for name in ("fwd", "bwd"):
             mp.setattr(TritonBackend, name, lambda self, *a, _n=name: ("triton", _n))
         q, k, v = _batched(1, nn, nc, 2, 1, d)
@@ -182,7 +185,8 @@ def test_backward_scratch_is_padded_zeroed_and_aligned(fake):
     assert call["dkdv_sample"] is None and call["cu_seqlens"] is None
 
 
-@pytest.mark.parametrize("halves", [[0, 100, 37, 0, 256, 1, 300], [500], [0, 0, 3], [0, 0], []])
+@pytest.mark.parametrize("halves", [[0, 100, 37, 0, 256, 1, 300], [500], [0, 0, 3], [0, 0], [],
+                                    [3, 2049, 0]])
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_varlen_runs_cutlass_with_its_tables(fake, halves, hkv):
     backend = cd.CutlassDiffusionBackend()
@@ -199,6 +203,8 @@ def test_varlen_runs_cutlass_with_its_tables(fake, halves, hkv):
     cu = list(mask.cu_seqlens)
     assert f["q"].shape == (1, *q.shape) and f["lse"].shape == (1, 4, q.shape[0])
     assert f["cu_seqlens"].tolist() == cu and b["cu_seqlens"].tolist() == cu
+    # persistent grid (the SM count) when every half is at most PERSISTENT_MAX_HALF, as batched
+    assert f["max_ctas"] == (132 if max(halves, default=0) <= cd.PERSISTENT_MAX_HALF else 0)
     assert (f["order"].tolist(), f["tile_sample"].tolist()) == entries(cu, 16, lambda m: m.fwd_tiles(128, 128))
     assert (b["dkdv_order"].tolist(), b["dkdv_sample"].tolist()) == entries(cu, 16, lambda m: m.bwd_tiles(64, 128))
     assert (b["dq_order"].tolist(), b["dq_sample"].tolist()) == entries(cu, 16, lambda m: m.fwd_tiles(128, 128))

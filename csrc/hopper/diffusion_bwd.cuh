@@ -795,9 +795,9 @@ cudaError_t launch_dq(const BwdArgs& a) {
 
 // The shipped configs with their tiles starting per START (the one place that names the options).
 template <class Elem, int D, int START>
-using DkDvShipped = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, false, false, START>;
+using DkDvShipped = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, START>;
 template <class Elem, int D, int START>
-using DqShipped = DqConfig<Elem, D, kDqBlockM, kDqBlockN, kDqStages, false, false, START>;
+using DqShipped = DqConfig<Elem, D, kDqBlockM, kDqBlockN, kDqStages, START>;
 
 // The whole backward: preprocess, dK/dV, dQ (one stream, so each sees the previous one's writes).
 // START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, dkdv_sample,
