@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .contenders import CONTENDERS, EXACT_CONTENDERS, YARDSTICK, Case, ExactCase
+from .contenders import (CONTENDERS, EXACT_CONTENDERS, VARLEN_CONTENDERS, YARDSTICK, Case,
+                         ExactCase, VarlenCase)
 
 TOKENS = 16 * 1024  # per batch, DESIGN.md section 5
 
@@ -36,6 +37,18 @@ def _preset(name: str) -> list[Case]:
         return cases + [main_case(n, 16, h=32, hkv=8) for n in (2048, 8192)]
     if name == "odd":  # halves that are not multiples of 128: the CUTLASS kernels' kStartAny tiles
         return [main_case(n, 16) for n in (1000, 4000)] + [main_case(2000, 16, d=64)]
+    if name == "varlen":  # packed samples, 16K tokens: equal ones (the batched work), odd, mixed
+        mixed, total, i = [], 0, 0
+        while True:  # halves in [1, 2048), a fixed pseudo-random mix, up to 8K halves in all
+            n = 1 + (7919 * i * i + 104729 * i + 13) % 2047
+            if total + n >= TOKENS // 2:
+                mixed.append(TOKENS // 2 - total)  # the rest: 16K tokens in all
+                break
+            mixed.append(n)
+            total, i = total + n, i + 1
+        return [VarlenCase("equal", (1024,) * 8), VarlenCase("equal", (4096,) * 2),
+                VarlenCase("odd", (1000,) * 8), VarlenCase("mixed", tuple(mixed)),
+                VarlenCase("mixed", tuple(mixed), heads=32, kv_heads=8)]
     if name == "exact":  # dlm_ops.attention against SDPA, DESIGN.md's shape budget
         return [ExactCase(max(1, TOKENS // s), 16, s, d, causal)
                 for causal in (True, False) for d in (64, 128) for s in (1024, 4096, 8192)]
@@ -179,7 +192,7 @@ def write_results(folder, tag: str, rows: list[dict], meta: dict, what: str, tab
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="main", choices=["quick", "main", "sweep", "exact", "odd"],
+    p.add_argument("--preset", default="main", choices=["quick", "main", "sweep", "exact", "odd", "varlen"],
                    help="exact: dlm_ops.attention vs SDPA; the others: block diffusion")
     p.add_argument("--contenders", default=None, help="comma-separated subset (default: all)")
     p.add_argument("--modes", default="fwd,bwd,step")
@@ -196,8 +209,9 @@ def main(argv=None) -> int:
     cases, modes = _preset(a.preset), a.modes.split(",")
     if a.only:
         cases = [c for c in cases if a.only in c.label]
-    table_of = EXACT_CONTENDERS if a.preset == "exact" else CONTENDERS
-    refs = ("sdpa cudnn", "sdpa flash") if a.preset == "exact" else (YARDSTICK, "flex BD3")
+    table_of = {"exact": EXACT_CONTENDERS, "varlen": VARLEN_CONTENDERS}.get(a.preset, CONTENDERS)
+    refs = {"exact": ("sdpa cudnn", "sdpa flash"),
+            "varlen": ("dlm_ops triton",)}.get(a.preset, (YARDSTICK, "flex BD3"))
     names = a.contenders.split(",") if a.contenders else list(table_of)
     contenders = {n: table_of[n] for n in names}
     try:
@@ -216,7 +230,8 @@ def main(argv=None) -> int:
     (out / f"{tag}.md").write_text(
         f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}; "
         f"median of {a.rounds} interleaved rounds; TFLOPS on visible pairs.\n\n{table}\n")
-    _plot(rows, out / f"{tag}.png")
+    if a.preset != "varlen":  # the plot's x axis is n
+        _plot(rows, out / f"{tag}.png")
     print("\n" + table)
     return 0
 

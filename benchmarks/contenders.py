@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dlm_ops
-from dlm_ops.geometry import SequenceMask
+from dlm_ops.geometry import SequenceMask, VarlenMask
 from dlm_ops.reference import block_diffusion_mask
 
 
@@ -181,6 +181,56 @@ def exact_sdpa(case: ExactCase, sdp_backend: SDPBackend, deterministic: bool):
 
     return {m: (wrap(setup), wrap(fn)) for m, (setup, fn) in modes.items()}
 
+
+@dataclass(frozen=True)
+class VarlenCase:
+    """Packed samples (varlen) of the given halves: sample i is 2 * halves[i] tokens."""
+
+    name: str
+    halves: tuple[int, ...]
+    heads: int = 16
+    kv_heads: int = 16
+    head_dim: int = 128
+    block_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def cu_seqlens(self) -> list[int]:
+        cu = [0]
+        for n in self.halves:
+            cu.append(cu[-1] + 2 * n)
+        return cu
+
+    @property
+    def n(self) -> int:  # the longest half (bench_case skips the dense-mask contender by it)
+        return max(self.halves, default=0)
+
+    @property
+    def label(self) -> str:
+        gqa = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
+        return (f"varlen {self.name}: {len(self.halves)} samples, {self.cu_seqlens[-1]} tokens "
+                f"H={self.heads}{gqa} D={self.head_dim} bs={self.block_size}")
+
+    def flops(self, mode: str) -> float:
+        pairs = VarlenMask(tuple(self.cu_seqlens), self.block_size).num_pairs
+        return 4.0 * pairs * self.head_dim * self.heads * {"fwd": 1.0, "bwd": 2.5, "step": 3.5}[mode]
+
+
+def ours_varlen(case: VarlenCase, backend: str | None = None):
+    cu = case.cu_seqlens
+    q = _rand(cu[-1], case.heads, case.head_dim, dtype=case.dtype)
+    k, v = (_rand(cu[-1], case.kv_heads, case.head_dim, dtype=case.dtype) for _ in range(2))
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    return _modes(lambda q, k, v: dlm_ops.diffusion_attn_varlen_func(
+        q, k, v, cu_t, 2 * case.n, case.block_size, backend=backend), (q, k, v))
+
+
+# Packed samples have no SDPA counterpart: the backends against each other (ratio vs Triton's).
+VARLEN_CONTENDERS = {
+    "dlm_ops": ours_varlen,
+    "dlm_ops triton": lambda c: ours_varlen(c, "triton"),
+    "dlm_ops cutlass": lambda c: ours_varlen(c, "cutlass"),
+}
 
 EXACT_CONTENDERS = {
     "dlm_ops": exact_ours,

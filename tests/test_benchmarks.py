@@ -4,6 +4,7 @@ import torch
 
 from benchmarks.__main__ import _markdown, _preset
 from benchmarks.contenders import Case, ExactCase
+from dlm_ops.geometry import SequenceMask
 from dlm_ops.reference import block_diffusion_mask
 
 
@@ -29,3 +30,16 @@ def test_markdown_table_has_ratio_columns():
     table = _markdown(rows, ["step"], ("ref",))
     assert "| dlm_ops / ref |" in table.splitlines()[0]
     assert "| c | step | 300 | 500 | 0.60 |" in table
+
+
+def test_varlen_and_odd_presets():
+    """Packed samples hold at most 16K tokens and count the pairs of every sample; the odd preset's
+    halves are not multiples of 128 (the CUTLASS kernels' kStartAny tiles)."""
+    from benchmarks.contenders import VarlenCase
+
+    for case in _preset("varlen"):
+        assert isinstance(case, VarlenCase) and case.cu_seqlens[-1] <= 16 * 1024
+        pairs = sum(SequenceMask.block_diffusion(2 * n, case.block_size).num_pairs for n in case.halves)
+        assert case.flops("fwd") == 4 * pairs * case.head_dim * case.heads
+        assert case.flops("bwd") == 2.5 * case.flops("fwd")
+    assert all(case.n % 128 for case in _preset("odd"))
