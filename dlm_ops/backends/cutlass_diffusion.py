@@ -20,7 +20,8 @@ too.
 Work tables (the CTA schedules, most expensive tile first) are built in C++ from dlm/geometry.h
 and cached here: batched per (halves, block_size[, head dim], device), varlen per (cu_seqlens,
 block_size, head dim, device), the host tuple of VarlenMask (no device sync), each entry one
-host-to-device copy of the offsets and every kernel's (tile, sample) table.
+host-to-device copy of the offsets and every kernel's (tile, sample) table. The forward's grid is
+persistent where halves are short (PERSISTENT_MAX_HALF; varlen: the longest sample's half).
 
 The build happens at the first call (one WARNING line; 23 translation units compiled in parallel
 by ninja: about twice the 80-90 s the 13 batched-only units took on the H200 machine's 16 cores).
