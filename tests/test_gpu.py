@@ -316,6 +316,7 @@ def _check_cutlass(monkeypatch, run, ref, inputs, dtype, d, kind, dlse_shape):
     (2, 1, 1, 64, (2, 2), "bd3"), (3, 3, 5, 128, (4, 2), "bd3"), (5, 100, 5, 128, (4, 1), "bd3"),
     (2, 300, 16, 64, (4, 2), "bd3"), (1, 1000, 300, 128, (2, 2), "bd3"), (16, 37, 1, 128, (8, 2), "bd3"),
     (2, 300, 16, 256, (4, 2), "bd3"),  # 128 x 64 tiles (the D = 256 backward is Triton's)
+    (2, 500, 300, 128, (2, 2), "bd3"), (2, 250, 128, 64, (2, 1), "bd3"),  # short FULL key tiles
     (2, 77, 16, 128, (4, 2), "causal"), (2, 300, 1, 64, (2, 2), "causal"), (2, 3, 1, 128, (2, 1), "causal"),
 ])
 def test_cutlass_odd_lengths(monkeypatch, dtype, batch, n, block_size, d, heads, layout):
@@ -343,7 +344,8 @@ _MANY = [0 if i % 5 == 0 else (37 * i * i + 11) % 150 for i in range(30)]  # zer
     ([0, 100, 37, 0, 256, 1, 300], 16, 128, (4, 2)),
     ([5, 0, 0, 64, 129, 0], 1, 64, (2, 2)),
     ([1000], 300, 128, (2, 2)),                # a single sample
-    ([500], 300, 128, (2, 2)),                 # a single sample, one block per half
+    ([500], 300, 128, (2, 2)),                 # a single sample with short FULL key tiles
+    ([200, 70, 0, 33, 160, 129, 250, 180, 1], 100, 128, (4, 2)),  # more short FULL tiles
     ([0, 0, 3], 5, 128, (4, 4)),               # fewer tokens than a tile
     (_MANY, 16, 64, (4, 2)),                   # many samples
     ([1024, 1024], 16, 128, (4, 4)),           # multiples of 128: the batched tiles, packed
