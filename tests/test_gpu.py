@@ -374,7 +374,7 @@ def test_cutlass_varlen(monkeypatch, dtype, halves, block_size, d, heads):
 @pytest.mark.parametrize("cu_list", [[0], [0, 0, 0], [0, 0, 8, 8]])
 def test_cutlass_varlen_empty_packings(cu_list):
     """No tokens at all, only zero-length samples, or a tiny sample among empty ones: no launch
-    with an empty grid, outputs of the right shapes, the CUTLASS path counted."""
+    with an empty grid, outputs of the right shapes, the CUTLASS path counted (when it runs)."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
     cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
@@ -386,8 +386,10 @@ def test_cutlass_varlen_empty_packings(cu_list):
     torch.cuda.synchronize()
     assert out.shape == q.shape and lse.shape == (4, cu_list[-1])
     assert all(g is None or (g.shape == t.shape and torch.isfinite(g).all()) for g, t in zip(grads, (q, k, v)))
-    assert cd.STATS["varlen_bwd"] == before["varlen_bwd"] + 1
     assert cd.STATS["varlen_bwd_fallback"] == before["varlen_bwd_fallback"]
+    # With no token at all autograd never calls the backward op (seen on the H200: neither counter
+    # moved), so the CUTLASS backward is counted only where there is a token.
+    assert cd.STATS["varlen_bwd"] == before["varlen_bwd"] + (cu_list[-1] > 0)
     if cu_list[-1]:
         gold, gold_lse = diffusion_attn_varlen_ref(q.detach(), k.detach(), v.detach(), cu, 4)
         assert (out.float() - gold).abs().max().item() < 2e-2
