@@ -397,7 +397,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     write_results(a.out, a.tag, rows, meta,
                   f"bf16, B=1, H=32, Hkv=8, D=128, block-sparse selection blocks {a.block_size}; "
-                  f"forward; median of {a.rounds} interleaved rounds of 3 calls.", markdown(rows))
+                  f"forward; median of {a.rounds} interleaved rounds, each measurement ~25 ms "
+                  "of back-to-back calls (at least 3).", markdown(rows))
     return 0
 
 
