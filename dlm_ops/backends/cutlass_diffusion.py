@@ -24,7 +24,7 @@ host-to-device copy of the offsets and every kernel's (tile, sample) table. The 
 persistent where halves are short (PERSISTENT_MAX_HALF; varlen: the longest sample's half).
 
 The build happens at the first call (one WARNING line; 23 translation units compiled in parallel
-by ninja: about twice the 80-90 s the 13 batched-only units took on the H200 machine's 16 cores).
+by ninja: 107 s on the H200 machine's 16 cores).
 If it fails, the failure is remembered, reported by ``unavailable_reason`` (so ``python -m
 dlm_ops`` shows it and dispatch picks Triton from then on) and warned once. Dispatch picks this
 backend automatically wherever it can be built; ``DLM_OPS_CUTLASS=0`` opts out (no build, Triton
