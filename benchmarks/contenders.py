@@ -20,6 +20,10 @@ from dlm_ops.geometry import SequenceMask, VarlenMask
 from dlm_ops.reference import block_diffusion_mask
 
 
+# FLOPs of each mode as a multiple of the forward's (DESIGN.md section 5: bwd = 2.5x).
+MODE_FLOPS = {"fwd": 1.0, "bwd": 2.5, "step": 3.5}
+
+
 @dataclass(frozen=True)
 class Case:
     batch: int
@@ -40,7 +44,7 @@ class Case:
         """Visible pairs only: fwd = 4 * pairs * D * H per sample, bwd = 2.5x, step = 3.5x."""
         pairs = SequenceMask.block_diffusion(2 * self.n, self.block_size).num_pairs
         fwd = 4.0 * pairs * self.head_dim * self.heads * self.batch
-        return fwd * {"fwd": 1.0, "bwd": 2.5, "step": 3.5}[mode]
+        return fwd * MODE_FLOPS[mode]
 
 
 def _rand(*shape, dtype, grad=True):
@@ -143,7 +147,7 @@ class ExactCase:
         s = self.seqlen
         pairs = s * (s + 1) // 2 if self.causal else s * s
         fwd = 4.0 * pairs * self.head_dim * self.heads * self.batch
-        return fwd * {"fwd": 1.0, "bwd": 2.5, "step": 3.5}[mode]
+        return fwd * MODE_FLOPS[mode]
 
 
 class _Deterministic:
@@ -213,7 +217,7 @@ class VarlenCase:
 
     def flops(self, mode: str) -> float:
         pairs = VarlenMask(tuple(self.cu_seqlens), self.block_size).num_pairs
-        return 4.0 * pairs * self.head_dim * self.heads * {"fwd": 1.0, "bwd": 2.5, "step": 3.5}[mode]
+        return 4.0 * pairs * self.head_dim * self.heads * MODE_FLOPS[mode]
 
 
 def ours_varlen(case: VarlenCase, backend: str | None = None):

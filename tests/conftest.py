@@ -1,4 +1,5 @@
 import os
+import shutil
 
 import torch
 
@@ -34,3 +35,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cxx():
+    """A host C++ compiler (CXX, else g++ / c++ / clang++), or the test is skipped."""
+    found = os.environ.get("CXX") or next(
+        filter(None, map(shutil.which, ("g++", "c++", "clang++"))), None)
+    if found is None:
+        pytest.skip("no C++ compiler (CXX, g++, c++ or clang++)")
+    return found
