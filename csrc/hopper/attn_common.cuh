@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "hopper/common.cuh"
 
@@ -133,15 +134,18 @@ CUTE_DEVICE void online_softmax_tile(Scores& acc_s, Coords const& tScS_rc, Bound
 }
 
 // Epilogue: O = acc / l straight from registers, lse = (m + log2 l) * ln 2 (natural log; -inf and
-// O = 0 for a row that saw nothing). Rows from row_end on are not stored; o_head is the (batch,
-// head)'s O, row r at o_head + (row_offset + r) * o_stride_s, its lse at lse[lse_off + row_offset
-// + r].
-template <class Elem, class AccO, class Coords, int kRows>
-CUTE_DEVICE void store_o_lse(AccO& acc_o, Coords const& tOcO_rc, float const (&row_sum)[kRows],
-                             float const (&row_max)[kRows], Elem* o_head, int64_t o_stride_s,
-                             float* lse, int64_t lse_off, int row_base, int row_end,
-                             int row_offset, int tid) {
+// O = 0 for a row that saw nothing). Row r of (batch b, head h) is stored at p.o + b * o_stride_b +
+// h * o_stride_h + (row_offset + r) * o_stride_s and p.lse[b * lse_stride_b + h * lse_stride_h +
+// row_offset + r]; rows from row_end on are not stored. Params: any kernel parameters with those
+// fields (read from the parameter space here, where the diffusion forward read them before this
+// was shared: moved, its SASS is byte-identical).
+template <class Params, class AccO, class Coords, int kRows>
+CUTE_DEVICE void store_o_lse(Params const& p, AccO& acc_o, Coords const& tOcO_rc,
+                             float (&row_sum)[kRows], float (&row_max)[kRows], int b, int h,
+                             int row_base, int row_end, int row_offset, int tid) {
+  using Elem = std::remove_pointer_t<decltype(p.o)>;
   Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+  Elem* o_head = p.o + b * p.o_stride_b + h * p.o_stride_h;
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
     const float l = quad_sum(row_sum[i]);
@@ -153,11 +157,11 @@ CUTE_DEVICE void store_o_lse(AccO& acc_o, Coords const& tOcO_rc, float const (&r
       CUTE_UNROLL
       for (int c = 0; c < size<1>(o_rc); c += 2) {
         const Elem pair[2] = {Elem(o_rc(i, c) * inv), Elem(o_rc(i, c + 1) * inv)};
-        *reinterpret_cast<uint32_t*>(o_head + (row_offset + row) * o_stride_s + get<1>(tOcO_rc(i, c))) =
+        *reinterpret_cast<uint32_t*>(o_head + (row_offset + row) * p.o_stride_s + get<1>(tOcO_rc(i, c))) =
             *reinterpret_cast<const uint32_t*>(pair);
       }
       if (tid % 4 == 0)
-        lse[lse_off + row_offset + row] =
+        p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row_offset + row] =
             l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     }
   }

@@ -265,9 +265,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Barrier::arrive(&ss.v_empty[last]);
     }
     // Epilogue (an empty list: O = 0, lse = -inf); rows past Sq are not stored.
-    store_o_lse(acc_o, tOcO_rc, row_sum, row_max, p.o + si.b * p.o_stride_b + si.h * p.o_stride_h,
-                p.o_stride_s, p.lse, si.b * p.lse_stride_b + si.h * p.lse_stride_h, row_base,
-                p.seqlen_q, 0, tid);
+    store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, si.b, si.h, row_base, p.seqlen_q, 0, tid);
   }
 }
 

@@ -334,9 +334,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
 
     // Epilogue; rows of the tile past its half (or sample) are not stored.
-    store_o_lse(acc_o, tOcO_rc, row_sum, row_max, p.o + wi.b * p.o_stride_b + wi.h * p.o_stride_h,
-                p.o_stride_s, p.lse, wi.b * p.lse_stride_b + wi.h * p.lse_stride_h, row_base,
-                q_tile.hi, row_offset, tid);
+    store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, q_tile.hi, row_offset, tid);
   }
 }
 
