@@ -20,7 +20,8 @@
 // block against the last one), only for the producer's reads to walk K / V forward.
 //
 // Work items: item w is entry work_order[w] (or w) of the flat (B, H, nQb) count tensor. The CTA
-// loop over items (w, w + grid, ...) is v5's; the launch runs one CTA per item.
+// loop over items (w, w + grid, ...) is v5's; launch_block_sparse_fwd runs one CTA per item
+// (launch_block_sparse_fwd_cfg can run a persistent grid, for the harness's A/B).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -270,8 +271,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 }
 
 // ------------------------------------------------------------------------------------- launch
+// max_ctas > 0: a persistent grid of at most that many CTAs (each walks items w, w + grid, ...);
+// 0: one CTA per item (what launch_block_sparse_fwd runs; the harness times both).
 template <class Cfg>
-cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a) {
+cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a, int max_ctas = 0) {
   using Elem = typename Cfg::Elem;
   constexpr int BM = Cfg::BM, D = Cfg::D;
   if (!block_sparse_fwd_supports(a.block_q, a.block_k, D) || a.kv_heads <= 0 ||
@@ -301,7 +304,8 @@ cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a) {
   static const cudaError_t configured =  // once per instantiation: the attribute is per function
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (configured != cudaSuccess) return configured;
-  kernel<<<items, Cfg::kThreads, smem, a.stream>>>(p);
+  const int ctas = max_ctas > 0 && max_ctas < items ? max_ctas : items;
+  kernel<<<ctas, Cfg::kThreads, smem, a.stream>>>(p);
   return cudaGetLastError();
 }
 
