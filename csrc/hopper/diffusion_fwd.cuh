@@ -36,62 +36,12 @@
 #include <cmath>
 
 #include "dlm/geometry.h"
+#include "hopper/attn_common.cuh"
 #include "hopper/common.cuh"
 
 namespace dlm::sm90 {
 
 using namespace cute;
-
-// START_: where tiles may start (kStartTile / kStartAny / kStartVarlen, hopper/common.cuh).
-template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true,
-          int START_ = kStartTile>
-struct FwdConfig {
-  using Elem = Elem_;
-  static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
-  static constexpr bool kPingPong = PINGPONG_;  // the consumers take turns at the tensor cores
-  static constexpr int kStart = START_;
-  static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
-  static constexpr int kConsumers = BM / kConsumerRows;
-  static constexpr int kThreads = 128 * (1 + kConsumers);
-  static_assert(kConsumers == 2, "the register split below assumes two consumer warpgroups");
-
-  // 128-byte swizzled, K-major (head dim contiguous), the layout TMA writes and wgmma reads.
-  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
-                                             Shape<Int<BM>, Int<D>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
-                                              Shape<Int<BN>, Int<D>, Int<STAGES>>{}));
-  // V^T as the B operand of O = P V: (D, BN, STAGES) over the same bytes, D contiguous (MN-major).
-  using SmemLayoutVt = decltype(composition(
-      SmemLayoutKV{}, make_ordered_layout(Shape<Int<D>, Int<BN>, Int<STAGES>>{}, Step<_2, _1, _3>{})));
-
-  using MmaS = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<BN>, Int<D>>>()));
-  using MmaO = decltype(make_tiled_mma(
-      SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<D>, Int<BN>>,
-                                 GMMA::Major::K, GMMA::Major::MN>()));
-
-  struct SharedStorage {
-    alignas(1024) Elem q[cosize_v<SmemLayoutQ>];
-    alignas(1024) Elem k[cosize_v<SmemLayoutKV>];
-    alignas(1024) Elem v[cosize_v<SmemLayoutKV>];
-    alignas(8) uint64_t q_full, q_empty;  // q_empty: the consumers' last S of a work item is done
-    uint64_t k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
-  };
-  static constexpr int kTileBytesQ = BM * D * sizeof(Elem);
-  static constexpr int kTileBytesKV = BN * D * sizeof(Elem);
-};
-
-template <class Cfg>
-auto make_tma_q(typename Cfg::Elem const* p, int s, int h, int b, int64_t ss, int64_t sh, int64_t sb) {
-  return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor(p, s, Cfg::D, h, b, ss, sh, sb),
-                       typename Cfg::SmemLayoutQ{});
-}
-
-template <class Cfg>
-auto make_tma_kv(typename Cfg::Elem const* p, int s, int h, int b, int64_t ss, int64_t sh, int64_t sb) {
-  return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor(p, s, Cfg::D, h, b, ss, sh, sb),
-                       take<0, 2>(typename Cfg::SmemLayoutKV{}));
-}
 
 template <class Cfg>
 struct FwdParams {
@@ -144,71 +94,21 @@ CUTE_DEVICE ItemGeom item_geom(Params const& p, int w) {
   }
 }
 
-// Max / sum over the 4 threads of a quad, which together hold a row.
-CUTE_DEVICE float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-CUTE_DEVICE float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffff, x, 1);
-  return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
-
-// Named barriers for the consumers' turns (0 is __syncthreads): each phase needs both consumer
-// warpgroups, one syncing (waiting for its turn) and the other arriving (handing it over).
-constexpr int kTurnBarrier = 1;
-CUTE_DEVICE void named_barrier_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id)); }
-CUTE_DEVICE void named_barrier_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id)); }
-
-// One tile of the online softmax, in base 2, on the scores this thread holds (two rows): scales
-// by scale_log2, masks (kMasked: PARTIAL tiles and tiles cut short by their half's end) as selects,
-// updates the running max and the quad-partial row sums, leaves exp2(s - max) in s and the factor
-// that rescales the accumulator in scale_row. The mask is decided per tile, as a template argument:
-// v4 tested a runtime `masked` flag inside the element loop, and ptxas kept a BSSY / ISETP / BRA /
-// BSYNC group around every score's mask (64 per tile and thread), FULL tiles included; taking it
-// out of the loop (with FULL from hoisted bounds, step_visit, and one q_empty arrival after the
-// loop) measured 1.46-1.72x faster (csrc/NOTES.md, v5).
+// online_softmax_tile with the block-diffusion mask (kMasked: PARTIAL tiles and tiles cut short
+// by their half's end). A visit lies inside one half and each of the row's two key ranges inside
+// another, so one range holds all its visible keys: the mask is one interval of the row's columns.
 template <bool kMasked, class Scores, class Coords, int kRows>
 CUTE_DEVICE void online_softmax(Scores& acc_s, Coords const& tScS_rc, Visit const& visit,
                                   Intervals const (&seen)[kRows], float scale_log2,
                                   float (&row_max)[kRows], float (&row_sum)[kRows],
                                   float (&scale_row)[kRows]) {
-  Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
-  CUTE_UNROLL
-  for (int i = 0; i < kRows; ++i) {
-    float mx = row_max[i];
-    // A visit lies inside one half and each of the row's two key ranges inside another, so one
-    // range holds all its visible keys: the mask is one interval [lo, hi) of this thread's columns,
-    // relative to its first one (a compare with a constant per bound and score).
-    [[maybe_unused]] int lo = 0, hi = 0;
-    if constexpr (kMasked) {
-      const bool first = seen[i].first.hi > visit.start && seen[i].first.lo < visit.end;
-      const int base = visit.start + get<1>(tScS_rc(i, 0));
-      lo = (first ? seen[i].first.lo : seen[i].second.lo) - base;
-      hi = imin(first ? seen[i].first.hi : seen[i].second.hi, visit.end) - base;
-    }
-    CUTE_UNROLL
-    for (int j = 0; j < size<1>(s); ++j) {
-      float x = s(i, j) * scale_log2;
-      if constexpr (kMasked) {
-        const int k = get<1>(tScS_rc(i, j)) - get<1>(tScS_rc(i, 0));
-        x = k < lo || k >= hi ? -INFINITY : x;
-      }
-      s(i, j) = x;
-      mx = fmaxf(mx, x);
-    }
-    mx = quad_max(mx);
-    const float m_use = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet
-    scale_row[i] = exp2_approx(row_max[i] - m_use);
-    row_max[i] = mx;
-    float sum = 0.f;
-    CUTE_UNROLL
-    for (int j = 0; j < size<1>(s); ++j) {
-      s(i, j) = exp2_approx(s(i, j) - m_use);
-      sum += s(i, j);
-    }
-    row_sum[i] = row_sum[i] * scale_row[i] + sum;
-  }
+  auto bounds = [&](int i, int& lo, int& hi) {
+    const bool first = seen[i].first.hi > visit.start && seen[i].first.lo < visit.end;
+    const int base = visit.start + get<1>(tScS_rc(i, 0));
+    lo = (first ? seen[i].first.lo : seen[i].second.lo) - base;
+    hi = imin(first ? seen[i].first.hi : seen[i].second.hi, visit.end) - base;
+  };
+  online_softmax_tile<kMasked>(acc_s, tScS_rc, bounds, scale_log2, row_max, row_sum, scale_row);
 }
 
 // A visit of key run r is FULL iff its keys lie in the part of range r that every row
@@ -433,28 +333,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Barrier::arrive(&ss.v_empty[last]);
     }
 
-    // Epilogue: O = acc / l straight from registers, lse = (m + log2 l) * ln 2.
-    Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-    Elem* o_head = p.o + wi.b * p.o_stride_b + wi.h * p.o_stride_h;
-    CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      const float l = quad_sum(row_sum[i]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const int row = row_base + get<0>(tOcO_rc(i, 0));
-      if (row < q_tile.hi) {  // rows of the tile past its half (or sample) are not stored
-        // Columns 2c and 2c + 1 are neighbours in this thread's registers: one 4-byte store each
-        // (the row stride is a multiple of D and the base 16-byte aligned, checked at launch).
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(o_rc); c += 2) {
-          const Elem pair[2] = {Elem(o_rc(i, c) * inv), Elem(o_rc(i, c + 1) * inv)};
-          *reinterpret_cast<uint32_t*>(o_head + (row_offset + row) * p.o_stride_s + get<1>(tOcO_rc(i, c))) =
-              *reinterpret_cast<const uint32_t*>(pair);
-        }
-        if (tid % 4 == 0)
-          p.lse[wi.b * p.lse_stride_b + wi.h * p.lse_stride_h + row_offset + row] =
-              l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
-      }
-    }
+    // Epilogue; rows of the tile past its half (or sample) are not stored.
+    store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, q_tile.hi, row_offset, tid);
   }
 }
 

@@ -1,0 +1,326 @@
+// Block-sparse attention forward for Hopper (sm_90a): the v5 diffusion forward's loop (producer
+// warpgroup + two consumer warpgroups, FA3 in-warpgroup overlap, ping-pong) over a LIST of key
+// blocks per query block instead of the mask geometry's runs (issue #5; csrc/NOTES.md
+// "Block-sparse forward (issue #5)").
+//
+// The op (dlm_ops block_sparse_attn): q (B, Sq, H, D), k / v (B, Sk, Hkv, D); query block qb of
+// (b, h) attends exactly to key blocks kv_block_indices[b, h, qb, :kv_block_counts[b, h, qb]]
+// (ascending, valid: the op validates); an empty list gives out 0 and lse -inf.
+//
+// Shape of the work. One CTA owns one query block (BM = 128 rows = one selection block) of one
+// (batch, head) and visits its listed key blocks, each one BN = 128 key tile. Warpgroup 0 is the
+// producer: one thread reads the list from global memory and issues the TMA copies of Q once and
+// of K and V per listed block into a 2-stage ring (full / empty mbarriers). Warpgroups 1 and 2 are
+// the consumers (64 rows each): S = Q K^T, the online softmax, O += P V, with FlashAttention-3's
+// in-warpgroup overlap and ping-pong turns, as in the diffusion forward (hopper/diffusion_fwd.cuh
+// says why each piece is there). Every visit is FULL except the last key block when Sk is not a
+// multiple of 128: TMA reads its rows past Sk as zeros and that one tile runs the masked softmax
+// (columns >= Sk % 128 get probability 0). Query rows past Sq (the last query block) are loaded as
+// zeros and not stored. Lists need not be ascending for correctness (the consumers test each
+// block against the last one), only for the producer's reads to walk K / V forward.
+//
+// Work items: item w is entry work_order[w] (or w) of the flat (B, H, nQb) count tensor. The CTA
+// loop over items (w, w + grid, ...) is v5's; launch_block_sparse_fwd runs one CTA per item
+// (launch_block_sparse_fwd_cfg can run a persistent grid, for the harness's A/B).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "hopper/attn_common.cuh"
+
+namespace dlm::sm90 {
+
+// Plain arguments (no torch): the binding fills this, each (dtype, head dim) instantiation lives in
+// its own translation unit (csrc/hopper/block_sparse_fwd_*.cu).
+struct SparseFwdArgs {
+  const void *q, *k, *v;
+  void* o;
+  float* lse;
+  int64_t q_stride[3], k_stride[3], v_stride[3], o_stride[3];  // (batch, seq, head), elements; D contiguous
+  int64_t lse_stride[2];                                       // (batch, head); lse (B, H, Sq) fp32
+  int batch, seqlen_q, seqlen_k, heads, kv_heads;
+  int block_q, block_k;                 // selection block sizes (this kernel: both == 128)
+  const int32_t* kv_block_indices;      // (B, H, nQb, max_blocks), contiguous
+  const int32_t* kv_block_counts;       // (B, H, nQb), contiguous
+  int num_q_blocks, max_blocks;
+  float scale;                          // softmax scale (natural), the kernel folds log2 e
+  const int32_t* work_order = nullptr;  // optional: (B*H*nQb) work items, longest list first; null = natural order
+  cudaStream_t stream;
+};
+
+// Host: what this kernel covers (the binding falls back to Triton otherwise).
+inline bool block_sparse_fwd_supports(int block_q, int block_k, int d) {
+  return block_q == 128 && block_k == 128 && (d == 64 || d == 128);
+}
+
+// The diffusion forward's tiles: 128 x 128, 2 stages, ping-pong.
+template <class Elem, int D>
+using SparseFwdConfig = FwdConfig<Elem, D, 128, 128, 2, true>;
+
+template <class Cfg>
+struct SparseFwdParams {
+  using TmaQ = decltype(make_tma_q<Cfg>(nullptr, 1, 1, 1, 1, 1, 1));
+  using TmaKV = decltype(make_tma_kv<Cfg>(nullptr, 1, 1, 1, 1, 1, 1));
+  TmaQ tma_q;
+  TmaKV tma_k, tma_v;
+  typename Cfg::Elem* o;
+  float* lse;
+  int64_t o_stride_s, o_stride_h, o_stride_b, lse_stride_h, lse_stride_b;
+  int seqlen_q, seqlen_k, heads, kv_heads, batch, num_q_blocks, max_blocks;
+  const int32_t* indices;     // (B, H, nQb, max_blocks)
+  const int32_t* counts;      // (B, H, nQb)
+  const int32_t* work_order;  // null: item w is entry w
+  float scale_log2;           // softmax scale * log2(e)
+};
+
+// Work item w: query block qb of (b, h) and its key block list.
+struct SparseItem {
+  int b, h, qb, count;
+  const int32_t* list;
+};
+template <class Params>
+CUTE_DEVICE SparseItem sparse_item(Params const& p, int w) {
+  const int e = p.work_order ? p.work_order[w] : w, bh = e / p.num_q_blocks;
+  return {bh / p.heads, bh % p.heads, e % p.num_q_blocks, p.counts[e],
+          p.indices + int64_t(e) * p.max_blocks};
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    block_sparse_fwd_kernel(__grid_constant__ const SparseFwdParams<Cfg> p) {
+  using Elem = typename Cfg::Elem;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutVt{});
+
+  const int num_items = p.batch * p.heads * p.num_q_blocks;
+  const int warp_group = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    Barrier::init(&ss.q_full, 1);
+    Barrier::init(&ss.q_empty, 128 * Cfg::kConsumers);
+    init_kv_ring<STAGES>(ss.k_full, ss.k_empty, ss.v_full, ss.v_empty, 128 * Cfg::kConsumers);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp_group == 0) {  // ---------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (threadIdx.x == 0) {
+      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, D, p.heads, p.batch));
+      Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, D, p.kv_heads, p.batch));
+      Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, D, p.kv_heads, p.batch));
+      auto tma_q = p.tma_q.get_slice(0);
+      auto tma_k = p.tma_k.get_slice(0);
+      auto tma_v = p.tma_v.get_slice(0);
+      Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
+      Tensor tVsV = tma_v.partition_D(sV);
+      int it = 0;  // K/V visits so far, over every work item of this CTA: the ring position
+      for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
+        const SparseItem si = sparse_item(p, w);
+        const int kvh = si.h / (p.heads / p.kv_heads);
+        // Q of this item once the consumers' last S of the previous one has read the buffer.
+        Barrier::wait(&ss.q_empty, (item & 1) ^ 1);
+        Tensor gQ = local_tile(mQ(_, _, si.h, si.b), Shape<Int<BM>, Int<D>>{}, make_coord(si.qb, 0));
+        TxBarrier::arrive_and_expect_tx(&ss.q_full, Cfg::kTileBytesQ);
+        copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
+        // Key block kb is key tile kb (block_k == BN): boxes by tile index, a short last one
+        // zero-filled by TMA (the zeros still count as transaction bytes).
+        Tensor tKgK = tma_k.partition_S(
+            local_tile(mK(_, _, kvh, si.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
+        Tensor tVgV = tma_v.partition_S(
+            local_tile(mV(_, _, kvh, si.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
+        for (int j = 0; j < si.count; ++j, ++it) {
+          const int kb = si.list[j], stage = it % STAGES, phase = (it / STAGES) & 1;
+          Barrier::wait(&ss.k_empty[stage], phase ^ 1);
+          TxBarrier::arrive_and_expect_tx(&ss.k_full[stage], Cfg::kTileBytesKV);
+          copy(p.tma_k.with(ss.k_full[stage]), tKgK(_, _, _, kb), tKsK(_, _, _, stage));
+          Barrier::wait(&ss.v_empty[stage], phase ^ 1);
+          TxBarrier::arrive_and_expect_tx(&ss.v_full[stage], Cfg::kTileBytesKV);
+          copy(p.tma_v.with(ss.v_full[stage]), tVgV(_, _, _, kb), tVsV(_, _, _, stage));
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int consumer = warp_group - 1, tid = threadIdx.x % 128;
+  typename Cfg::MmaS mma_s;
+  typename Cfg::MmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+  Tensor sQc = local_tile(sQ, Shape<Int<Cfg::kConsumerRows>, Int<D>>{}, make_coord(consumer, 0));
+  Tensor tSrQ = thr_s.partition_fragment_A(sQc);  // smem descriptors
+  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, N, K, STAGES)
+  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, N=D, K=BN, STAGES)
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<Cfg::kConsumerRows>, Int<D>>{});
+  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<Cfg::kConsumerRows>, Int<BN>>{});
+  Tensor p_elem = make_fragment_like<Elem>(acc_s);  // P of the previous tile, the A of O += P V
+  Tensor tOrP = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
+  // (row, column) of every score this thread holds, relative to (row_base, tile start).
+  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<BN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<D>>{}));
+  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  constexpr int kRows = 2;  // rows per thread (r = 0, 1: lane/4 and lane/4 + 8)
+  // The short last key block (Sk not a multiple of BN): its keys from k_tail on are masked.
+  const int k_tail = p.seqlen_k % BN, last_kb = (p.seqlen_k - 1) / BN;
+  auto tail_bounds = [&](int i, int& lo, int& hi) {
+    const int c0 = get<1>(tScS_rc(i, 0));
+    lo = -c0;
+    hi = k_tail - c0;
+  };
+
+  int it = 0;  // the producer's ring position, kept in step
+  for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
+    const SparseItem si = sparse_item(p, w);
+    const int row_base = si.qb * BM + consumer * Cfg::kConsumerRows;  // this warpgroup's first row
+    float row_max[kRows], row_sum[kRows], scale_row[kRows];
+    for (int i = 0; i < kRows; ++i) {
+      row_max[i] = -INFINITY;
+      row_sum[i] = 0.f;
+    }
+    clear(acc_o);
+    const int n_tiles = si.count;
+    // Ping-pong (diffusion_fwd.cuh): consumer 1 pre-arrives on consumer 0's barrier so that
+    // consumer 0 goes first.
+    if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
+    Barrier::wait(&ss.q_full, item & 1);
+
+    for (int j = 0; j < n_tiles; ++j, ++it) {
+      const int stage = it % STAGES, phase = (it / STAGES) & 1;
+      const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it - 1) / STAGES) & 1;
+      const bool short_tile = k_tail != 0 && si.list[j] == last_kb;  // needed after the S wait
+      Barrier::wait(&ss.k_full[stage], phase);
+      if (j > 0) Barrier::wait(&ss.v_full[prev], prev_phase);
+      if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
+      // S_j = Q K_j^T, then O += P_{j-1} V_{j-1} behind it (FA3's in-warpgroup overlap).
+      warpgroup_fence_operand(acc_s);
+      warpgroup_arrive();
+      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
+        mma_s.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      if (j > 0) {
+        warpgroup_fence_operand(acc_o);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
+        warpgroup_commit_batch();
+      }
+      if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
+      // The hand-over after the S wait, not between issue and wait (C7514: diffusion_fwd.cuh).
+      if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
+      warpgroup_fence_operand(acc_s);
+      Barrier::arrive(&ss.k_empty[stage]);
+
+      if (short_tile)
+        online_softmax_tile<true>(acc_s, tScS_rc, tail_bounds, p.scale_log2, row_max, row_sum, scale_row);
+      else
+        online_softmax_tile<false>(acc_s, tScS_rc, tail_bounds, p.scale_log2, row_max, row_sum, scale_row);
+
+      warpgroup_wait<0>();  // P_{j-1} V_{j-1} is in acc_o, and p_elem is free again
+      warpgroup_fence_operand(acc_o);
+      if (j > 0) Barrier::arrive(&ss.v_empty[prev]);
+      Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i)
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= scale_row[i];
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
+    }
+    // The consumers' last S of this item has read Q: the producer may load the next item's.
+    Barrier::arrive(&ss.q_empty);
+    // Consumer 1's last hand-over (and its pre-arrival) leave one phase of barrier 1 open: close it.
+    if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
+    if (n_tiles > 0) {  // the last tile's O += P V
+      const int last = (it - 1) % STAGES;
+      Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
+      warpgroup_fence_operand(acc_o);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      Barrier::arrive(&ss.v_empty[last]);
+    }
+    // Epilogue (an empty list: O = 0, lse = -inf); rows past Sq are not stored.
+    store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, si.b, si.h, row_base, p.seqlen_q, 0, tid);
+  }
+}
+
+// ------------------------------------------------------------------------------------- launch
+// max_ctas > 0: a persistent grid of at most that many CTAs (each walks items w, w + grid, ...);
+// 0: one CTA per item (what launch_block_sparse_fwd runs; the harness times both).
+template <class Cfg>
+cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a, int max_ctas = 0) {
+  using Elem = typename Cfg::Elem;
+  constexpr int BM = Cfg::BM, D = Cfg::D;
+  if (!block_sparse_fwd_supports(a.block_q, a.block_k, D) || a.kv_heads <= 0 ||
+      a.heads % a.kv_heads != 0 || a.num_q_blocks != (a.seqlen_q + BM - 1) / BM)
+    return cudaErrorInvalidValue;
+  // TMA: 16-byte aligned bases and strides; the paired O stores: 4-byte aligned pairs.
+  auto aligned = [](const void* x) { return reinterpret_cast<uintptr_t>(x) % 16 == 0; };
+  for (const int64_t* st : {a.q_stride, a.k_stride, a.v_stride, a.o_stride})
+    for (int i = 0; i < 3; ++i)
+      if (st[i] % 8 != 0) return cudaErrorInvalidValue;
+  if (!aligned(a.q) || !aligned(a.k) || !aligned(a.v) || !aligned(a.o)) return cudaErrorInvalidValue;
+  const int items = a.batch * a.heads * a.num_q_blocks;
+  if (items == 0) return cudaSuccess;
+  auto ptr = [](const void* x) { return static_cast<const Elem*>(x); };
+  // Sk = 0 (every list empty): a one-row K / V descriptor that no copy reads.
+  const int sk = a.seqlen_k > 0 ? a.seqlen_k : 1;
+  const SparseFwdParams<Cfg> p{
+      make_tma_q<Cfg>(ptr(a.q), a.seqlen_q, a.heads, a.batch, a.q_stride[1], a.q_stride[2], a.q_stride[0]),
+      make_tma_kv<Cfg>(ptr(a.k), sk, a.kv_heads, a.batch, a.k_stride[1], a.k_stride[2], a.k_stride[0]),
+      make_tma_kv<Cfg>(ptr(a.v), sk, a.kv_heads, a.batch, a.v_stride[1], a.v_stride[2], a.v_stride[0]),
+      static_cast<Elem*>(a.o), a.lse, a.o_stride[1], a.o_stride[2], a.o_stride[0],
+      a.lse_stride[1], a.lse_stride[0], a.seqlen_q, sk, a.heads, a.kv_heads, a.batch,
+      a.num_q_blocks, a.max_blocks, a.kv_block_indices, a.kv_block_counts, a.work_order,
+      a.scale * 1.4426950408889634f};
+  auto kernel = block_sparse_fwd_kernel<Cfg>;
+  constexpr int smem = sizeof(typename Cfg::SharedStorage);
+  static const cudaError_t configured =  // once per instantiation: the attribute is per function
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (configured != cudaSuccess) return configured;
+  const int ctas = max_ctas > 0 && max_ctas < items ? max_ctas : items;
+  kernel<<<ctas, Cfg::kThreads, smem, a.stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <class Elem, int D>
+cudaError_t launch_block_sparse_fwd(const SparseFwdArgs& a) {
+  return launch_block_sparse_fwd_cfg<SparseFwdConfig<Elem, D>>(a);
+}
+
+// The shipped instantiations, one translation unit each (csrc/hopper/block_sparse_fwd_*.cu).
+#define DLM_DECLARE_SPARSE_FWD(ELEM, D) \
+  extern template cudaError_t launch_block_sparse_fwd<ELEM, D>(const SparseFwdArgs&);
+DLM_DECLARE_SPARSE_FWD(cutlass::bfloat16_t, 64)
+DLM_DECLARE_SPARSE_FWD(cutlass::bfloat16_t, 128)
+DLM_DECLARE_SPARSE_FWD(cutlass::half_t, 64)
+DLM_DECLARE_SPARSE_FWD(cutlass::half_t, 128)
+#undef DLM_DECLARE_SPARSE_FWD
+
+}  // namespace dlm::sm90

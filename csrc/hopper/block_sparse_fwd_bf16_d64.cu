@@ -1,0 +1,4 @@
+// One instantiation of the sm90 block-sparse forward (csrc/hopper/block_sparse_fwd.cuh).
+#include "hopper/block_sparse_fwd.cuh"
+
+template cudaError_t dlm::sm90::launch_block_sparse_fwd<cutlass::bfloat16_t, 64>(const dlm::sm90::SparseFwdArgs&);

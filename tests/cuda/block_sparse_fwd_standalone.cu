@@ -1,0 +1,315 @@
+// Standalone check + timing of csrc/hopper/block_sparse_fwd.cuh (issue #5) without torch: random
+// inputs, an fp64 CPU reference on sampled rows (random ascending lists incl. empty ones and all
+// blocks, Sq / Sk not multiples of 128, GQA 32/8 and 4/4, bf16 and fp16, D 64 / 128, a work order,
+// NaN-poisoned outputs), then CUDA-event timing at the benchmark's shapes (B = 1, H = 32/8, D = 128,
+// S = 16K / 32K / 64K, densities 0.1 / 0.3 / 0.5 / 1.0; per (head, query block) a uniformly random
+// ascending set of round(density * nKb) key blocks, as benchmarks/sparse.py builds them). Build
+// (nvcc >= 12.3, CUTLASS headers from the nvidia-cutlass wheel) and run on an H100/H200:
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr \
+//     -I<cutlass_library/source/include> -Icsrc/include -Icsrc \
+//     -o sparse_fwd tests/cuda/block_sparse_fwd_standalone.cu
+//   ./sparse_fwd          # check + time; exit 1 on a failed check
+//   ./sparse_fwd check    # the checks only
+//   ./sparse_fwd time     # the timing table only
+//   ./sparse_fwd small    # one small check per (dtype, head dim), for compute-sanitizer
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "hopper/block_sparse_fwd.cuh"
+
+#define CK(...) do { cudaError_t err_ = (__VA_ARGS__); if (err_ != cudaSuccess) { printf("CUDA error %s at %s:%d\n", cudaGetErrorString(err_), __FILE__, __LINE__); exit(1); } } while (0)
+
+using bf16 = cutlass::bfloat16_t;
+using fp16 = cutlass::half_t;
+constexpr int kBlock = 128;
+int g_failed = 0;
+
+// Dense cuDNN SDPA (non-causal) on the H200 at B = 1, H = 32/8, D = 128 (benchmarks/results/
+// h200_sparse_quick.md): the denominator of the goal, time / (dense time x density) <= 1.15.
+double dense_cudnn_ms(int s) { return s == 16384 ? 6.53 : s == 32768 ? 28.45 : s == 65536 ? 115.78 : 0; }
+
+// Key block lists, (B, H, nQb, max_blocks) with counts (B, H, nQb); entries past a count are -1.
+struct Pattern {
+  int nqb, nkb, max_blocks;
+  std::vector<int32_t> idx, cnt;
+};
+
+// kind "mix": per list empty (15 %), all blocks (15 %) or a random subset of random size;
+// kind "density": round(density * nKb) random blocks everywhere.
+Pattern make_pattern(int B, int H, int sq, int sk, const char* kind, double density, int pad, std::mt19937& g) {
+  Pattern p;
+  p.nqb = (sq + kBlock - 1) / kBlock;
+  p.nkb = (sk + kBlock - 1) / kBlock;
+  p.max_blocks = p.nkb + pad;
+  const size_t lists = (size_t)B * H * p.nqb;
+  p.idx.assign(lists * p.max_blocks, -1);
+  p.cnt.assign(lists, 0);
+  std::vector<int32_t> all(p.nkb);
+  std::iota(all.begin(), all.end(), 0);
+  std::uniform_real_distribution<double> u;
+  for (size_t l = 0; l < lists; ++l) {
+    int n;
+    if (!strcmp(kind, "density")) {
+      n = (int)std::lround(density * p.nkb);
+    } else {
+      const double r = u(g);
+      n = r < 0.15 ? 0 : r < 0.3 ? p.nkb : (int)(g() % (p.nkb + 1));
+    }
+    for (int i = 0; i < n; ++i) std::swap(all[i], all[i + g() % (p.nkb - i)]);  // partial shuffle
+    std::sort(all.begin(), all.begin() + n);
+    std::copy(all.begin(), all.begin() + n, p.idx.begin() + l * p.max_blocks);
+    p.cnt[l] = n;
+  }
+  return p;
+}
+
+template <class Elem>
+__global__ void fill_random(Elem* x, size_t n, uint32_t seed) {  // triangular, unit variance, cheap
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+    x[i] = Elem((((h & 0xffff) + (h >> 16)) * (1.f / 65536.f) - 1.f) * 2.45f);
+  }
+}
+
+struct Case {
+  int B, sq, sk, H, Hkv;
+  const char* kind;
+  double density;
+  int pad;          // max_blocks - nKb
+  bool order;       // pass a work order (longest list first)
+  int ctas = 0;     // > 0: a persistent grid of this many CTAs (the timing's A/B), else one per item
+};
+
+template <class Elem, int D>
+struct Bufs {
+  Elem *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
+  float* lse = nullptr;
+  int32_t *idx = nullptr, *cnt = nullptr, *order = nullptr;
+  dlm::sm90::SparseFwdArgs args{};
+  void alloc(const Case& c, const Pattern& p) {
+    const size_t nq = (size_t)c.B * c.sq * c.H * D, nk = (size_t)c.B * c.sk * c.Hkv * D;
+    CK(cudaMalloc(&q, nq * sizeof(Elem))); CK(cudaMalloc(&o, nq * sizeof(Elem)));
+    CK(cudaMalloc(&k, std::max<size_t>(nk, 1) * sizeof(Elem))); CK(cudaMalloc(&v, std::max<size_t>(nk, 1) * sizeof(Elem)));
+    CK(cudaMalloc(&lse, (size_t)c.B * c.H * c.sq * 4));
+    CK(cudaMalloc(&idx, p.idx.size() * 4)); CK(cudaMalloc(&cnt, p.cnt.size() * 4)); CK(cudaMalloc(&order, p.cnt.size() * 4));
+    CK(cudaMemcpy(idx, p.idx.data(), p.idx.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(cnt, p.cnt.data(), p.cnt.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<int32_t> ord(p.cnt.size());
+    std::iota(ord.begin(), ord.end(), 0);
+    std::stable_sort(ord.begin(), ord.end(), [&](int a, int b) { return p.cnt[a] > p.cnt[b]; });
+    CK(cudaMemcpy(order, ord.data(), ord.size() * 4, cudaMemcpyHostToDevice));
+    auto& a = args;
+    a.q = q; a.k = k; a.v = v; a.o = o; a.lse = lse;
+    const int64_t sq[3] = {(int64_t)c.sq * c.H * D, (int64_t)c.H * D, D};
+    const int64_t sk[3] = {(int64_t)c.sk * c.Hkv * D, (int64_t)c.Hkv * D, D};
+    std::copy(sq, sq + 3, a.q_stride); std::copy(sq, sq + 3, a.o_stride);
+    std::copy(sk, sk + 3, a.k_stride); std::copy(sk, sk + 3, a.v_stride);
+    a.lse_stride[0] = (int64_t)c.H * c.sq; a.lse_stride[1] = c.sq;
+    a.batch = c.B; a.seqlen_q = c.sq; a.seqlen_k = c.sk; a.heads = c.H; a.kv_heads = c.Hkv;
+    a.block_q = a.block_k = kBlock;
+    a.kv_block_indices = idx; a.kv_block_counts = cnt; a.num_q_blocks = p.nqb; a.max_blocks = p.max_blocks;
+    a.scale = (float)(1.0 / std::sqrt((double)D));
+    a.work_order = c.order ? order : nullptr;
+    a.stream = 0;
+  }
+  void poison(const Case& c) {  // 0xff bytes: NaN in bf16, fp16 and fp32
+    CK(cudaMemset(o, 0xff, (size_t)c.B * c.sq * c.H * D * sizeof(Elem)));
+    CK(cudaMemset(lse, 0xff, (size_t)c.B * c.H * c.sq * 4));
+  }
+  ~Bufs() { cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(lse); cudaFree(idx); cudaFree(cnt); cudaFree(order); }
+};
+
+template <class Elem, int D>
+void check(const Case& c, const char* name) {
+  std::mt19937 g(c.sq * 7919 + c.sk * 31 + c.H + D);
+  const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
+  Bufs<Elem, D> b;
+  b.alloc(c, p);
+  const size_t nq = (size_t)c.B * c.sq * c.H * D, nk = (size_t)c.B * c.sk * c.Hkv * D;
+  std::vector<Elem> hq(nq), hk(nk), hv(nk);
+  std::normal_distribution<float> nd;
+  for (auto& x : hq) x = Elem(nd(g));
+  for (auto& x : hk) x = Elem(nd(g));
+  for (auto& x : hv) x = Elem(nd(g));
+  CK(cudaMemcpy(b.q, hq.data(), nq * sizeof(Elem), cudaMemcpyHostToDevice));
+  if (nk) {
+    CK(cudaMemcpy(b.k, hk.data(), nk * sizeof(Elem), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(b.v, hv.data(), nk * sizeof(Elem), cudaMemcpyHostToDevice));
+  }
+  b.poison(c);
+  if (c.ctas > 0)
+    CK(dlm::sm90::launch_block_sparse_fwd_cfg<dlm::sm90::SparseFwdConfig<Elem, D>>(b.args, c.ctas));
+  else
+    CK(dlm::sm90::launch_block_sparse_fwd<Elem, D>(b.args));
+  CK(cudaDeviceSynchronize());
+  std::vector<Elem> ho(nq);
+  std::vector<float> hl((size_t)c.B * c.H * c.sq);
+  CK(cudaMemcpy(ho.data(), b.o, nq * sizeof(Elem), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hl.data(), b.lse, hl.size() * 4, cudaMemcpyDeviceToHost));
+
+  const double tol = std::is_same<Elem, bf16>::value ? 0.03 : 0.01;
+  double max_err = 0, max_lse_err = 0;
+  long bad = 0, rows = 0, empty_rows = 0;
+  const int step = c.sq > 400 ? 7 : 1;
+  std::vector<double> sc;
+  std::vector<int> keys;
+  for (int bb = 0; bb < c.B; ++bb)
+    for (int h = 0; h < c.H; ++h) {
+      const int kvh = h / (c.H / c.Hkv);
+      for (int i = 0; i < c.sq; ++i) {
+        const bool edge = i % kBlock == kBlock - 1 || i % kBlock == 0 || i == c.sq - 1;
+        if (i % step && !edge) continue;
+        ++rows;
+        const size_t l = ((size_t)bb * c.H + h) * p.nqb + i / kBlock;
+        keys.clear();
+        for (int t = 0; t < p.cnt[l]; ++t) {
+          const int kb = p.idx[l * p.max_blocks + t];
+          for (int j = kb * kBlock; j < std::min(c.sk, (kb + 1) * kBlock); ++j) keys.push_back(j);
+        }
+        const float got_lse = hl[((size_t)bb * c.H + h) * c.sq + i];
+        const Elem* orow = &ho[(((size_t)bb * c.sq + i) * c.H + h) * D];
+        if (keys.empty()) {  // out 0, lse -inf exactly
+          ++empty_rows;
+          bool ok = got_lse == -INFINITY;
+          for (int d = 0; d < D; ++d) ok &= (float)orow[d] == 0.f;
+          bad += !ok;
+          if (!ok) max_err = std::max(max_err, 1e9);
+          continue;
+        }
+        sc.resize(keys.size());
+        double mx = -1e300;
+        for (size_t t = 0; t < keys.size(); ++t) {
+          double acc = 0;
+          const Elem* qr = &hq[(((size_t)bb * c.sq + i) * c.H + h) * D];
+          const Elem* kr = &hk[(((size_t)bb * c.sk + keys[t]) * c.Hkv + kvh) * D];
+          for (int d = 0; d < D; ++d) acc += (double)(float)qr[d] * (double)(float)kr[d];
+          sc[t] = acc / std::sqrt((double)D);
+          mx = std::max(mx, sc[t]);
+        }
+        double sum = 0;
+        for (auto& s : sc) sum += (s = std::exp(s - mx));
+        for (int d = 0; d < D; ++d) {
+          double acc = 0;
+          for (size_t t = 0; t < keys.size(); ++t)
+            acc += sc[t] * (double)(float)hv[(((size_t)bb * c.sk + keys[t]) * c.Hkv + kvh) * D + d];
+          const double e = std::fabs((double)(float)orow[d] - acc / sum);
+          if (!(e <= tol)) ++bad;
+          max_err = std::max(max_err, std::isnan(e) ? 1e9 : e);
+        }
+        const double le = std::fabs(got_lse - (mx + std::log(sum)));
+        max_lse_err = std::max(max_lse_err, std::isnan(le) ? 1e9 : le);
+      }
+    }
+  long unwritten = 0;  // every element is written: no poison left anywhere
+  for (auto& x : ho) unwritten += std::isnan((float)x);
+  for (float x : hl) unwritten += std::isnan(x);
+  const bool ok = bad == 0 && max_lse_err <= 1e-3 && unwritten == 0;
+  g_failed += !ok;
+  printf("%s %s D=%d B=%d Sq=%d Sk=%d H=%d/%d %s%s pad %d ctas %d: %ld rows (%ld empty), max |out err| %.4f, max |lse err| %.5f, bad %ld, unwritten %ld\n",
+         ok ? "PASS" : "FAIL", name, D, c.B, c.sq, c.sk, c.H, c.Hkv, c.kind, c.order ? " +order" : "", c.pad, c.ctas, rows,
+         empty_rows, max_err, max_lse_err, bad, unwritten);
+}
+
+template <class Elem, int D>
+void checks(const char* name) {
+  check<Elem, D>({2, 1000, 1300, 32, 8, "mix", 0, 0, false}, name);    // GQA 32/8, both ends short
+  check<Elem, D>({1, 640, 389, 4, 4, "mix", 0, 3, true}, name);        // Sk < Sq, padding, work order
+  check<Elem, D>({1, 512, 512, 4, 4, "density", 1.0, 0, false}, name); // all blocks, multiples of 128
+  check<Elem, D>({2, 257, 1000, 4, 4, "density", 0.3, 1, false}, name);
+  check<Elem, D>({1, 129, 100, 8, 2, "mix", 0, 0, true}, name);        // one short key block only
+  check<Elem, D>({1, 1, 1, 2, 1, "density", 1.0, 0, false}, name);     // one query, one key
+  check<Elem, D>({1, 300, 700, 4, 4, "density", 0.0, 0, false}, name); // every list empty
+  check<Elem, D>({2, 700, 900, 8, 2, "mix", 0, 0, true, 7}, name);     // persistent: 7 CTAs, ring across items
+}
+
+// ------------------------------------------------------------------------------------- timing
+struct Timed { int s; double density, ms, tflops, ratio, ms_persistent; };
+
+template <class Elem, int D>
+float time_launches(const dlm::sm90::SparseFwdArgs& a, int max_ctas, int iters) {
+  using Cfg = dlm::sm90::SparseFwdConfig<Elem, D>;
+  for (int i = 0; i < 3; ++i) CK(dlm::sm90::launch_block_sparse_fwd_cfg<Cfg>(a, max_ctas));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < iters; ++i) CK(dlm::sm90::launch_block_sparse_fwd_cfg<Cfg>(a, max_ctas));
+  CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaGetLastError());
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  cudaEventDestroy(e0); cudaEventDestroy(e1);
+  return ms / iters;
+}
+
+// One CTA per item (the shipped launch), then a persistent grid of one CTA per SM (the A/B).
+template <class Elem, int D>
+Timed time_one(int s, double density, int iters, int sms) {
+  const Case c{1, s, s, 32, 8, "density", density, 0, false};
+  std::mt19937 g(s + (int)(density * 1000));
+  const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
+  Bufs<Elem, D> b;
+  b.alloc(c, p);
+  fill_random<<<1024, 256>>>(b.q, (size_t)s * c.H * D, 1);
+  fill_random<<<1024, 256>>>(b.k, (size_t)s * c.Hkv * D, 2);
+  fill_random<<<1024, 256>>>(b.v, (size_t)s * c.Hkv * D, 3);
+  CK(cudaGetLastError());
+  // The shipped launch once through the public entry point (its argument checks), then timed.
+  CK(dlm::sm90::launch_block_sparse_fwd<Elem, D>(b.args));
+  const float ms = time_launches<Elem, D>(b.args, 0, iters);
+  const float ms_persistent = time_launches<Elem, D>(b.args, sms, iters);
+  double visited = 0;  // (query, key) pairs of the listed blocks (all full: S is a multiple of 128)
+  for (int n : p.cnt) visited += (double)n * kBlock * kBlock;
+  const double real_density = visited / ((double)c.H * s * s);
+  const double tflops = 4.0 * visited * D / (ms * 1e9);
+  const double ratio = ms / (dense_cudnn_ms(s) * real_density);
+  printf("time S=%d density %.2f (real %.4f): %.3f ms, %.0f TFLOPS (visited pairs), %.2f x density; persistent %.3f ms\n",
+         s, density, real_density, ms, tflops, ratio, ms_persistent);
+  fflush(stdout);
+  return {s, density, ms, tflops, ratio, ms_persistent};
+}
+
+void timing() {
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  std::vector<Timed> t;
+  for (int s : {16384, 32768, 65536})
+    for (double d : {0.1, 0.3, 0.5, 1.0}) t.push_back(time_one<bf16, 128>(s, d, 20, sms));
+  printf("\nbf16 D=128 B=1 H=32/8, 20 launches after 3 warm-ups; ratio = time / (dense cuDNN ms x density), goal <= 1.15;\n"
+         "persistent: the same kernel on a grid of %d CTAs (A/B, not what launch_block_sparse_fwd runs)\n", sms);
+  printf("| S | density | ms | TFLOPS | dense cuDNN ms | ratio | persistent ms | persistent ratio |\n|---|---|---|---|---|---|---|---|\n");
+  for (auto& x : t)
+    printf("| %dK | %.1f | %.3f | %.0f | %.2f | %.2f | %.3f | %.2f |\n", x.s / 1024, x.density, x.ms, x.tflops,
+           dense_cudnn_ms(x.s), x.ratio, x.ms_persistent, x.ratio * x.ms_persistent / x.ms);
+}
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "all";
+  if (mode == "small") {
+    check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
+    check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");
+  }
+  if (mode == "all" || mode == "check") {
+    checks<bf16, 128>("bf16");
+    checks<fp16, 128>("fp16");
+    checks<bf16, 64>("bf16");
+    checks<fp16, 64>("fp16");
+  }
+  if (mode == "all" || mode == "time") timing();
+  if (mode != "small" && mode != "all" && mode != "check" && mode != "time") {
+    printf("unknown mode %s (check, time, small; none: check + time)\n", mode.c_str());
+    return 2;
+  }
+  printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
+  return g_failed ? 1 : 0;
+}
