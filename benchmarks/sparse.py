@@ -4,7 +4,10 @@ time against dense attention, and what selecting a pattern costs.
 Issue #5's yardstick: at S = 16K, 32K, 64K (batch 1, bf16, D=128, GQA 32/8), forward time of
 ``dlm_ops.block_sparse_attn`` and of ``dlm_ops.column_sparse_attn`` divided by the forward time of
 dense non-causal attention (cuDNN SDPA), against the density of the pattern; the goal is time
-ratio <= 1.15 x density at every point. FlexAttention (compiled) with the same block table
+ratio <= 1.15 x density at every point. ``dlm_ops`` is the default dispatch (on an sm90 machine where
+it builds, the ``cutlass`` backend: its forward at these 128-token blocks); ``dlm_ops triton`` is
+the same call forced to the Triton kernels, so both show in one run. FlexAttention (compiled) with
+the same block table
 (``BlockMask.from_kv_blocks``, every listed block marked full, so no mask_mod runs) is the
 block-sparse contender; outputs are checked against the torch backend in fp32 on a slice
 (``err_ours``, ``err_flex``). Column-sparse has no contender here (flex would need a per-token
@@ -48,6 +51,7 @@ QUICK_DENSITIES = (0.1, 0.3, 0.5)
 GOAL = 1.15  # sparse / dense time <= GOAL * density
 AMORTISE_STEPS = (64, 256, 1024)
 DENSE = "dense cudnn"
+TRITON = "dlm_ops triton"  # block-sparse forced to the Triton kernels (dlm_ops: default dispatch)
 
 
 @dataclass(frozen=True)
@@ -117,12 +121,12 @@ def _inputs(case: SparseCase, seed: int = 0):
     return mk(case.heads), mk(case.kv_heads), mk(case.kv_heads)
 
 
-def make_ours(case: SparseCase, q, k, v, idx, counts):
+def make_ours(case: SparseCase, q, k, v, idx, counts, backend=None):
     import dlm_ops
 
     bs = case.block_size
     return lambda: dlm_ops.block_sparse_attn(q, k, v, idx, counts, block_size_q=bs,
-                                             block_size_k=bs, check_indices=False)
+                                             block_size_k=bs, check_indices=False, backend=backend)
 
 
 def make_column(case: SparseCase, q, k, v, idx, counts):
@@ -233,6 +237,7 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
         idx, counts = block_pattern(case)
         patterns[d] = (case, idx, counts)
         fns[("dlm_ops", d)] = make_ours(case, q, k, v, idx, counts)
+        fns[(TRITON, d)] = make_ours(case, q, k, v, idx, counts, backend="triton")
         columns[d] = column_pattern(case)
         fns[("dlm_ops column", d)] = make_column(case, q, k, v, *columns[d])
         if with_flex:
@@ -252,6 +257,8 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
         meta[("dlm_ops", d)] = check_accuracy(case, fns[("dlm_ops", d)](), out_flex, q, k, v, idx,
                                               counts)
         meta[("flex", d)] = meta[("dlm_ops", d)]  # one row per contender carries both errors
+        if (TRITON, d) in fns:
+            meta[(TRITON, d)] = check_accuracy(case, fns[(TRITON, d)](), None, q, k, v, idx, counts)
         meta[("dlm_ops", d)]["check_ms"] = _check_ms(
             lambda: dlm_ops.block_sparse_attn(q, k, v, idx, counts, block_size_q=block_size,
                                               block_size_k=block_size, check_indices=True),
@@ -339,22 +346,25 @@ def select_table(rows: list[dict]) -> str:
 def block_table(rows: list[dict]) -> str:
     head = ["S", "density", "dense cuDNN ms", "dlm_ops ms", "dlm_ops / dense", "/ density",
             "flex ms", "flex / dense", "flex / density", "flex ms / dlm_ops ms",
-            f"dlm_ops / density <= {GOAL}"]
+            f"dlm_ops / density <= {GOAL}", "triton ms", "triton / density",
+            "triton ms / dlm_ops ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     dense = _dense_ms(rows)
     keys = sorted({(r["seqlen"], r["density"]) for r in rows
-                   if r["contender"] in ("dlm_ops", "flex")})
+                   if r["contender"] in ("dlm_ops", "flex", TRITON)})
     for s, d in keys:
         get = lambda name: next((r for r in rows if r["contender"] == name and r["seqlen"] == s
                                  and r["density"] == d), None)
-        ours, flex = get("dlm_ops"), get("flex")
+        ours, flex, triton = get("dlm_ops"), get("flex"), get(TRITON)
         f = lambda r, key, fmt: "-" if r is None else format(r[key], fmt)
         lines.append("| " + " | ".join([
-            f"{s // 1024}K", f"{(ours or flex)['true_density']:.3f}", f"{dense[s]:.2f}",
+            f"{s // 1024}K", f"{(ours or flex or triton)['true_density']:.3f}", f"{dense[s]:.2f}",
             f(ours, "ms", ".2f"), f(ours, "ratio", ".3f"), f(ours, "ratio_over_density", ".2f"),
             f(flex, "ms", ".2f"), f(flex, "ratio", ".3f"), f(flex, "ratio_over_density", ".2f"),
             "-" if not (ours and flex) else f"{flex['ms'] / ours['ms']:.2f}x",
             "-" if ours is None else ("yes" if ours["ratio_over_density"] <= GOAL else "no"),
+            f(triton, "ms", ".2f"), f(triton, "ratio_over_density", ".2f"),
+            "-" if not (ours and triton) else f"{triton['ms'] / ours['ms']:.2f}x",
         ]) + " |")
     return "\n".join(lines)
 

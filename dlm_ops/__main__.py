@@ -78,15 +78,16 @@ def main(argv=None) -> int:
             for _ in range(2))
     problem = _problem(q, k, softcap=0.0, deterministic=False, varlen=False)
     print(f"backends for {a.dtype} head_dim {a.head_dim} on {device.type}:\n{report(problem)}")
-    # The other op families dispatch through their own tables; which backend each would take.
-    chosen = []
+    # The other op families dispatch through their own tables: which backend each would take, and
+    # every backend's eligibility (the sparse family's cutlass backend says why it cannot run here).
     for family in sorted(set(REGISTRIES) - {"diffusion"}):
+        other = Problem(device.type, dtype, a.head_dim)
         try:
-            chosen.append(f"{family}: {select(Problem(device.type, dtype, a.head_dim), family=family).name}")
-        except UnsupportedConfig as e:
-            chosen.append(f"{family}: none ({e})")
-    print("other op families: " + ", ".join(chosen))
-    # Not a registered backend yet (issue #7): whether its sources could be JIT-built here.
+            chosen = select(other, family=family).name
+        except UnsupportedConfig:
+            chosen = "none"
+        print(f"{family} family for {a.dtype} head_dim {a.head_dim}: {chosen}\n{report(other, family)}")
+    # Whether the csrc/ sources of the cutlass backends (both families) could be JIT-built here.
     print(f"cutlass (Hopper sm_90a kernels): {cutlass.availability()}")
     rewrite = "on" if dlm_ops.compile.is_enabled() else "off"
     print(f"torch.compile flex_attention rewrite: {rewrite} (DLM_OPS_REWRITE_FLEX=0 turns it off)")

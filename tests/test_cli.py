@@ -12,6 +12,9 @@ def test_main_reports_backends_and_a_checked_table(capsys):
     assert "torch: usable" in out
     assert "flex_attention rewrite: on" in out
     assert "cutlass (Hopper sm_90a kernels): " in out
+    sparse = out.split("sparse family for ")[1].split("\n")  # its backends, each with a reason
+    assert sparse[0].endswith(("torch", "triton", "cutlass"))  # the backend it would take
+    assert sparse[1].startswith("  cutlass: ") and len(sparse[1]) > len("  cutlass: ")
     assert "dlm_ops (torch) fwd+bwd" in out and "SDPA dense mask fwd" in out
     assert "check: ok" in out
 

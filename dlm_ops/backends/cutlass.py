@@ -1,7 +1,9 @@
 """Groundwork for the Hopper CUTLASS backend (issue #7): where the C++/CUDA sources are, how they
 are JIT-built, and why they cannot be built here.
 
-The backends that use it: ``cutlass_diffusion`` (the block-diffusion forward on sm90).
+The backends that use it, each building its own extension: ``cutlass_diffusion`` (the
+block-diffusion forward and backward on sm90, ``dlm_diffusion_sm90``) and ``cutlass_sparse`` (the
+block-sparse forward, ``dlm_sparse_sm90``).
 
 Sources. csrc/ ships as package data (``dlm_ops/csrc`` in an install; the repository's ``csrc/``
 when dlm_ops is imported from a checkout, like ``templates/``). csrc/include is framework-free;

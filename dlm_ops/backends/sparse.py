@@ -1,7 +1,9 @@
-"""Backends of the sparse family (dlm_ops/ops/sparse.py): tiled PyTorch on any device (here), and
-the Triton kernels of templates/sparse_attn.py on CUDA (sparse_triton.py).
+"""Backends of the sparse family (dlm_ops/ops/sparse.py): tiled PyTorch on any device (here), the
+Triton kernels of templates/sparse_attn.py on CUDA (sparse_triton.py), and on sm90 the CUTLASS
+block-sparse forward (cutlass_sparse.py: forward only, selection blocks 128; Triton otherwise).
 
-Both are deterministic: neither sums with atomics. The block-sparse backward of both walks the
+All are deterministic: none sums with atomics (the CUTLASS forward writes each query block from
+one CTA; its backwards are Triton's). The block-sparse backward of torch and Triton walks the
 transposed index (``transpose_block_index``: per key block, the query blocks that list it), built
 with torch ops once per call; the column-sparse backward sums the G query heads of a kv head into
 dK/dV with one collision-free read-add-write per head index g (``scatter_group_sum``).

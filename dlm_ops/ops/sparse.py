@@ -36,6 +36,7 @@ from torch import Tensor
 from ..backends import select
 from ..backends import sparse as _sparse_torch  # noqa: F401  (register the "sparse" family)
 from ..backends import sparse_triton as _sparse_triton  # noqa: F401
+from ..backends import cutlass_sparse as _cutlass_sparse  # noqa: F401  (sm90; after triton's)
 from ..backends.base import GQA, Problem, lse_dtype
 from .validation import DTYPES, MAX_HEAD_DIM
 
@@ -294,7 +295,8 @@ def block_sparse_attn(q, k, v, kv_block_indices, kv_block_counts, *, block_size_
     softmax_scale: multiplies q.k; None means 1/sqrt(head_dim).
     return_lse: also return the float32 natural-log LSE (B, H, Sq) (differentiable).
     check_indices: check the index values (one host sync); False skips it for trusted selectors.
-    backend: force "triton" or "torch"; None picks the best eligible one.
+    backend: force "cutlass", "triton" or "torch"; None picks the best eligible one (on sm90
+        ``cutlass`` where it builds: its forward at block sizes 128, Triton's everywhere else).
     Returns out (B, Sq, H, D), or (out, lse).
     """
     _check_block(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k,

@@ -1,0 +1,114 @@
+// torch binding of the sm90 block-sparse forward (csrc/hopper/block_sparse_fwd.cuh), JIT-built by
+// dlm_ops.backends.cutlass_sparse into its own extension (module: sparse_sm90.cpp). Host code: the
+// kernels are instantiated in hopper/block_sparse_fwd_{bf16,fp16}_d{64,128}.cu; a .cu only because
+// the kernel header pulls in CuTe. The checks are the kernel's preconditions, which the Python
+// backend tests before choosing it, so a failure here is a bug.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "bindings/sm90_common.h"
+#include "hopper/block_sparse_fwd.cuh"
+
+namespace {
+
+using dlm_bindings::strides3;
+
+struct LaunchSparseFwd {
+  const dlm::sm90::SparseFwdArgs& args;
+  template <class Elem, int D>
+  cudaError_t run() const {
+    return dlm::sm90::launch_block_sparse_fwd<Elem, D>(args);
+  }
+};
+
+bool supports(int64_t block_q, int64_t block_k, int64_t d) {
+  return dlm::sm90::block_sparse_fwd_supports(static_cast<int>(block_q), static_cast<int>(block_k),
+                                              static_cast<int>(d));
+}
+
+// Writes out (B, Sq, H, D) and lse (B, H, Sq) fp32; q (B, Sq, H, D), k / v (B, Sk, Hkv, D);
+// kv_block_indices (B, H, nQb, max_blocks) and kv_block_counts (B, H, nQb) int32, contiguous;
+// work_order: None or the (B * H * nQb) items (b * H + h) * nQb + qb, longest list first.
+void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
+         torch::Tensor kv_block_indices, torch::Tensor kv_block_counts,
+         std::optional<torch::Tensor> work_order, int64_t block_q, int64_t block_k, double scale) {
+  const auto& idx = kv_block_indices;
+  const auto& counts = kv_block_counts;
+  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
+  for (const auto& t : {k, v, out, lse, idx, counts})
+    TORCH_CHECK(t.device() == q.device(), "all tensors on q's device");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(), "q, k, v, out: one dtype");
+  TORCH_CHECK(lse.scalar_type() == torch::kFloat32, "lse must be float32");
+  for (const auto& t : {q, k, v, out}) TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "layout");
+  const int64_t b = q.size(0), sq = q.size(1), h = q.size(2), d = q.size(3);
+  const int64_t sk = k.size(1), hkv = k.size(2);
+  TORCH_CHECK(k.size(0) == b && k.size(3) == d && v.sizes() == k.sizes() && out.sizes() == q.sizes(),
+              "shapes: q / out (B, Sq, H, D), k / v (B, Sk, Hkv, D)");
+  TORCH_CHECK(hkv >= 1 && h % hkv == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(supports(block_q, block_k, d), "no kernel for block sizes ", block_q, " x ", block_k,
+              " at head dim ", d);
+  const int64_t nqb = (sq + block_q - 1) / block_q;
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == b && lse.size(1) == h && lse.size(2) == sq &&
+                  lse.stride(2) == 1, "lse (B, H, Sq), unit stride in Sq");
+  TORCH_CHECK(idx.scalar_type() == torch::kInt32 && counts.scalar_type() == torch::kInt32 &&
+                  idx.is_contiguous() && counts.is_contiguous(),
+              "kv_block_indices / kv_block_counts: contiguous int32");
+  TORCH_CHECK(idx.dim() == 4 && idx.size(0) == b && idx.size(1) == h && idx.size(2) == nqb &&
+                  counts.sizes() == idx.sizes().slice(0, 3), "index shapes (B, H, nQb[, max_blocks])");
+  // An empty list table would hand the kernel a pointer to nothing: the backend runs Triton then.
+  TORCH_CHECK(idx.size(3) >= 1, "max_blocks >= 1");
+  TORCH_CHECK(b * h * nqb <= INT32_MAX && idx.numel() <= INT32_MAX && sq <= INT32_MAX &&
+                  sk <= INT32_MAX, "sizes must fit in int32");
+  if (work_order) {
+    TORCH_CHECK(work_order->device() == q.device() && work_order->scalar_type() == torch::kInt32 &&
+                    work_order->is_contiguous() && work_order->numel() == b * h * nqb,
+                "work_order: B * H * nQb contiguous int32 on q's device");
+  }
+  // TMA: 16-byte aligned base and strides (dlm_ops checks the same before choosing this backend).
+  for (const auto& t : {q, k, v}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+                    (t.stride(0) * t.element_size()) % 16 == 0 &&
+                    (t.stride(1) * t.element_size()) % 16 == 0 &&
+                    (t.stride(2) * t.element_size()) % 16 == 0, "q, k, v must be 16-byte aligned (TMA)");
+  }
+  // The epilogue stores O two elements (4 bytes) at a time, as the diffusion forward's.
+  TORCH_CHECK(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && out.stride(2) % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0, "out must be 4-byte aligned");
+  if (b * h * nqb == 0) return;  // no query (Sq = 0) or no head: an empty grid, nothing to write
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  dlm::sm90::SparseFwdArgs a{};
+  a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr(), a.o = out.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  strides3(q, a.q_stride), strides3(k, a.k_stride), strides3(v, a.v_stride), strides3(out, a.o_stride);
+  a.lse_stride[0] = lse.stride(0), a.lse_stride[1] = lse.stride(1);
+  a.batch = static_cast<int>(b), a.seqlen_q = static_cast<int>(sq), a.seqlen_k = static_cast<int>(sk);
+  a.heads = static_cast<int>(h), a.kv_heads = static_cast<int>(hkv);
+  a.block_q = static_cast<int>(block_q), a.block_k = static_cast<int>(block_k);
+  a.kv_block_indices = idx.data_ptr<int32_t>(), a.kv_block_counts = counts.data_ptr<int32_t>();
+  a.num_q_blocks = static_cast<int>(nqb), a.max_blocks = static_cast<int>(idx.size(3));
+  a.scale = static_cast<float>(scale);
+  a.work_order = work_order ? work_order->data_ptr<int32_t>() : nullptr;
+  a.stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t err =
+      dlm_bindings::dispatch<64, 128>(q.scalar_type(), static_cast<int>(d), LaunchSparseFwd{a});
+  C10_CUDA_CHECK(err);
+}
+
+}  // namespace
+
+namespace dlm_bindings {
+void add_sparse_fwd(pybind11::module_& m) {  // the module: csrc/bindings/sparse_sm90.cpp
+  m.def("supports", &supports, pybind11::arg("block_q"), pybind11::arg("block_k"), pybind11::arg("d"));
+  m.def("fwd", &fwd, pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
+        pybind11::arg("lse"), pybind11::arg("kv_block_indices"), pybind11::arg("kv_block_counts"),
+        pybind11::arg("work_order"), pybind11::arg("block_q"), pybind11::arg("block_k"),
+        pybind11::arg("scale"));
+}
+}  // namespace dlm_bindings

@@ -1,0 +1,127 @@
+"""The ``cutlass`` backend of the sparse family: the Hopper block-sparse forward of
+csrc/hopper/block_sparse_fwd.cuh (TMA, wgmma, a producer and two consumer warpgroups walking each
+query block's list of key blocks), JIT-built on first use by ``cutlass.build`` into its own
+extension, ``dlm_sparse_sm90`` (csrc/bindings/sparse_sm90.cpp): a user of the sparse ops never
+builds the block-diffusion kernels, nor the reverse. Everything else runs the Triton kernels (this
+backend subclasses the Triton one).
+
+Forward only, selection blocks 128. The kernel covers what its ``supports`` says (the extension
+exposes block_sparse_fwd_supports: block_size_q == block_size_k == 128, head dim 64 or 128), fp16 /
+bf16 (declared capabilities: fp32 selects ``triton``), GQA, any Sq / Sk (the last blocks may be
+partial), empty lists (out 0, lse -inf), return_lse; checked per call, TMA-ready q / k / v (unit
+stride in D, 16-byte aligned base and strides). Any other block-sparse forward, every backward
+(block- and column-sparse) and the column-sparse forward run Triton's kernels, counted in
+``STATS`` per direction. The kernel walks its (batch, head, query block) items in a work order,
+longest list first (one argsort of the counts on the device per call, no host sync), so the
+longest lists start in the first wave.
+
+The build happens at the first call (one WARNING line; 4 kernel units and the binding). If it
+fails, the failure is remembered, reported by ``unavailable_reason`` (``python -m dlm_ops`` shows
+it and dispatch picks Triton from then on) and warned once. Dispatch picks this backend
+automatically wherever it can be built; ``DLM_OPS_CUTLASS=0`` opts out (no build, Triton
+everywhere) and ``backend="cutlass"`` forces it. CPU tests: tests/test_cutlass_sparse_dispatch.py
+(a fake extension); GPU tests: tests/test_sparse_attn.py (test_gpu_cutlass_*).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from . import cutlass, register
+from .base import GQA, Capabilities, new_output
+from .cutlass_diffusion import _tma_ready
+from .sparse_triton import TritonSparseBackend
+
+SOURCES = ["bindings/sparse_sm90.cpp", "bindings/sparse_fwd_sm90.cu"] + [
+    f"hopper/block_sparse_fwd_{t}_d{d}.cu" for t in ("bf16", "fp16") for d in (64, 128)]
+# CUTLASS forwards run, and calls handed to Triton, per direction; the column-sparse op and every
+# backward have no CUTLASS kernel: they are all fallbacks.
+STATS = {"fwd": 0, "fwd_fallback": 0, "bwd_fallback": 0, "column_fwd_fallback": 0,
+         "column_bwd_fallback": 0}
+
+_EXT = None
+_BUILD_ERROR: str | None = None
+_TOOLCHAIN: list = []  # [cutlass.unavailable_reason()] once computed: dispatch asks on every call
+# and the answer runs `ninja --version` in a subprocess (2.2 ms per call on the H200 before the
+# block-diffusion backend cached it: cutlass_diffusion.py)
+
+
+def _extension():
+    """The built extension (built on the first call), or None after a failed build."""
+    global _EXT, _BUILD_ERROR
+    if _EXT is None and _BUILD_ERROR is None:
+        try:
+            _EXT = cutlass.build("dlm_sparse_sm90", SOURCES)
+        except Exception as e:  # a compiler error must not take the op down: Triton still runs
+            _BUILD_ERROR = f"the sm90 build failed ({type(e).__name__}: {str(e)[-300:]})"
+            warnings.warn(f"dlm_ops: {_BUILD_ERROR}; the triton backend runs instead")
+    return _EXT
+
+
+def work_order(counts: torch.Tensor) -> torch.Tensor:
+    """The kernel's work items, entries (b * H + h) * nQb + qb of the flat counts, longest list
+    first (stable: ties keep their natural order, so the schedule is deterministic), int32 on the
+    counts' device; no host sync."""
+    return torch.argsort(counts.reshape(-1), descending=True, stable=True).to(torch.int32)
+
+
+class CutlassSparseBackend(TritonSparseBackend):
+    name = "cutlass"
+    priority = 20  # above triton: preferred where it can run
+    capabilities = Capabilities(
+        device_types=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        max_head_dim=128,
+        head_dim_multiple=64,  # the kernel's 64 and 128; other head dims select triton
+        features=frozenset({GQA}),
+    )
+
+    opt_in = "DLM_OPS_CUTLASS is not 0"
+
+    @property
+    def auto_device_types(self):  # DLM_OPS_CUTLASS=0 opts out (no JIT build): the module docstring
+        return frozenset() if os.environ.get("DLM_OPS_CUTLASS") == "0" else frozenset({"cuda"})
+
+    def unavailable_reason(self) -> str | None:
+        if not _TOOLCHAIN:
+            _TOOLCHAIN.append(cutlass.unavailable_reason())
+        return super().unavailable_reason() or _TOOLCHAIN[0] or _BUILD_ERROR
+
+    @staticmethod
+    def _covers(ext, q, k, v, idx, bsq, bsk) -> bool:
+        """Whether the CUTLASS forward takes this call: the kernel's block sizes and head dims,
+        TMA-ready q / k / v, and at least one list slot (max_blocks 0: nothing for the kernel to
+        read, and Triton writes the empty result)."""
+        return (ext.supports(bsq, bsk, q.shape[-1]) and idx.shape[-1] > 0
+                and all(_tma_ready(t) for t in (q, k, v)))
+
+    def block_fwd(self, q, k, v, idx, counts, bsq, bsk, scale):
+        ext = _extension()
+        if ext is None or not self._covers(ext, q, k, v, idx, bsq, bsk):
+            STATS["fwd_fallback"] += 1
+            return super().block_fwd(q, k, v, idx, counts, bsq, bsk, scale)
+        idx, counts = idx.contiguous(), counts.contiguous()
+        b, sq, h, _ = q.shape
+        out = new_output(q, q.shape)
+        lse = new_output(q, (b, h, sq), torch.float32)
+        ext.fwd(q, k, v, out, lse, idx, counts, work_order(counts), bsq, bsk, scale)
+        STATS["fwd"] += 1
+        return out, lse
+
+    def block_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, bsq, bsk, scale):
+        STATS["bwd_fallback"] += 1
+        return super().block_bwd(dout, q, k, v, out, lse, dlse, idx, counts, bsq, bsk, scale)
+
+    def column_fwd(self, q, k, v, idx, counts, scale):
+        STATS["column_fwd_fallback"] += 1
+        return super().column_fwd(q, k, v, idx, counts, scale)
+
+    def column_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, scale):
+        STATS["column_bwd_fallback"] += 1
+        return super().column_bwd(dout, q, k, v, out, lse, dlse, idx, counts, scale)
+
+
+register(CutlassSparseBackend())
