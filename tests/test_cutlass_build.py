@@ -38,13 +38,15 @@ def sm90_machine(monkeypatch, tmp_path):
     return include
 
 
-def test_only_the_diffusion_family_has_a_cutlass_backend_and_cpu_never_selects_it():
+def test_the_cutlass_backends_and_cpu_never_selects_them():
     from dlm_ops.backends import select
     from dlm_ops.backends.base import Problem
 
-    assert [f for f, registry in REGISTRIES.items() if "cutlass" in registry] == ["diffusion"]
-    for dtype in (torch.float32, torch.bfloat16):
-        assert select(Problem("cpu", dtype, 128)).name != "cutlass"
+    assert sorted(f for f, registry in REGISTRIES.items() if "cutlass" in registry) == [
+        "diffusion", "sparse"]
+    for family in ("diffusion", "sparse"):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert select(Problem("cpu", dtype, 128), family=family).name != "cutlass"
 
 
 def test_a_cpu_install_builds_nothing_and_says_why(monkeypatch):
