@@ -29,6 +29,7 @@ import re
 import shutil
 import subprocess
 import time
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
@@ -190,3 +191,44 @@ def build(name: str, sources: Sequence[str], extra_cuda_cflags: Sequence[str] = 
     if not cached:
         log.info("dlm_ops: built %s in %.0f s", name, time.perf_counter() - t0)
     return module
+
+
+def build_or_reason(name: str, sources: Sequence[str]):
+    """``(build(name, sources), None)``, or ``(None, why)`` when the build fails, warned once: a
+    compiler error must not take the op down (the family's Triton backend still runs), and the
+    caller remembers the reason so that dispatch moves on for good."""
+    try:
+        return build(name, sources), None
+    except Exception as e:
+        reason = f"the sm90 build failed ({type(e).__name__}: {str(e)[-300:]})"
+        warnings.warn(f"dlm_ops: {reason}; the triton backend runs instead")
+        return None, reason
+
+
+def tma_ready(t: torch.Tensor) -> bool:
+    """Viewable as a kernel's (S, D, H, B) TMA tensor: unit stride in D, 16-byte aligned."""
+    size = t.element_size()
+    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
+            and all((t.stride(i) * size) % 16 == 0 for i in range(3)))
+
+
+class Sm90Backend:
+    """What the cutlass backends of every op family share (a mixin before the family's Triton
+    backend): chosen automatically on CUDA unless DLM_OPS_CUTLASS=0 (then nothing is ever built),
+    unavailable while the toolchain is missing or after a failed build. Each family module keeps
+    its own extension and memory of its build (``_toolchain_reason`` / ``_build_error``)."""
+
+    opt_in = "DLM_OPS_CUTLASS is not 0"
+
+    @property
+    def auto_device_types(self):
+        return frozenset() if os.environ.get("DLM_OPS_CUTLASS") == "0" else frozenset({"cuda"})
+
+    def unavailable_reason(self) -> str | None:
+        return super().unavailable_reason() or self._toolchain_reason() or self._build_error()
+
+    def _toolchain_reason(self) -> str | None:
+        raise NotImplementedError
+
+    def _build_error(self) -> str | None:
+        raise NotImplementedError

@@ -34,8 +34,6 @@ torch-free harnesses in tests/cuda; results and versions in csrc/NOTES.md.
 
 from __future__ import annotations
 
-import os
-import warnings
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -71,11 +69,7 @@ def _extension():
     """The built extension (built on the first call), or None after a failed build."""
     global _EXT, _BUILD_ERROR
     if _EXT is None and _BUILD_ERROR is None:
-        try:
-            _EXT = cutlass.build("dlm_diffusion_sm90", SOURCES)
-        except Exception as e:  # a compiler error must not take the op down: Triton still runs
-            _BUILD_ERROR = f"the sm90 build failed ({type(e).__name__}: {str(e)[-300:]})"
-            warnings.warn(f"dlm_ops: {_BUILD_ERROR}; the triton backend runs instead")
+        _EXT, _BUILD_ERROR = cutlass.build_or_reason("dlm_diffusion_sm90", SOURCES)
     return _EXT
 
 
@@ -147,11 +141,7 @@ def _varlen_tables(cu_seqlens: tuple[int, ...], block_size: int, head_dim: int,
     return VarlenTables(cu_d, longest_half, tuple(tables[0:2]), tuple(tables[2:4]), tuple(tables[4:6]))
 
 
-def _tma_ready(t: torch.Tensor) -> bool:
-    """Viewable as the kernel's (S, D, H, B) TMA tensor: unit stride in D, 16-byte aligned."""
-    size = t.element_size()
-    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
-            and all((t.stride(i) * size) % 16 == 0 for i in range(3)))
+
 
 
 def _scratch(ext, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +155,7 @@ def _scratch(ext, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return buf[0], buf[1]
 
 
-class CutlassDiffusionBackend(TritonBackend):
+class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
     name = "cutlass"
     priority = 20  # above triton: preferred where it can run
     capabilities = Capabilities(
@@ -176,16 +166,13 @@ class CutlassDiffusionBackend(TritonBackend):
         features=frozenset({GQA, DETERMINISTIC, VARLEN}),
     )
 
-    opt_in = "DLM_OPS_CUTLASS is not 0"
-
-    @property
-    def auto_device_types(self):  # DLM_OPS_CUTLASS=0 opts out (no JIT build): the module docstring
-        return frozenset() if os.environ.get("DLM_OPS_CUTLASS") == "0" else frozenset({"cuda"})
-
-    def unavailable_reason(self) -> str | None:
+    def _toolchain_reason(self) -> str | None:
         if not _TOOLCHAIN:
             _TOOLCHAIN.append(cutlass.unavailable_reason())
-        return super().unavailable_reason() or _TOOLCHAIN[0] or _BUILD_ERROR
+        return _TOOLCHAIN[0]
+
+    def _build_error(self) -> str | None:
+        return _BUILD_ERROR
 
     @staticmethod
     def _covers(ext, mask, head_dims, *tensors) -> bool:
@@ -195,7 +182,7 @@ class CutlassDiffusionBackend(TritonBackend):
         aligned = (mask is None or getattr(ext, "batched_any_length", False)
                    or not (mask.n_noisy % TILE or mask.n_clean % TILE))
         return (aligned and tensors[0].shape[-1] in head_dims
-                and all(_tma_ready(t) for t in tensors))
+                and all(cutlass.tma_ready(t) for t in tensors))
 
     @staticmethod
     def _backward_extension(softcap, dout):
@@ -203,7 +190,7 @@ class CutlassDiffusionBackend(TritonBackend):
         expand, a transpose): one copy makes it TMA-ready rather than handing the whole backward
         to Triton."""
         ext = _extension() if softcap == 0 else None
-        if ext is not None and not _tma_ready(dout if dout.dim() == 4 else dout[None]):
+        if ext is not None and not cutlass.tma_ready(dout if dout.dim() == 4 else dout[None]):
             dout = dout.contiguous()
         return ext, dout
 

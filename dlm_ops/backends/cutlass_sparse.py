@@ -25,14 +25,11 @@ everywhere) and ``backend="cutlass"`` forces it. CPU tests: tests/test_cutlass_s
 
 from __future__ import annotations
 
-import os
-import warnings
 
 import torch
 
 from . import cutlass, register
 from .base import GQA, Capabilities, new_output
-from .cutlass_diffusion import _tma_ready
 from .sparse_triton import TritonSparseBackend
 
 SOURCES = ["bindings/sparse_sm90.cpp", "bindings/sparse_fwd_sm90.cu"] + [
@@ -53,11 +50,7 @@ def _extension():
     """The built extension (built on the first call), or None after a failed build."""
     global _EXT, _BUILD_ERROR
     if _EXT is None and _BUILD_ERROR is None:
-        try:
-            _EXT = cutlass.build("dlm_sparse_sm90", SOURCES)
-        except Exception as e:  # a compiler error must not take the op down: Triton still runs
-            _BUILD_ERROR = f"the sm90 build failed ({type(e).__name__}: {str(e)[-300:]})"
-            warnings.warn(f"dlm_ops: {_BUILD_ERROR}; the triton backend runs instead")
+        _EXT, _BUILD_ERROR = cutlass.build_or_reason("dlm_sparse_sm90", SOURCES)
     return _EXT
 
 
@@ -68,7 +61,7 @@ def work_order(counts: torch.Tensor) -> torch.Tensor:
     return torch.argsort(counts.reshape(-1), descending=True, stable=True).to(torch.int32)
 
 
-class CutlassSparseBackend(TritonSparseBackend):
+class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
     name = "cutlass"
     priority = 20  # above triton: preferred where it can run
     capabilities = Capabilities(
@@ -79,16 +72,13 @@ class CutlassSparseBackend(TritonSparseBackend):
         features=frozenset({GQA}),
     )
 
-    opt_in = "DLM_OPS_CUTLASS is not 0"
-
-    @property
-    def auto_device_types(self):  # DLM_OPS_CUTLASS=0 opts out (no JIT build): the module docstring
-        return frozenset() if os.environ.get("DLM_OPS_CUTLASS") == "0" else frozenset({"cuda"})
-
-    def unavailable_reason(self) -> str | None:
+    def _toolchain_reason(self) -> str | None:
         if not _TOOLCHAIN:
             _TOOLCHAIN.append(cutlass.unavailable_reason())
-        return super().unavailable_reason() or _TOOLCHAIN[0] or _BUILD_ERROR
+        return _TOOLCHAIN[0]
+
+    def _build_error(self) -> str | None:
+        return _BUILD_ERROR
 
     @staticmethod
     def _covers(ext, q, k, v, idx, bsq, bsk) -> bool:
@@ -96,7 +86,7 @@ class CutlassSparseBackend(TritonSparseBackend):
         TMA-ready q / k / v, and at least one list slot (max_blocks 0: nothing for the kernel to
         read, and Triton writes the empty result)."""
         return (ext.supports(bsq, bsk, q.shape[-1]) and idx.shape[-1] > 0
-                and all(_tma_ready(t) for t in (q, k, v)))
+                and all(cutlass.tma_ready(t) for t in (q, k, v)))
 
     def block_fwd(self, q, k, v, idx, counts, bsq, bsk, scale):
         ext = _extension()
