@@ -141,9 +141,6 @@ def _varlen_tables(cu_seqlens: tuple[int, ...], block_size: int, head_dim: int,
     return VarlenTables(cu_d, longest_half, tuple(tables[0:2]), tuple(tables[2:4]), tuple(tables[4:6]))
 
 
-
-
-
 def _scratch(ext, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """lse2 and delta for the backward, one allocation: ``rows`` floats each plus the
     ``ext.scratch_pad`` floats the odd-length / varlen dK/dV kernel reads past the end (its lse2 /
