@@ -103,9 +103,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _max_ctas(mask, device: torch.device) -> int:
-    """The forward's grid bound: the SM count (persistent) or 0 (one CTA per work item)."""
-    return _sm_count(device) if max(mask.n_noisy, mask.n_clean) <= PERSISTENT_MAX_HALF else 0
+def _max_ctas(longest_half: int, device: torch.device) -> int:
+    """The forward's grid bound for halves up to ``longest_half`` long: the SM count (persistent)
+    or 0 (one CTA per work item)."""
+    return _sm_count(device) if longest_half <= PERSISTENT_MAX_HALF else 0
 
 
 @lru_cache(maxsize=64)
@@ -200,7 +201,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, s), torch.float32)
         order = _tile_order(mask.n_noisy, mask.n_clean, mask.block_size, q.shape[-1], str(q.device))
-        ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale, _max_ctas(mask, q.device))
+        ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale, _max_ctas(max(mask.n_noisy, mask.n_clean), q.device))
         STATS["fwd"] += 1
         return out, lse
 
@@ -214,7 +215,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         lse = new_output(q, (h, total), torch.float32)
         t = _varlen_tables(mask.cu_seqlens, mask.block_size, d, str(q.device))
         ext.fwd(q[None], k[None], v[None], out[None], lse[None], t.fwd[0], 0, mask.block_size, scale,
-                _sm_count(q.device) if t.longest_half <= PERSISTENT_MAX_HALF else 0,
+                _max_ctas(t.longest_half, q.device),
                 tile_sample=t.fwd[1], cu_seqlens=t.cu_seqlens)
         STATS["varlen_fwd"] += 1
         return out, lse
