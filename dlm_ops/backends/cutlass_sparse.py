@@ -25,7 +25,6 @@ everywhere) and ``backend="cutlass"`` forces it. CPU tests: tests/test_cutlass_s
 
 from __future__ import annotations
 
-
 import torch
 
 from . import cutlass, register
