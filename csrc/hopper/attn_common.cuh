@@ -2,7 +2,8 @@
 // forward, hopper/diffusion_fwd.cuh, and the block-sparse one, hopper/block_sparse_fwd.cuh): the
 // tile config (128-row query tile, two consumer warpgroups of 64 rows, a K / V ring), the TMA
 // descriptors, the quad reductions, the ping-pong named barriers, one tile of the online softmax
-// with its mask given per row as a column interval, and the epilogue (O and lse from registers).
+// with its mask given per row as a column interval, the epilogue (O and lse from registers), the
+// barrier set-up and the consumer loop (fwd_consumers; the block-sparse forward's).
 // Moved here from diffusion_fwd.cuh unchanged: the shipped forward's SASS is byte-identical
 // (csrc/NOTES.md "Block-sparse forward (issue #5)").
 #pragma once
@@ -168,7 +169,7 @@ CUTE_DEVICE void store_o_lse(Params const& p, AccO& acc_o, Coords const& tOcO_rc
   }
 }
 
-// Barrier set-up of both forwards: Q full / empty and the K / V ring, then the CTA's sync.
+// Barrier set-up of the forwards: Q full / empty and the K / V ring, then the CTA's sync.
 template <class Cfg>
 CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
   if (threadIdx.x == 0) {
@@ -180,15 +181,14 @@ CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
   __syncthreads();
 }
 
-// The consumer warpgroups of both forwards (v5, csrc/NOTES.md; hopper/diffusion_fwd.cuh says why
+// The consumer warpgroups of the v5 forward loop (csrc/NOTES.md; hopper/diffusion_fwd.cuh says why
 // each piece is there): per work item, S = Q K^T, the online softmax and O += P V over the item's
 // key tiles with FlashAttention-3's in-warpgroup overlap and ping-pong turns, then the epilogue.
-// What differs per kernel comes from `kernel` (kept in the kernel's header):
+// The block-sparse forward runs it; the diffusion forward keeps its own copy (diffusion_fwd.cuh
+// says why). What differs per kernel comes from Side<Cfg, Params>{p, side_args...}, `kernel`:
 //   kernel.item(w, consumer, tScS_rc): work item w of this consumer warpgroup, a value with
-//     n_tiles (key tiles it visits), b, h, row_base (the warpgroup's first row) and row_offset
-//     (store_o_lse);
-//   kernel.row_end(item): rows from there on are not stored (asked at the store, where the
-//     kernels read it before this was shared);
+//     n_tiles (key tiles it visits), b, h, row_base (the warpgroup's first row) and row_offset;
+//   kernel.row_end(item): rows from there on are not stored (store_o_lse);
 //   kernel.tile(item, j): what the loop needs of the item's j-th key tile; it takes the element
 //     mask (a template argument, online_softmax_tile says why) iff kernel.may_mask(tile) &&
 //     kernel.masked(item, tile), asked before the barrier waits (the sparse list's global read
@@ -196,15 +196,13 @@ CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
 //     The && stands here, not in a hook: one returned from a hook was a 16-bit phi in the PTX
 //     (not a predicate) and moved the SASS.
 // The producer loads the same tiles in the same order into the ring; `it` keeps in step with it.
-// Params: the kernel's parameters (scale_log2 and store_o_lse's fields, read in place: moving the
-// reads changed the schedule).
+// Params: the kernel's parameters (scale_log2 and store_o_lse's fields, read in place).
 template <class Cfg, template <class, class> class Side, class Params, class... SideArgs>
 CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss, int consumer,
                                int num_items, SideArgs const&... side_args) {
   using Elem = typename Cfg::Elem;
   constexpr int BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
   using Barrier = cutlass::arch::ClusterBarrier;
-  // The tensors before setmaxnreg, where the kernels made them (moving them moved the SASS).
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutVt{});
