@@ -91,14 +91,7 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   }
   for (const auto& t : {dout, q, k, v, out, dq, dk, dv})
     TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "(B, S, H, D) layout with unit stride in D");
-  // TMA: 16-byte aligned base and strides (dlm_ops checks the same before choosing this backend).
-  for (const auto& t : {dout, q, k, v}) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
-                    (t.stride(0) * t.element_size()) % 16 == 0 &&
-                    (t.stride(1) * t.element_size()) % 16 == 0 &&
-                    (t.stride(2) * t.element_size()) % 16 == 0,
-                "q, k, v and dout must be 16-byte aligned (TMA)");
-  }
+  dlm_bindings::check_tma_aligned({dout, q, k, v}, "q, k, v and dout");
   TORCH_CHECK(lse.dim() == 3 && lse.stride(2) == 1, "lse layout");
   const int64_t rows = q.size(0) * q.size(1) * q.size(2);
   for (const auto& t : {lse2, delta}) {

@@ -16,7 +16,6 @@
 
 namespace {
 
-using dlm_bindings::strides3;
 using dlm_bindings::tile_order_tensor;
 
 using dlm::sm90::kFwdBlockM;
@@ -78,22 +77,11 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   TORCH_CHECK(order.is_contiguous(), "contiguous tile order");
   for (const auto& t : {q, k, v, out}) TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "layout");
   TORCH_CHECK(lse.dim() == 3 && lse.stride(2) == 1, "lse layout");
-  // TMA: 16-byte aligned base and strides (dlm_ops checks the same before choosing this backend).
-  for (const auto& t : {q, k, v}) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
-                    (t.stride(0) * t.element_size()) % 16 == 0 &&
-                    (t.stride(1) * t.element_size()) % 16 == 0 &&
-                    (t.stride(2) * t.element_size()) % 16 == 0, "q, k, v must be 16-byte aligned (TMA)");
-  }
-  // The epilogue stores O two elements (4 bytes) at a time.
-  TORCH_CHECK(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && out.stride(2) % 2 == 0 &&
-                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0, "out must be 4-byte aligned");
+  dlm_bindings::check_tma_aligned({q, k, v}, "q, k, v");
+  dlm_bindings::check_o_pairs(out);
   const c10::cuda::CUDAGuard guard(q.device());
   dlm::sm90::FwdArgs a{};
-  a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr(), a.o = out.data_ptr();
-  a.lse = lse.data_ptr<float>();
-  strides3(q, a.q_stride), strides3(k, a.k_stride), strides3(v, a.v_stride), strides3(out, a.o_stride);
-  a.lse_stride[0] = lse.stride(0), a.lse_stride[1] = lse.stride(1);
+  dlm_bindings::set_fwd_tensors(a, q, k, v, out, lse);
   a.batch = q.size(0), a.seqlen = q.size(1), a.heads = q.size(2), a.kv_heads = k.size(2);
   a.n_noisy = varlen ? 0 : static_cast<int>(n_noisy), a.block_size = static_cast<int>(block_size);
   a.scale = static_cast<float>(scale);

@@ -1,11 +1,13 @@
-// What both sm90 bindings (diffusion_fwd_sm90.cu, diffusion_bwd_sm90.cu) need besides their own
-// checks: strides in the kernels' argument form, a CTA schedule as a tensor (batched, or the work
-// entries of packed samples), and the choice of the (dtype, head dim) instantiation.
+// What the sm90 bindings (diffusion_fwd_sm90.cu, diffusion_bwd_sm90.cu, sparse_fwd_sm90.cu) need
+// besides their own checks: the TMA and O-store alignment checks, strides and pointers in the
+// kernels' argument form, a CTA schedule as a tensor (batched, or the work entries of packed
+// samples), and the choice of the (dtype, head dim) instantiation.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include <cutlass/numeric_types.h>
@@ -17,6 +19,34 @@ namespace dlm_bindings {
 // Strides of dims 0..2 of a (B, S, H, D) tensor, in elements.
 inline void strides3(const torch::Tensor& t, int64_t* out) {
   for (int i = 0; i < 3; ++i) out[i] = t.stride(i);
+}
+
+// TMA: 16-byte aligned base and strides of dims 0..2 (dlm_ops checks the same before choosing a
+// cutlass backend, so a failure is a bug); `what` names the tensors in the message.
+inline void check_tma_aligned(std::initializer_list<torch::Tensor> ts, const char* what) {
+  for (const auto& t : ts) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+                    (t.stride(0) * t.element_size()) % 16 == 0 &&
+                    (t.stride(1) * t.element_size()) % 16 == 0 &&
+                    (t.stride(2) * t.element_size()) % 16 == 0, what, " must be 16-byte aligned (TMA)");
+  }
+}
+
+// The forwards' epilogue stores O two elements (4 bytes) at a time.
+inline void check_o_pairs(const torch::Tensor& out) {
+  TORCH_CHECK(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && out.stride(2) % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0, "out must be 4-byte aligned");
+}
+
+// The forwards' tensors into their kernel arguments (FwdArgs, SparseFwdArgs): q, k, v, out
+// (B, S, H, D) and lse (B, H, S) fp32.
+template <class Args>
+void set_fwd_tensors(Args& a, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& out, const torch::Tensor& lse) {
+  a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr(), a.o = out.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  strides3(q, a.q_stride), strides3(k, a.k_stride), strides3(v, a.v_stride), strides3(out, a.o_stride);
+  a.lse_stride[0] = lse.stride(0), a.lse_stride[1] = lse.stride(1);
 }
 
 // The tiles of `plans`, most expensive first (the CTA schedule), as a CPU int32 tensor.

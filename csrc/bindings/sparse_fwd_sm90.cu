@@ -16,7 +16,6 @@
 
 namespace {
 
-using dlm_bindings::strides3;
 
 struct LaunchSparseFwd {
   const dlm::sm90::SparseFwdArgs& args;
@@ -70,24 +69,13 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
                     work_order->is_contiguous() && work_order->numel() == b * h * nqb,
                 "work_order: B * H * nQb contiguous int32 on q's device");
   }
-  // TMA: 16-byte aligned base and strides (dlm_ops checks the same before choosing this backend).
-  for (const auto& t : {q, k, v}) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
-                    (t.stride(0) * t.element_size()) % 16 == 0 &&
-                    (t.stride(1) * t.element_size()) % 16 == 0 &&
-                    (t.stride(2) * t.element_size()) % 16 == 0, "q, k, v must be 16-byte aligned (TMA)");
-  }
-  // The epilogue stores O two elements (4 bytes) at a time, as the diffusion forward's.
-  TORCH_CHECK(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && out.stride(2) % 2 == 0 &&
-                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0, "out must be 4-byte aligned");
+  dlm_bindings::check_tma_aligned({q, k, v}, "q, k, v");
+  dlm_bindings::check_o_pairs(out);
   if (b * h * nqb == 0) return;  // no query (Sq = 0) or no head: an empty grid, nothing to write
 
   const c10::cuda::CUDAGuard guard(q.device());
   dlm::sm90::SparseFwdArgs a{};
-  a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr(), a.o = out.data_ptr();
-  a.lse = lse.data_ptr<float>();
-  strides3(q, a.q_stride), strides3(k, a.k_stride), strides3(v, a.v_stride), strides3(out, a.o_stride);
-  a.lse_stride[0] = lse.stride(0), a.lse_stride[1] = lse.stride(1);
+  dlm_bindings::set_fwd_tensors(a, q, k, v, out, lse);
   a.batch = static_cast<int>(b), a.seqlen_q = static_cast<int>(sq), a.seqlen_k = static_cast<int>(sk);
   a.heads = static_cast<int>(h), a.kv_heads = static_cast<int>(hkv);
   a.block_q = static_cast<int>(block_q), a.block_k = static_cast<int>(block_k);

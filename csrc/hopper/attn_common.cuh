@@ -2,7 +2,8 @@
 // forward, hopper/diffusion_fwd.cuh, and the block-sparse one, hopper/block_sparse_fwd.cuh): the
 // tile config (128-row query tile, two consumer warpgroups of 64 rows, a K / V ring), the TMA
 // descriptors, the quad reductions, the ping-pong named barriers, one tile of the online softmax
-// with its mask given per row as a column interval, and the epilogue (O and lse from registers).
+// with its mask given per row as a column interval, the epilogue (O and lse from registers), the
+// barrier set-up and the consumer loop (fwd_consumers; the block-sparse forward's).
 // Moved here from diffusion_fwd.cuh unchanged: the shipped forward's SASS is byte-identical
 // (csrc/NOTES.md "Block-sparse forward (issue #5)").
 #pragma once
@@ -11,6 +12,7 @@
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
 
 #include <cmath>
@@ -164,6 +166,155 @@ CUTE_DEVICE void store_o_lse(Params const& p, AccO& acc_o, Coords const& tOcO_rc
         p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row_offset + row] =
             l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     }
+  }
+}
+
+// Barrier set-up of the forwards: Q full / empty and the K / V ring, then the CTA's sync.
+template <class Cfg>
+CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterBarrier::init(&ss.q_full, 1);
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, 128 * Cfg::kConsumers);
+    init_kv_ring<Cfg::STAGES>(ss.k_full, ss.k_empty, ss.v_full, ss.v_empty, 128 * Cfg::kConsumers);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+}
+
+// The consumer warpgroups of the v5 forward loop (csrc/NOTES.md; hopper/diffusion_fwd.cuh says why
+// each piece is there): per work item, S = Q K^T, the online softmax and O += P V over the item's
+// key tiles with FlashAttention-3's in-warpgroup overlap and ping-pong turns, then the epilogue.
+// The block-sparse forward runs it; the diffusion forward keeps its own copy (diffusion_fwd.cuh
+// says why). What differs per kernel comes from Side<Cfg, Params>{p, side_args...}, `kernel`:
+//   kernel.item(w, consumer, tScS_rc): work item w of this consumer warpgroup, a value with
+//     n_tiles (key tiles it visits), b, h, row_base (the warpgroup's first row) and row_offset;
+//   kernel.row_end(item): rows from there on are not stored (store_o_lse);
+//   kernel.tile(item, j): what the loop needs of the item's j-th key tile; it takes the element
+//     mask (a template argument, online_softmax_tile says why) iff kernel.may_mask(tile) &&
+//     kernel.masked(item, tile), asked before the barrier waits (the sparse list's global read
+//     then overlaps them); kernel.bounds(item, tile, tScS_rc): the mask's column intervals.
+//     The && stands here, not in a hook: one returned from a hook was a 16-bit phi in the PTX
+//     (not a predicate) and moved the SASS.
+// The producer loads the same tiles in the same order into the ring; `it` keeps in step with it.
+// Params: the kernel's parameters (scale_log2 and store_o_lse's fields, read in place).
+template <class Cfg, template <class, class> class Side, class Params, class... SideArgs>
+CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss, int consumer,
+                               int num_items, SideArgs const&... side_args) {
+  using Elem = typename Cfg::Elem;
+  constexpr int BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutVt{});
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int tid = threadIdx.x % 128;
+  typename Cfg::MmaS mma_s;
+  typename Cfg::MmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+  Tensor sQc = local_tile(sQ, Shape<Int<Cfg::kConsumerRows>, Int<D>>{}, make_coord(consumer, 0));
+  Tensor tSrQ = thr_s.partition_fragment_A(sQc);  // smem descriptors
+  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, N, K, STAGES)
+  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, N=D, K=BN, STAGES)
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<Cfg::kConsumerRows>, Int<D>>{});
+  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<Cfg::kConsumerRows>, Int<BN>>{});
+  Tensor p_elem = make_fragment_like<Elem>(acc_s);  // P of the previous tile, the A of O += P V
+  Tensor tOrP = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
+  // (row, column) of every score this thread holds, relative to (row_base, tile start).
+  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<BN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<D>>{}));
+  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  constexpr int kRows = 2;  // rows per thread (r = 0, 1: lane/4 and lane/4 + 8)
+  const Side<Cfg, Params> kernel{p, side_args...};
+
+  int it = 0;  // the producer's ring position, kept in step
+  for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
+    const auto wi = kernel.item(w, consumer, tScS_rc);
+    float row_max[kRows], row_sum[kRows], scale_row[kRows];
+    for (int i = 0; i < kRows; ++i) {
+      row_max[i] = -INFINITY;
+      row_sum[i] = 0.f;
+    }
+    clear(acc_o);
+    const int n_tiles = wi.n_tiles;
+    // Ping-pong: the two consumers take turns to issue their matmuls (named barriers 1 and 2), so
+    // one's softmax runs while the tensor cores work for the other. Consumer 1 pre-arrives on
+    // consumer 0's barrier so that consumer 0 goes first.
+    if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
+    Barrier::wait(&ss.q_full, item & 1);
+
+    for (int j = 0; j < n_tiles; ++j, ++it) {
+      const int stage = it % STAGES, phase = (it / STAGES) & 1;
+      const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it - 1) / STAGES) & 1;
+      const auto tile = kernel.tile(wi, j);
+      const bool masked = kernel.may_mask(tile) && kernel.masked(wi, tile);
+      Barrier::wait(&ss.k_full[stage], phase);
+      if (j > 0) Barrier::wait(&ss.v_full[prev], prev_phase);
+      if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
+      // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
+      // behind it: the softmax of S_j below runs while the tensor cores do that P V.
+      warpgroup_fence_operand(acc_s);
+      warpgroup_arrive();
+      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
+        mma_s.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      if (j > 0) {
+        warpgroup_fence_operand(acc_o);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
+        warpgroup_commit_batch();
+      }
+      if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
+      // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
+      // serialize the wgmmas (warning C7514; nvcc 13.0). The other consumer's S then queues behind
+      // our P V, which keeps the tensor cores busy all the same.
+      if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
+      warpgroup_fence_operand(acc_s);
+      Barrier::arrive(&ss.k_empty[stage]);
+
+      const auto bounds = kernel.bounds(wi, tile, tScS_rc);
+      if (masked)
+        online_softmax_tile<true>(acc_s, tScS_rc, bounds, p.scale_log2, row_max, row_sum, scale_row);
+      else
+        online_softmax_tile<false>(acc_s, tScS_rc, bounds, p.scale_log2, row_max, row_sum, scale_row);
+
+      warpgroup_wait<0>();  // P_{j-1} V_{j-1} is in acc_o, and p_elem is free again
+      warpgroup_fence_operand(acc_o);
+      if (j > 0) Barrier::arrive(&ss.v_empty[prev]);
+      Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i)
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= scale_row[i];
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
+    }
+    // The consumers' last S of this item has read Q: the producer may load the next item's (one
+    // arrival after the loop, not a test in every step).
+    Barrier::arrive(&ss.q_empty);
+    // Consumer 1's last hand-over (and its pre-arrival) leave one phase of barrier 1 open: close it.
+    if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
+    if (n_tiles > 0) {  // the last tile's O += P V
+      const int last = (it - 1) % STAGES;
+      Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
+      warpgroup_fence_operand(acc_o);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      Barrier::arrive(&ss.v_empty[last]);
+    }
+    // Epilogue (no key tile: O = 0, lse = -inf); rows from row_end on are not stored.
+    store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, wi.row_base, kernel.row_end(wi),
+                wi.row_offset, tid);
   }
 }
 

@@ -92,10 +92,42 @@ CUTE_DEVICE SparseItem sparse_item(Params const& p, int w) {
           p.indices + int64_t(e) * p.max_blocks};
 }
 
+// The block-sparse side of fwd_consumers (hopper/attn_common.cuh): item w is query block qb of
+// (b, h) with its listed key blocks; every visit is FULL but the short last key block (Sk not a
+// multiple of BN), whose keys from k_tail on are masked. Lists need not be ascending: each block is
+// tested against the last one.
+template <class Cfg, class Params>
+struct SparseConsumerSide {
+  Params const& p;
+  const int k_tail = p.seqlen_k % Cfg::BN, last_kb = (p.seqlen_k - 1) / Cfg::BN;
+
+  struct Item {
+    int b, h, row_base, row_offset, n_tiles;
+    const int32_t* list;
+  };
+  template <class Coords>
+  CUTE_DEVICE Item item(int w, int consumer, Coords const&) const {
+    const SparseItem si = sparse_item(p, w);
+    return {si.b, si.h, si.qb * Cfg::BM + consumer * Cfg::kConsumerRows, 0, si.count, si.list};
+  }
+  CUTE_DEVICE int row_end(Item const&) const { return p.seqlen_q; }  // rows past Sq: not stored
+  // Step j is short iff Sk is not a multiple of BN and it visits the last key block.
+  CUTE_DEVICE int tile(Item const&, int j) const { return j; }
+  CUTE_DEVICE bool may_mask(int) const { return k_tail != 0; }
+  CUTE_DEVICE bool masked(Item const& item, int j) const { return item.list[j] == last_kb; }
+  template <class Coords>
+  CUTE_DEVICE auto bounds(Item const&, int, Coords const& tScS_rc) const {
+    return [k_tail = k_tail, &tScS_rc](int i, int& lo, int& hi) {
+      const int c0 = get<1>(tScS_rc(i, 0));
+      lo = -c0;
+      hi = k_tail - c0;
+    };
+  }
+};
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     block_sparse_fwd_kernel(__grid_constant__ const SparseFwdParams<Cfg> p) {
-  using Elem = typename Cfg::Elem;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -105,18 +137,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutKV{});
-  Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutVt{});
 
   const int num_items = p.batch * p.heads * p.num_q_blocks;
   const int warp_group = threadIdx.x / 128;
-
-  if (threadIdx.x == 0) {
-    Barrier::init(&ss.q_full, 1);
-    Barrier::init(&ss.q_empty, 128 * Cfg::kConsumers);
-    init_kv_ring<STAGES>(ss.k_full, ss.k_empty, ss.v_full, ss.v_empty, 128 * Cfg::kConsumers);
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
+  init_fwd_barriers<Cfg>(ss);
 
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<24>();
@@ -159,115 +183,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 
   // ------------------------------------------------------------------------------------ consumers
-  cutlass::arch::warpgroup_reg_alloc<240>();
-  const int consumer = warp_group - 1, tid = threadIdx.x % 128;
-  typename Cfg::MmaS mma_s;
-  typename Cfg::MmaO mma_o;
-  auto thr_s = mma_s.get_thread_slice(tid);
-  auto thr_o = mma_o.get_thread_slice(tid);
-  Tensor sQc = local_tile(sQ, Shape<Int<Cfg::kConsumerRows>, Int<D>>{}, make_coord(consumer, 0));
-  Tensor tSrQ = thr_s.partition_fragment_A(sQc);  // smem descriptors
-  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, N, K, STAGES)
-  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, N=D, K=BN, STAGES)
-  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<Cfg::kConsumerRows>, Int<D>>{});
-  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<Cfg::kConsumerRows>, Int<BN>>{});
-  Tensor p_elem = make_fragment_like<Elem>(acc_s);  // P of the previous tile, the A of O += P V
-  Tensor tOrP = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
-  // (row, column) of every score this thread holds, relative to (row_base, tile start).
-  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<BN>>{}));
-  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<D>>{}));
-  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  constexpr int kRows = 2;  // rows per thread (r = 0, 1: lane/4 and lane/4 + 8)
-  // The short last key block (Sk not a multiple of BN): its keys from k_tail on are masked.
-  const int k_tail = p.seqlen_k % BN, last_kb = (p.seqlen_k - 1) / BN;
-  auto tail_bounds = [&](int i, int& lo, int& hi) {
-    const int c0 = get<1>(tScS_rc(i, 0));
-    lo = -c0;
-    hi = k_tail - c0;
-  };
-
-  int it = 0;  // the producer's ring position, kept in step
-  for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
-    const SparseItem si = sparse_item(p, w);
-    const int row_base = si.qb * BM + consumer * Cfg::kConsumerRows;  // this warpgroup's first row
-    float row_max[kRows], row_sum[kRows], scale_row[kRows];
-    for (int i = 0; i < kRows; ++i) {
-      row_max[i] = -INFINITY;
-      row_sum[i] = 0.f;
-    }
-    clear(acc_o);
-    const int n_tiles = si.count;
-    // Ping-pong (diffusion_fwd.cuh): consumer 1 pre-arrives on consumer 0's barrier so that
-    // consumer 0 goes first.
-    if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
-    Barrier::wait(&ss.q_full, item & 1);
-
-    for (int j = 0; j < n_tiles; ++j, ++it) {
-      const int stage = it % STAGES, phase = (it / STAGES) & 1;
-      const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it - 1) / STAGES) & 1;
-      const bool short_tile = k_tail != 0 && si.list[j] == last_kb;  // needed after the S wait
-      Barrier::wait(&ss.k_full[stage], phase);
-      if (j > 0) Barrier::wait(&ss.v_full[prev], prev_phase);
-      if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
-      // S_j = Q K_j^T, then O += P_{j-1} V_{j-1} behind it (FA3's in-warpgroup overlap).
-      warpgroup_fence_operand(acc_s);
-      warpgroup_arrive();
-      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-        gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
-        mma_s.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      if (j > 0) {
-        warpgroup_fence_operand(acc_o);
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
-        warpgroup_commit_batch();
-      }
-      if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
-      // The hand-over after the S wait, not between issue and wait (C7514: diffusion_fwd.cuh).
-      if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
-      warpgroup_fence_operand(acc_s);
-      Barrier::arrive(&ss.k_empty[stage]);
-
-      if (short_tile)
-        online_softmax_tile<true>(acc_s, tScS_rc, tail_bounds, p.scale_log2, row_max, row_sum, scale_row);
-      else
-        online_softmax_tile<false>(acc_s, tScS_rc, tail_bounds, p.scale_log2, row_max, row_sum, scale_row);
-
-      warpgroup_wait<0>();  // P_{j-1} V_{j-1} is in acc_o, and p_elem is free again
-      warpgroup_fence_operand(acc_o);
-      if (j > 0) Barrier::arrive(&ss.v_empty[prev]);
-      Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-      CUTE_UNROLL
-      for (int i = 0; i < kRows; ++i)
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= scale_row[i];
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
-    }
-    // The consumers' last S of this item has read Q: the producer may load the next item's.
-    Barrier::arrive(&ss.q_empty);
-    // Consumer 1's last hand-over (and its pre-arrival) leave one phase of barrier 1 open: close it.
-    if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
-    if (n_tiles > 0) {  // the last tile's O += P V
-      const int last = (it - 1) % STAGES;
-      Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
-      warpgroup_fence_operand(acc_o);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
-      warpgroup_commit_batch();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      Barrier::arrive(&ss.v_empty[last]);
-    }
-    // Epilogue (an empty list: O = 0, lse = -inf); rows past Sq are not stored.
-    store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, si.b, si.h, row_base, p.seqlen_q, 0, tid);
-  }
+  fwd_consumers<Cfg, SparseConsumerSide>(p, ss, warp_group - 1, num_items);
 }
 
 // ------------------------------------------------------------------------------------- launch
