@@ -16,7 +16,6 @@
 
 namespace {
 
-
 struct LaunchSparseFwd {
   const dlm::sm90::SparseFwdArgs& args;
   template <class Elem, int D>
