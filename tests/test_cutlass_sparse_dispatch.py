@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dlm_ops.backends import REGISTRIES, select
+from dlm_ops.backends import REGISTRIES, cutlass, select
 from dlm_ops.backends import cutlass_sparse as cs
 from dlm_ops.backends.base import GQA, Problem
 from dlm_ops.backends.sparse import TorchSparseBackend
@@ -160,7 +160,7 @@ def test_backwards_and_column_sparse_run_triton_counted(fake):
 @pytest.fixture
 def buildable(monkeypatch):
     """Dispatch as on an sm90 machine whose toolchain can build the extension."""
-    monkeypatch.setattr(cs, "_TOOLCHAIN", [None])
+    monkeypatch.setattr(cutlass, "_TOOLCHAIN", [None])
     monkeypatch.setattr(cs, "_BUILD_ERROR", None)
     monkeypatch.delenv("DLM_OPS_CUTLASS", raising=False)
 
@@ -175,7 +175,7 @@ def test_dispatch_prefers_cutlass_where_it_builds(buildable, monkeypatch):
     assert select(Problem("cpu", torch.bfloat16, 128), family="sparse").name == "torch"
     monkeypatch.setenv("DLM_OPS_CUTLASS", "0")  # opted out: Triton everywhere, forcing still works
     assert pick() == "triton" and pick(forced="cutlass") == "cutlass"
-    monkeypatch.setattr(cs, "_TOOLCHAIN", ["no CUDA GPU visible"])
+    monkeypatch.setattr(cutlass, "_TOOLCHAIN", ["no CUDA GPU visible"])
     monkeypatch.delenv("DLM_OPS_CUTLASS")
     assert pick() == "triton"
     with pytest.raises(UnsupportedConfig, match="no CUDA GPU visible"):

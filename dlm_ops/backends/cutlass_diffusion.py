@@ -60,9 +60,6 @@ STATS = {"fwd": 0, "fwd_fallback": 0, "bwd": 0, "bwd_fallback": 0,
 
 _EXT = None
 _BUILD_ERROR: str | None = None
-_TOOLCHAIN: list = []  # [cutlass.unavailable_reason()] once computed: it runs `ninja --version`
-# in a subprocess and dispatch asks on every call. On the H200 a 0.4 ms forward took 2.6 ms per
-# call, a constant 2.2 ms at every size, before this cache (not re-measured since: csrc/NOTES.md)
 
 
 def _extension():
@@ -163,11 +160,6 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         head_dim_multiple=64,  # 64, 128, 256 (the forward; the backward 64, 128): 192 runs Triton
         features=frozenset({GQA, DETERMINISTIC, VARLEN}),
     )
-
-    def _toolchain_reason(self) -> str | None:
-        if not _TOOLCHAIN:
-            _TOOLCHAIN.append(cutlass.unavailable_reason())
-        return _TOOLCHAIN[0]
 
     def _build_error(self) -> str | None:
         return _BUILD_ERROR

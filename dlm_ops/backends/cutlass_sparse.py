@@ -40,9 +40,6 @@ STATS = {"fwd": 0, "fwd_fallback": 0, "bwd_fallback": 0, "column_fwd_fallback": 
 
 _EXT = None
 _BUILD_ERROR: str | None = None
-_TOOLCHAIN: list = []  # [cutlass.unavailable_reason()] once computed: dispatch asks on every call
-# and the answer runs `ninja --version` in a subprocess (2.2 ms per call on the H200 before the
-# block-diffusion backend cached it: cutlass_diffusion.py)
 
 
 def _extension():
@@ -70,11 +67,6 @@ class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
         head_dim_multiple=64,  # the kernel's 64 and 128; other head dims select triton
         features=frozenset({GQA}),
     )
-
-    def _toolchain_reason(self) -> str | None:
-        if not _TOOLCHAIN:
-            _TOOLCHAIN.append(cutlass.unavailable_reason())
-        return _TOOLCHAIN[0]
 
     def _build_error(self) -> str | None:
         return _BUILD_ERROR
