@@ -86,6 +86,31 @@ CUTE_DEVICE void init_kv_ring(uint64_t* k_full, uint64_t* k_empty, uint64_t* v_f
   }
 }
 
+// One ROWS x D box of each of two same-shaped (S, D) views (K and V of a key tile, or Q and dO of a
+// query tile) loaded by TMA into one transaction barrier, the box at row `row` of the half or
+// sample starting at packed row `offset`: by element coordinates where tiles start anywhere
+// (kStart != kStartTile), by tile index otherwise. The caller arms `bar` for both boxes.
+template <int kStart, int ROWS, int D, class TmaA, class ViewA, class SmemA, class TmaB, class ViewB,
+          class SmemB>
+CUTE_DEVICE void load_tile_pair(uint64_t& bar, int offset, int row, TmaA const& tma_a, ViewA const& mA,
+                                SmemA& sA, TmaB const& tma_b, ViewB const& mB, SmemB& sB) {
+  auto ta = tma_a.get_slice(0);
+  auto tb = tma_b.get_slice(0);
+  const auto box = Shape<Int<ROWS>, Int<D>>{};
+  if constexpr (kStart != kStartTile) {
+    const auto at = make_coord(offset + row, 0);
+    Tensor gA = local_tile(domain_offset(at, mA), box, make_coord(0, 0));
+    Tensor gB = local_tile(domain_offset(at, mB), box, make_coord(0, 0));
+    copy(tma_a.with(bar), ta.partition_S(gA), ta.partition_D(sA));
+    copy(tma_b.with(bar), tb.partition_S(gB), tb.partition_D(sB));
+  } else {
+    Tensor gA = local_tile(mA, box, make_coord(row / ROWS, 0));
+    Tensor gB = local_tile(mB, box, make_coord(row / ROWS, 0));
+    copy(tma_a.with(bar), ta.partition_S(gA), ta.partition_D(sA));
+    copy(tma_b.with(bar), tb.partition_S(gB), tb.partition_D(sB));
+  }
+}
+
 // The producer's K / V stream, shared by the forward and the backward's dQ kernel: for each key
 // tile of the runs, wait until the consumers have freed the ring stage, then TMA-load K and V into
 // it (one "full" transaction barrier each). `it` is the ring position, kept across calls so that

@@ -311,21 +311,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0) {
       Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
       Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
-      auto tma_k = p.tma_k.get_slice(0);
-      auto tma_v = p.tma_v.get_slice(0);
       TxBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Cfg::kTileBytesKV);
-      if constexpr (Cfg::kStart != kStartTile) {  // the box at the tile's first row, by coordinates
-        const auto at = make_coord(offset + k_tile.lo, 0);
-        Tensor gK = local_tile(domain_offset(at, mK(_, _, kvh, b)), Shape<Int<BN>, Int<D>>{}, make_coord(0, 0));
-        Tensor gV = local_tile(domain_offset(at, mV(_, _, kvh, b)), Shape<Int<BN>, Int<D>>{}, make_coord(0, 0));
-        copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
-        copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
-      } else {
-        Tensor gK = local_tile(mK(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(k_tile.lo / BN, 0));
-        Tensor gV = local_tile(mV(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(k_tile.lo / BN, 0));
-        copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
-        copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
-      }
+      load_tile_pair<Cfg::kStart, BN, D>(ss.kv_full, offset, k_tile.lo, p.tma_k, mK(_, _, kvh, b), sK,
+                                         p.tma_v, mV(_, _, kvh, b), sV);
 
       Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
       Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
@@ -558,21 +546,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0) {
       Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
       Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
-      auto tma_q = p.tma_q.get_slice(0);
-      auto tma_do = p.tma_do.get_slice(0);
       TxBarrier::arrive_and_expect_tx(&ss.q_full, 2 * Cfg::kTileBytesQ);
-      if constexpr (Cfg::kStart != kStartTile) {  // boxes by coordinates: tiles start anywhere
-        const auto at = make_coord(offset + q_tile.lo, 0);
-        Tensor gQ = local_tile(domain_offset(at, mQ(_, _, h, b)), Shape<Int<BM>, Int<D>>{}, make_coord(0, 0));
-        Tensor gdO = local_tile(domain_offset(at, mdO(_, _, h, b)), Shape<Int<BM>, Int<D>>{}, make_coord(0, 0));
-        copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
-        copy(p.tma_do.with(ss.q_full), tma_do.partition_S(gdO), tma_do.partition_D(sdO));
-      } else {
-        Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(q_tile.lo / BM, 0));
-        Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<BM>, Int<D>>{}, make_coord(q_tile.lo / BM, 0));
-        copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
-        copy(p.tma_do.with(ss.q_full), tma_do.partition_S(gdO), tma_do.partition_D(sdO));
-      }
+      load_tile_pair<Cfg::kStart, BM, D>(ss.q_full, offset, q_tile.lo, p.tma_q, mQ(_, _, h, b), sQ,
+                                         p.tma_do, mdO(_, _, h, b), sdO);
 
       Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
       Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
