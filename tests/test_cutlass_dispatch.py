@@ -35,6 +35,7 @@ class FakeExtension:
     """The extension's interface: tables from geometry.py, kernels that record and write zeros."""
 
     scratch_pad = 128
+    fused_dq_head_dims = (128,)
 
     def __init__(self, batched_any_length=True):
         self.batched_any_length = batched_any_length
@@ -65,11 +66,12 @@ class FakeExtension:
         out.zero_(), lse.zero_()
 
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
-            n_noisy, block_size, scale, dkdv_sample=None, dq_sample=None, cu_seqlens=None):
+            n_noisy, block_size, scale, dkdv_sample=None, dq_sample=None, cu_seqlens=None,
+            dq_accum=None):
         self.calls.append(("bwd", dict(q=q, lse=lse, dlse=dlse, lse2=lse2, delta=delta,
                                        dkdv_order=dkdv_order, dq_order=dq_order,
                                        dkdv_sample=dkdv_sample, dq_sample=dq_sample,
-                                       cu_seqlens=cu_seqlens)))
+                                       cu_seqlens=cu_seqlens, dq_accum=dq_accum)))
         for g in (dq, dk, dv):
             g.zero_()
 
@@ -183,6 +185,30 @@ def test_backward_scratch_is_padded_zeroed_and_aligned(fake):
         assert t.dim() == 1 and t.numel() >= rows + fake.scratch_pad and t.data_ptr() % 16 == 0
         assert torch.equal(t[rows:], torch.zeros_like(t[rows:]))
     assert call["dkdv_sample"] is None and call["cu_seqlens"] is None
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fused_dq_backward_unless_deterministic(fake, varlen, d, deterministic):
+    """The fused backward (an fp32 dQ buffer for the dK/dV kernel's reduce-adds) runs at the head
+    dims the extension lists, never for deterministic calls, which keep the two-kernel backward."""
+    backend = cd.CutlassDiffusionBackend()
+    if varlen:
+        q, k, v, mask = _packed([100, 0, 37], 4, 2, d)
+        out, lse = backend.varlen_fwd(q, k, v, mask, 0.125, 0.0, False)
+        backend.varlen_bwd(torch.randn_like(q), q, k, v, out, lse, None, mask, 0.125, 0.0,
+                           deterministic)
+    else:
+        q, k, v = _batched(2, 100, 100, 4, 2, d)
+        mask = SequenceMask(100, 100, 16)
+        out, lse = backend.fwd(q, k, v, mask, 0.125, 0.0, False)
+        backend.bwd(torch.randn_like(q), q, k, v, out, lse, None, mask, 0.125, 0.0, deterministic)
+    acc = dict(fake.calls)["bwd"]["dq_accum"]
+    fused = d == 128 and not deterministic
+    assert (acc is not None) == fused and cd.STATS["bwd_fused_dq"] == fused
+    if fused:
+        assert acc.dtype == torch.float32 and acc.is_contiguous() and acc.numel() == q.numel()
 
 
 @pytest.mark.parametrize("halves", [[0, 100, 37, 0, 256, 1, 300], [500], [0, 0, 3], [0, 0], [],

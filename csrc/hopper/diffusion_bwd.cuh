@@ -51,6 +51,24 @@ namespace dlm::sm90 {
 
 using namespace cute;
 
+// Named barriers of the fused dK/dV/dQ kernel (id 0 is __syncthreads): both consumers' dS^T
+// written (256 threads); one consumer's dQ partial staged (128 threads, id kFusedDqBarrier + consumer).
+constexpr int kFusedDsBarrier = 1, kFusedDqBarrier = 2;
+CUTE_DEVICE void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// Register fragments into swizzled shared memory through 32-bit shared addresses: a plain C++
+// store through the tensor's element pointer compiled to generic ST with 64-bit addresses held
+// over the loop (404 bytes spilled).
+CUTE_DEVICE void st_shared_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v));
+}
+CUTE_DEVICE void st_shared_f32x2(uint32_t addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y));
+}
+template <class T>
+CUTE_DEVICE uint32_t smem_addr(T* p) { return cute::cast_smem_ptr_to_uint(p); }
+
 // ------------------------------------------------------------------------------ configurations
 // 128-byte swizzled, K-major (head dim contiguous): the layout TMA writes and wgmma reads. A
 // transposed view (MN-major, the other dimension contiguous) over the same bytes is what the
@@ -69,10 +87,51 @@ using SwizzledTilesT = decltype(composition(
 // START_: where tiles may start (kStartTile / kStartAny / kStartVarlen, hopper/common.cuh). The
 // consumers' loops have no ping-pong turns and no in-warpgroup overlap: both were measured slower
 // here (csrc/NOTES.md "Backward variants (measured, deleted)").
-template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, int START_ = kStartTile>
+// The dK/dV kernel's extra pieces when it also produces dQ (FUSED_DQ_, csrc/NOTES.md "Fused dQ"):
+// dS staged in shared memory as the (queries x keys) A operand of dQ = dS K, two buffers so that a
+// warpgroup may write tile j + 1's dS while the other still reads tile j's; each consumer's
+// (BM x D / 2) fp32 dQ partial staged for one TMA reduce-add into a (B, S, H, D) fp32 accumulator.
+template <class Elem, int D, int BM, int BN, int kConsumers>
+struct FusedDqParts {
+  static constexpr int kCols = D / kConsumers;  // dQ columns per consumer warpgroup
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
+                                              Shape<Int<BM>, Int<BN>, _2>{}));  // queries contiguous
+  // The same bytes as (keys, queries, buffer): where each consumer writes its dS^T accumulator.
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<BN>, Int<BM>, _2>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutKt = decltype(composition(
+      SwizzledTile<Elem, BN, D>{}, make_ordered_layout(Shape<Int<D>, Int<BN>>{}, Step<_2, _1>{})));
+  using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
+                                              Shape<Int<BM>, Int<kCols>>{}));
+  // dQ = dS K over the tile's BN keys: (BM queries) x (D / 2 columns), both operands from smem.
+  using MmaDq = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<BM>, Int<kCols>, Int<BN>>,
+                                 GMMA::Major::MN, GMMA::Major::MN>()));
+  using TmaDq = decltype(make_tma_copy(
+      SM90_TMA_REDUCE_ADD{},
+      make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), make_shape(1, D, 1, 1),
+                  make_stride(int64_t{D}, _1{}, int64_t{D}, int64_t{D})),
+      SmemLayoutdQ{}));
+  struct Smem {
+    alignas(1024) Elem ds[cosize_v<SmemLayoutdS>];
+    alignas(1024) float dq[kConsumers][cosize_v<SmemLayoutdQ>];
+  };
+};
+struct NoFusedDq {  // what the unfused configs hold in the fused pieces' places: nothing
+  struct Smem {};
+  using TmaDq = Smem;
+  using MmaDq = Smem;
+};
+
+template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, int START_ = kStartTile,
+          bool FUSED_DQ_ = false>
 struct DkDvConfig {
   using Elem = Elem_;
   static constexpr int kStart = START_;
+  // FUSED_DQ_: the kernel also computes dQ (one more matmul per tile, fp32 reduce-adds) and the
+  // dQ kernel does not run; not deterministic (the adds' order varies), so deterministic calls
+  // keep the two-kernel backward.
+  static constexpr bool kFusedDq = FUSED_DQ_;
   // Bulk copies need 16-byte aligned sources: a query tile starting anywhere copies its lse2 / delta
   // from the aligned element at or before its first row, kRowPad more floats, and the consumers
   // skip the (row & 3) leading ones.
@@ -85,6 +144,10 @@ struct DkDvConfig {
   static constexpr int kConsumers = BN / kConsumerRows;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static_assert(kConsumers == 2, "the register split below assumes two consumer warpgroups");
+  // D = 64 would give each warpgroup a 32-column slice of K^T, half a 128-byte swizzle row, which
+  // a wgmma descriptor cannot address.
+  static_assert(!kFusedDq || D == 128, "the fused dQ splits D = 128 between the consumers");
+  using Fused = std::conditional_t<kFusedDq, FusedDqParts<Elem, D, BM, BN, kConsumers>, NoFusedDq>;
 
   using SmemLayoutQ = SwizzledTiles<Elem, BM, D, STAGES>;    // Q and dO: (BM, D, STAGES)
   using SmemLayoutQt = SwizzledTilesT<Elem, BM, D, STAGES>;  // their transpose: (D, BM, STAGES)
@@ -107,6 +170,7 @@ struct DkDvConfig {
     alignas(16) float delta[STAGES][BM + kRowPad];
     alignas(8) uint64_t kv_full;
     uint64_t q_full[STAGES], do_full[STAGES], empty[STAGES];
+    typename Fused::Smem fused;
   };
   static constexpr int kTileBytesQ = BM * D * sizeof(Elem);
   static constexpr int kTileBytesKV = BN * D * sizeof(Elem);
@@ -117,6 +181,8 @@ template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, in
 struct DqConfig {  // START_: as DkDvConfig's
   using Elem = Elem_;
   static constexpr int kStart = START_;
+  static constexpr bool kFusedDq = false;
+  using Fused = NoFusedDq;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
   static constexpr int kConsumerRows = 64;
   static constexpr int kConsumers = BM / kConsumerRows;
@@ -176,6 +242,8 @@ struct BwdParams {
   // [cu_seqlens[i], cu_seqlens[i + 1]) of batch 0; mask.block_size is every sample's block size.
   const int32_t* tile_sample = nullptr;
   const int32_t* cu_seqlens = nullptr;
+  // Fused dK/dV/dQ only: reduce-adds into the (B, S, H, D) fp32 dQ accumulator.
+  typename Cfg::Fused::TmaDq tma_dq{};
 };
 
 // Floats past the end of the lse2 / delta scratch (B * H * S) that the odd-length / varlen dK/dV
@@ -263,6 +331,26 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PreParams<Ele
     p.delta[out] = acc;
     p.lse2[out] = p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + s] * 1.4426950408889634f;
   }
+}
+
+// dQ = scale * the fused kernel's fp32 accumulator ((B, S, H, D) contiguous), as Elem into dq's
+// strides: 8 values per thread, D / 8 threads per row.
+template <class Elem, int D>
+__global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const float* acc, Elem* dq,
+                                                             int64_t s_b, int64_t s_s, int64_t s_h,
+                                                             int batch, int seqlen, int heads, float scale) {
+  constexpr int kLanes = D / 8;
+  const int64_t rows = static_cast<int64_t>(batch) * seqlen * heads;
+  const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+  if (r >= rows) return;
+  const int lane = threadIdx.x % kLanes;
+  const int h = static_cast<int>(r % heads), s = static_cast<int>((r / heads) % seqlen);
+  const int64_t b = r / (static_cast<int64_t>(heads) * seqlen);
+  const float4* src = reinterpret_cast<const float4*>(acc + r * D + lane * 8);
+  const float4 x = src[0], y = src[1];
+  alignas(16) Elem out[8] = {Elem(x.x * scale), Elem(x.y * scale), Elem(x.z * scale), Elem(x.w * scale),
+                             Elem(y.x * scale), Elem(y.y * scale), Elem(y.z * scale), Elem(y.w * scale)};
+  *reinterpret_cast<uint4*>(dq + b * s_b + s * s_s + h * s_h + lane * 8) = *reinterpret_cast<uint4*>(out);
 }
 
 // ------------------------------------------------------------------------------------- dK / dV
@@ -392,6 +480,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<BM>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
   constexpr int kRows = 2;  // keys per thread (lane/4 and lane/4 + 8 of its warp's 16)
+  // Fused dQ: this warpgroup writes its 64 keys of dS^T into the shared (queries x keys) tile, then
+  // multiplies the whole tile by its D / 2 columns of K: dQ[:, cols] = dS K[:, cols].
+  using Fused = typename Cfg::Fused;
+  [[maybe_unused]] typename Fused::MmaDq mma_dq;
+  auto fused_parts = [&] {
+    if constexpr (Cfg::kFusedDq) {
+      auto thr_dq = mma_dq.get_thread_slice(tid);
+      Tensor sdS = make_tensor(make_smem_ptr(ss.fused.ds), typename Fused::SmemLayoutdS{});
+      Tensor sdSt = make_tensor(make_smem_ptr(ss.fused.ds), typename Fused::SmemLayoutdSt{});
+      Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Fused::SmemLayoutKt{});
+      Tensor sdQ = make_tensor(make_smem_ptr(ss.fused.dq[consumer]), typename Fused::SmemLayoutdQ{});
+      return make_tuple(
+          thr_dq.partition_fragment_A(sdS),  // (MMA, M, K, buffer) descriptors
+          thr_dq.partition_fragment_B(
+              local_tile(sKt, Shape<Int<Fused::kCols>, Int<BN>>{}, make_coord(consumer, 0))),
+          thr_sdp.partition_C(local_tile(sdSt, Shape<Int<kRowsW>, Int<BM>, _2>{},
+                                         make_coord(consumer, 0, 0))),  // where dS^T goes
+          thr_dq.partition_C(sdQ), sdQ);
+    } else {
+      return 0;
+    }
+  };
+  [[maybe_unused]] auto fp = fused_parts();
   Barrier::wait(&ss.kv_full, 0);
 
   int it = 0;
@@ -435,27 +546,38 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           skip = static_cast<int>(((static_cast<int64_t>(b) * p.heads + kvh * group + g) * p.seqlen +
                                    offset + visit.start) & 3);
         const float* lse2 = ss.lse2[stage] + skip;
-        // The query rows that see each of this thread's keys, recomputed per PARTIAL tile rather
-        // than held over the loop: 8 registers the accumulators need (4 bytes spilled otherwise).
-        Intervals seen_by[kRows];
-        if (masked) {
-          CUTE_UNROLL
-          for (int i = 0; i < kRows; ++i)
-            seen_by[i] = mask.col_intervals(key_base + get<0>(tScS_rc(i, 0)));
-        }
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) {
-          const int col = get<1>(tScS_rc(0, j));
-          const float l = lse2[col];
-          CUTE_UNROLL
-          for (int i = 0; i < kRows; ++i) {
-            float x = s(i, j) * p.scale_log2 - l;
-            if (masked) {
-              const int row = visit.start + col;
-              x = row < visit.end && seen_by[i].contains(row) ? x : -INFINITY;
-            }
-            s(i, j) = exp2_approx(x);
+        // The mask decided once per tile (two copies of the loop), not per score: a per-score
+        // test compiled to a predicated branch around each of the 32 scores, which the FULL
+        // tiles paid too (the forward's v4 -> v5 lesson, csrc/NOTES.md).
+        auto exponentiate = [&](auto masked_tag) {
+          constexpr bool kMasked = decltype(masked_tag)::value;
+          // The query rows that see each of this thread's keys, recomputed per PARTIAL tile rather
+          // than held over the loop: 8 registers the accumulators need (4 bytes spilled otherwise).
+          [[maybe_unused]] Intervals seen_by[kRows];
+          if constexpr (kMasked) {
+            CUTE_UNROLL
+            for (int i = 0; i < kRows; ++i)
+              seen_by[i] = mask.col_intervals(key_base + get<0>(tScS_rc(i, 0)));
           }
+          CUTE_UNROLL
+          for (int j = 0; j < size<1>(s); ++j) {
+            const int col = get<1>(tScS_rc(0, j));
+            const float l = lse2[col];
+            CUTE_UNROLL
+            for (int i = 0; i < kRows; ++i) {
+              float x = s(i, j) * p.scale_log2 - l;
+              if constexpr (kMasked) {
+                const int row = visit.start + col;
+                x = row < visit.end && seen_by[i].contains(row) ? x : -INFINITY;
+              }
+              s(i, j) = exp2_approx(x);
+            }
+          }
+        };
+        if (masked) {
+          exponentiate(cute::true_type{});
+        } else {
+          exponentiate(cute::false_type{});
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dp);
@@ -477,6 +599,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         Tensor tPa = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
         Tensor tdSa = make_tensor(ds_elem.data(), acc_as_operand_a(ds_elem.layout()));
+        if constexpr (Cfg::kFusedDq) {  // dS^T into buffer it & 1, two adjacent queries per store
+          // The buffers are 16 KB apart, a multiple of the swizzle's period: buffer 1's offsets are
+          // buffer 0's plus that.
+          auto& tdSs = get<2>(fp);
+          const uint32_t base = smem_addr(raw_pointer_cast(tdSs.data())) +
+                                (it & 1) * uint32_t(BM * BN * sizeof(Elem));
+          CUTE_UNROLL
+          for (int e = 0; e < size(ds_elem); e += 2) {
+            alignas(4) Elem pair[2] = {ds_elem(e), ds_elem(e + 1)};
+            st_shared_b32(base + sizeof(Elem) * tdSs.layout()(e, 0, 0, 0), *reinterpret_cast<uint32_t*>(pair));
+          }
+        }
 
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
@@ -488,12 +622,58 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int kb = 0; kb < size<2>(tdSa); ++kb)
           gemm(mma_kv, tdSa(_, _, kb), tKrQt(_, _, kb, stage), acc_dk);
         warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_dv);
-        warpgroup_fence_operand(acc_dk);
-        Barrier::arrive(&ss.empty[stage]);
+        if constexpr (Cfg::kFusedDq) {
+          // Both halves of dS written (the generic-proxy stores made visible to wgmma), and this
+          // warpgroup's previous reduce-add done reading its staging buffer: then dQ = dS K.
+          tma_store_fence();
+          if (tid == 0) tma_store_wait<0>();
+          bar_sync(kFusedDsBarrier, 256);
+          Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<Fused::kCols>>{});
+          auto& tdQrdS = get<0>(fp);
+          warpgroup_fence_operand(acc_dq);
+          warpgroup_arrive();
+          mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
+          CUTE_UNROLL
+          for (int kb = 0; kb < size<2>(tdQrdS); ++kb) {
+            gemm(mma_dq, tdQrdS(_, _, kb, it & 1), get<1>(fp)(_, _, kb), acc_dq);
+            mma_dq.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_dq);
+          warpgroup_fence_operand(acc_dv);
+          warpgroup_fence_operand(acc_dk);
+          Barrier::arrive(&ss.empty[stage]);
+          // Stage the partial, then one thread reduce-adds it at the tile's rows; rows past the
+          // visit (next half, sample or S) hold exact zeros (P^T = 0 there) or fall off the tensor.
+          auto& tdQs = get<3>(fp);
+          const uint32_t dq_base = smem_addr(raw_pointer_cast(tdQs.data()));
+          CUTE_UNROLL
+          for (int e = 0; e < size(acc_dq); e += 2)
+            st_shared_f32x2(dq_base + sizeof(float) * tdQs.layout()(e), acc_dq(e), acc_dq(e + 1));
+          tma_store_fence();
+          bar_sync(kFusedDqBarrier + consumer, 128);
+          if (tid == 0) {
+            const int h = kvh * group + g;
+            Tensor mdQ = p.tma_dq.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
+            Tensor gdQ = local_tile(
+                domain_offset(make_coord(offset + visit.start, consumer * Fused::kCols), mdQ(_, _, h, b)),
+                Shape<Int<BM>, Int<Fused::kCols>>{}, make_coord(0, 0));
+            auto tma_dq = p.tma_dq.get_slice(0);
+            copy(p.tma_dq, tma_dq.partition_S(get<4>(fp)), tma_dq.partition_D(gdQ));
+            tma_store_arrive();
+          }
+        } else {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_dv);
+          warpgroup_fence_operand(acc_dk);
+          Barrier::arrive(&ss.empty[stage]);
+        }
       }
     }
+  }
+  if constexpr (Cfg::kFusedDq) {
+    if (tid == 0) tma_store_wait<0>();  // the last reduce-add has read its staging buffer
   }
 
   // Epilogue: dK = scale * sum dS^T Q and dV straight from registers; rows are keys.
@@ -635,17 +815,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
       Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, keys)
       const bool masked = !visit.full || visit.end - visit.start < BN;
-      CUTE_UNROLL
-      for (int i = 0; i < kRows; ++i) {
+      auto exponentiate = [&](auto masked_tag) {  // the mask decided per tile, as in dK/dV
+        constexpr bool kMasked = decltype(masked_tag)::value;
         CUTE_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) {
-          float x = s(i, j) * p.scale_log2 - lse2[i];
-          if (masked) {
-            const int col = visit.start + get<1>(tScS_rc(i, j));
-            x = col < visit.end && seen[i].contains(col) ? x : -INFINITY;
+        for (int i = 0; i < kRows; ++i) {
+          CUTE_UNROLL
+          for (int j = 0; j < size<1>(s); ++j) {
+            float x = s(i, j) * p.scale_log2 - lse2[i];
+            if constexpr (kMasked) {
+              const int col = visit.start + get<1>(tScS_rc(i, j));
+              x = col < visit.end && seen[i].contains(col) ? x : -INFINITY;
+            }
+            s(i, j) = exp2_approx(x);
           }
-          s(i, j) = exp2_approx(x);
         }
+      };
+      if (masked) {
+        exponentiate(cute::true_type{});
+      } else {
+        exponentiate(cute::false_type{});
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dp);
@@ -700,6 +888,10 @@ struct BwdArgs {
   // odd-length / varlen dK/dV kernel also reads up to kVarlenScratchPad zeroed floats past the
   // lse2 / delta scratch.
   const int32_t *dkdv_sample = nullptr, *dq_sample = nullptr, *cu_seqlens = nullptr;
+  // Set (D = 128 only): the fused backward, dQ computed by the dK/dV kernel and reduce-added into
+  // this (B, S, H, D) contiguous fp32 scratch (launch_bwd zeroes it), then scaled into dq; the dQ
+  // kernel and dq_order / dq_tiles are not used. Faster, not deterministic. Null: two kernels.
+  float* dq_accum = nullptr;
 };
 
 // The tile shapes the shipped instantiations use (the binding builds the orders for them).
@@ -728,7 +920,7 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
   using Elem = typename Cfg::Elem;
   constexpr int D = Cfg::D;
   auto ptr = [](const void* x) { return static_cast<const Elem*>(x); };
-  const DkDvParams<Cfg> p{
+  DkDvParams<Cfg> p{
       make_tma_rows<Elem, Cfg::BM, D>(ptr(a.q), a.seqlen, a.heads, a.batch, a.q_stride[1], a.q_stride[2], a.q_stride[0]),
       make_tma_rows<Elem, Cfg::BM, D>(ptr(a.dout), a.seqlen, a.heads, a.batch, a.do_stride[1], a.do_stride[2], a.do_stride[0]),
       make_tma_rows<Elem, Cfg::BN, D>(ptr(a.k), a.seqlen, a.kv_heads, a.batch, a.k_stride[1], a.k_stride[2], a.k_stride[0]),
@@ -738,6 +930,13 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
       a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale,
       a.scale * 1.4426950408889634f, a.dkdv_order, a.dkdv_sample, a.cu_seqlens};
+  if constexpr (Cfg::kFusedDq) {
+    p.tma_dq = make_tma_copy(
+        SM90_TMA_REDUCE_ADD{},
+        make_tensor(make_gmem_ptr(a.dq_accum), make_shape(a.seqlen, D, a.heads, a.batch),
+                    make_stride(int64_t{a.heads} * D, _1{}, int64_t{D}, int64_t{a.seqlen} * a.heads * D)),
+        typename Cfg::Fused::SmemLayoutdQ{});
+  }
   auto kernel = diffusion_bwd_dkdv_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);  // once: the attribute is per function
@@ -774,6 +973,18 @@ template <class Elem, int D, int START>
 using DkDvShipped = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, START>;
 template <class Elem, int D, int START>
 using DqShipped = DqConfig<Elem, D, kDqBlockM, kDqBlockN, kDqStages, START>;
+template <class Elem, int D, int START>
+using DkDvFused = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, START, true>;
+constexpr bool fused_dq_supports(int d) { return d == 128; }
+
+template <class Elem, int D>
+cudaError_t launch_convert_dq(const BwdArgs& a) {
+  const int64_t threads = static_cast<int64_t>(a.batch) * a.seqlen * a.heads * (D / 8);
+  bwd_convert_dq_kernel<Elem, D><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, a.stream>>>(
+      a.dq_accum, static_cast<Elem*>(a.dq), a.dq_stride[0], a.dq_stride[1], a.dq_stride[2], a.batch,
+      a.seqlen, a.heads, a.scale);
+  return cudaGetLastError();
+}
 
 // The whole backward: preprocess, dK/dV, dQ (one stream, so each sees the previous one's writes).
 // START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, dkdv_sample,
@@ -782,6 +993,18 @@ using DqShipped = DqConfig<Elem, D, kDqBlockM, kDqBlockN, kDqStages, START>;
 template <class Elem, int D, int START = kBatchedStart>
 cudaError_t launch_bwd(const BwdArgs& a) {
   if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
+  if (a.dq_accum) {
+    if constexpr (fused_dq_supports(D)) {
+      const size_t bytes = sizeof(float) * a.batch * a.seqlen * a.heads * D;
+      cudaError_t err = cudaMemsetAsync(a.dq_accum, 0, bytes, a.stream);
+      if (err == cudaSuccess) err = launch_preprocess<Elem, D>(a);
+      if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDvFused<Elem, D, START>>(a);
+      if (err == cudaSuccess) err = launch_convert_dq<Elem, D>(a);
+      return err;
+    } else {
+      return cudaErrorInvalidValue;  // callers ask fused_dq_supports(D) first
+    }
+  }
   cudaError_t err = launch_preprocess<Elem, D>(a);
   if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDvShipped<Elem, D, START>>(a);
   if (err == cudaSuccess && a.dq_tiles) err = launch_dq<DqShipped<Elem, D, START>>(a);

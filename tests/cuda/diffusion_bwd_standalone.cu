@@ -245,15 +245,25 @@ struct Bwd {
     a.dkdv_tiles = (int)order_of(P.mask.bwd_tiles(DkCfg::BM, DkCfg::BN), &dkdv_order).size();
     a.dq_tiles = (int)order_of(P.mask.fwd_tiles(DqCfg::BM, DqCfg::BN), &dq_order).size();
     a.dkdv_order = dkdv_order, a.dq_order = dq_order, a.stream = nullptr;
+    if constexpr (DkCfg::kFusedDq) CK(cudaMalloc(&a.dq_accum, P.nq * sizeof(float)));
   }
   ~Bwd() {
-    cudaFree(fwd_order), cudaFree(dkdv_order), cudaFree(dq_order);
+    cudaFree(fwd_order), cudaFree(dkdv_order), cudaFree(dq_order), cudaFree(a.dq_accum);
     if (side) cudaStreamDestroy(side), cudaEventDestroy(pre_done), cudaEventDestroy(dq_done);
   }
   void pre() { CK((dlm::sm90::launch_preprocess<Elem, D>(a))); }
   void dkdv() { CK(dlm::sm90::launch_dkdv<DkCfg>(a)); }
   void dq() { CK(dlm::sm90::launch_dq<DqCfg>(a)); }
-  void all() { pre(), dkdv(), dq(); }
+  // The fused backward (DkCfg::kFusedDq): dQ reduce-added by the dK/dV kernel, then converted.
+  void all() {
+    if constexpr (DkCfg::kFusedDq) {
+      CK(cudaMemsetAsync(a.dq_accum, 0, P.nq * sizeof(float), a.stream));
+      pre(), dkdv();
+      CK((dlm::sm90::launch_convert_dq<Elem, D>(a)));
+    } else {
+      pre(), dkdv(), dq();
+    }
+  }
   // An A/B for csrc/NOTES.md: dQ on a second stream beside dK/dV (both need only the
   // preprocess), so one kernel's tail of long CTAs overlaps the other's work.
   cudaStream_t side = nullptr;
@@ -387,6 +397,33 @@ void timing(const char* name) {
   }
 }
 
+// The fused backward against the shipped two-kernel one on the same inputs, interleaved
+// (shipped, fused, shipped, fused), bf16 D = 128, 16K tokens.
+template <class Dk, class DkF, class Dq>
+void timing_fused() {
+  printf("== timing fused dQ vs shipped (bf16, D=128, 16K tokens, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n");
+  const Run runs[] = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
+                      {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4}, {4, 2048, 32, 8, 16}};
+  for (const Run& r : runs) {
+    Problem<bf16> P(r, 128);
+    P.to_device();
+    Bwd<bf16, 128, Dk, Dq> ship(P);
+    Bwd<bf16, 128, DkF, Dq> fused(P);
+    float ts = 1e9f, tf = 1e9f;
+    for (int round = 0; round < 2; ++round) {
+      ts = std::min(ts, time_ms([&] { ship.all(); }, 20));
+      tf = std::min(tf, time_ms([&] { fused.all(); }, 20));
+    }
+    const float t_kernel = time_ms([&] { fused.dkdv(); }, 20);
+    CK(cudaGetLastError());
+    const double matmul = 2.0 * (double)P.mask.num_pairs() * 128 * r.H * r.B / 1e9;
+    printf("time B=%d n=%d H=%d/%d bs=%d: shipped %.3f ms = %.0f TFLOPS; fused %.3f ms = %.0f TFLOPS "
+           "(%.2fx; its dK/dV/dQ kernel %.3f ms, %.0f TFLOPS of its 5 matmuls)\n",
+           r.B, r.n, r.H, r.Hkv, r.bs, ts, 5 * matmul / ts, tf, 5 * matmul / tf, ts / tf, t_kernel,
+           5 * matmul / t_kernel);
+  }
+}
+
 // The reference alone on one small problem, written out for tests against torch autograd:
 // header (B, S, H, Hkv, D, n_noisy, bs) as 7 int32, then q, k, v, dO, dq, dk, dv as float64.
 void refdump(const char* path) {
@@ -458,10 +495,10 @@ void make_entries(const std::vector<dlm::SequenceMask>& masks, bool varlen, F pl
   e.upload();
 }
 
-template <class Elem, int D, int START>
+template <class Elem, int D, int START, bool FUSED = false>
 struct VarRun {
   using FwdCfg = dlm::sm90::FwdConfig<Elem, D, 128, dlm::sm90::fwd_block_n(D), 2, true, START>;
-  using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, 128, 2, START>;
+  using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, 128, 2, START, FUSED>;
   using DqCfg = dlm::sm90::DqConfig<Elem, D, 128, 128, 2, START>;
   VarSpec v;
   std::vector<int32_t> off;                // sequence offsets (+ total)
@@ -539,17 +576,23 @@ struct VarRun {
     a.dkdv_order = dkdv_e.d_order, a.dkdv_tiles = (int)dkdv_e.order.size();
     a.dq_order = dq_e.d_order, a.dq_tiles = (int)dq_e.order.size();
     a.dkdv_sample = dkdv_e.d_sample, a.dq_sample = dq_e.d_sample, a.cu_seqlens = d_cu, a.stream = nullptr;
+    if (FUSED) CK(cudaMalloc(&a.dq_accum, std::max<size_t>(nq, 1) * sizeof(float)));
   }
   ~VarRun() {
     for (void* p : {(void*)q, (void*)k, (void*)v_, (void*)o, (void*)g, (void*)dq, (void*)dk, (void*)dv,
-                    (void*)lse, (void*)lse2, (void*)delta, (void*)d_cu})
+                    (void*)lse, (void*)lse2, (void*)delta, (void*)d_cu, (void*)a.dq_accum})
       cudaFree(p);
   }
   void fwd() { if (f.num_tiles) CK(dlm::sm90::launch_fwd_cfg<FwdCfg>(f)); }
   void bwd() {
+    if (FUSED) CK(cudaMemsetAsync(a.dq_accum, 0, nq * sizeof(float), a.stream));
     CK((dlm::sm90::launch_preprocess<Elem, D>(a)));
     if (a.dkdv_tiles) CK(dlm::sm90::launch_dkdv<DkCfg>(a));
-    if (a.dq_tiles) CK(dlm::sm90::launch_dq<DqCfg>(a));
+    if (FUSED) {
+      CK((dlm::sm90::launch_convert_dq<Elem, D>(a)));
+    } else if (a.dq_tiles) {
+      CK(dlm::sm90::launch_dq<DqCfg>(a));
+    }
   }
 
   // Forward (o, lse) and backward (dq, dk, dv) against the fp64 reference, sequence by sequence;
@@ -624,7 +667,7 @@ struct VarRun {
   }
 };
 
-template <class Elem, int D>
+template <class Elem, int D, bool FUSED = false>
 void odd_varlen_checks(const char* name) {
   using namespace dlm::sm90;
   auto batched = [](int B, int n, int H, int Hkv, int bs, bool causal = false, int stride = 1) {
@@ -641,7 +684,7 @@ void odd_varlen_checks(const char* name) {
                            batched(3, 70, 2, 2, 100), batched(1, 250, 2, 1, 128, false, 2),
                            batched(4, 33, 2, 1, 40), batched(1, 200, 2, 1, 150, false, 2),
                            batched(1, 129, 2, 2, 100, false, 2)})
-    VarRun<Elem, D, kStartAny>(s).check(name);
+    VarRun<Elem, D, kStartAny, FUSED>(s).check(name);
   std::vector<int> many(30);
   uint32_t st = 12345;
   for (auto& x : many) st = st * 1664525u + 1013904223u, x = (st >> 8) % 5 == 0 ? 0 : (int)((st >> 12) % 150);
@@ -651,7 +694,7 @@ void odd_varlen_checks(const char* name) {
                            VarSpec{true, {500}, 2, 1, 300, false, 5},
                            VarSpec{true, {200, 70, 0, 33, 160, 129, 250, 180, 1}, 2, 1, 100, false, 2},
                            VarSpec{true, many, 2, 1, 5, false, 2}})
-    VarRun<Elem, D, kStartVarlen>(s).check(name);
+    VarRun<Elem, D, kStartVarlen, FUSED>(s).check(name);
 }
 
 // Forward and backward at 16K tokens (bf16 D=128 H=16 bs=16): the shipped batched kernels (Bwd),
@@ -753,6 +796,21 @@ int main(int argc, char** argv) {
     varlen_timing();
     printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
     return g_failures != 0;
+  }
+  if (mode == "fused" || mode == "fused-small") {
+    using DkF = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, true>;
+    using DkF16 = DkDvConfig<fp16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, true>;
+    if (mode == "fused-small") {  // e.g. under compute-sanitizer
+      check<bf16, 128, DkF, Dq>("bf16 D=128 fused", {1, 256, 4, 2, 16});
+      VarRun<bf16, 128, kStartVarlen, true>(VarSpec{true, {0, 100, 37, 0, 130}, 2, 1, 16}).check("bf16 D=128 fused");
+      return g_failures ? 1 : 0;
+    }
+    checks<bf16, 128, DkF, Dq>("bf16 D=128 fused", true);
+    checks<fp16, 128, DkF16, DqConfig<fp16, 128, kDqBlockM, kDqBlockN, kDqStages>>("fp16 D=128 fused", true);
+    odd_varlen_checks<bf16, 128, true>("bf16 D=128 fused");
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_fused<Dk, DkF, Dq>();
   }
   if (mode == "dkdv3") {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;
