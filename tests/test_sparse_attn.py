@@ -731,7 +731,8 @@ def _gpu_column_pattern(b, h, sk, kmax, mode, seed):
     """Per (b, h) kmax distinct keys in random order (not ascending); counts 0, 1, 127, 128, 129,
     kmax first (clipped to kmax), then random ("random"), all kmax ("all") or all 0 ("empty")."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    idx = torch.rand(b, h, sk, device="cuda", generator=g).argsort(-1)[..., :kmax].int().contiguous()
+    idx = torch.rand(b, h, sk, device="cuda", generator=g).argsort(-1)[..., :kmax]
+    idx = idx.int().contiguous()
     if mode == "all":
         return idx, torch.full((b, h), kmax, device="cuda", dtype=torch.int32)
     if mode == "empty":
@@ -805,7 +806,8 @@ def test_gpu_cutlass_column_training_step_and_fallbacks():
     with torch.no_grad():
         out, lse = dlm_ops.column_sparse_attn(shifted, k, v, idx, cnt, return_lse=True)
         q256, k256, v256 = _gpu_qkv(1, 300, 400, 4, 2, 256, torch.bfloat16, seed=1)
-        dlm_ops.column_sparse_attn(q256, k256, v256, *_gpu_column_pattern(1, 4, 400, 100, "random", 1))
+        pattern = _gpu_column_pattern(1, 4, 400, 100, "random", 1)
+        dlm_ops.column_sparse_attn(q256, k256, v256, *pattern)
     assert cs.STATS["column_fwd_fallback"] == fallbacks + 1  # d 256 selects Triton directly
     _forward_rule(out, lse, lambda **kw: column_sparse_attn_ref(shifted, k, v, idx, cnt, **kw),
                   torch.bfloat16)

@@ -56,7 +56,7 @@ struct SparseFwdArgs {
   int64_t lse_stride[2];                                       // (batch, head); lse (B, H, Sq) fp32
   int batch, seqlen_q, seqlen_k, heads, kv_heads;
   int block_q, block_k;                 // selection block sizes (this kernel: both == 128)
-  const int32_t* kv_block_indices;      // (B, H, nQb, max_blocks), contiguous
+  const int32_t* kv_block_indices;      // (B, H, nQb, max_blocks), contiguous; or (max_blocks): shared_list
   const int32_t* kv_block_counts;       // (B, H, nQb), contiguous
   int num_q_blocks, max_blocks;
   float scale;                          // softmax scale (natural), the kernel folds log2 e
