@@ -18,7 +18,8 @@ rows are gathered per query head into (B, K, H, D) buffers (K = kv_indices.shape
 host sync; ~1 % of the attention's time, csrc/NOTES.md "Column-sparse forward (issue #5)") and
 the same kernel runs over them with Hkv = H, every query block listing key blocks
 0 .. ceil(count / 128) - 1 (one shared arange) and key_len = kv_counts (the tile of the last
-listed key masks the rest). Same coverage (D 64 / 128, fp16 / bf16, TMA-ready q), K >= 1.
+listed key masks the rest). Same coverage (D 64 / 128, fp16 / bf16, TMA-ready q), K >= 1. The
+buffers are sized by the list width K, not the counts: cut Sk-wide tables to the longest list.
 
 Every backward (block- and column-sparse) and the forwards the kernel does not cover run Triton's
 kernels, counted in ``STATS`` per entry point. The backwards need only the forward's out and lse,
