@@ -63,7 +63,7 @@ def hybrid(rows: list[dict], plt, path: Path) -> None:
 def sparse(rows: list[dict], plt, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for contender, style in (("dlm_ops", "o-"), ("dlm_ops triton", "d:"), ("flex", "x--"),
-                             ("dlm_ops column", "s-.")):
+                             ("dlm_ops column", "s-."), ("dlm_ops column triton", "v:")):
         for s in sorted({r["seqlen"] for r in rows}):
             pts = sorted((r["true_density"], r["ratio"]) for r in rows
                          if r["contender"] == contender and r["seqlen"] == s)

@@ -10,8 +10,11 @@ the same call forced to the Triton kernels, so both show in one run. FlexAttenti
 the same block table
 (``BlockMask.from_kv_blocks``, every listed block marked full, so no mask_mod runs) is the
 block-sparse contender; outputs are checked against the torch backend in fp32 on a slice
-(``err_ours``, ``err_flex``). Column-sparse has no contender here (flex would need a per-token
-mask_mod over a column table, evaluated inside every visited block).
+(``err_ours``, ``err_flex``). Column-sparse: ``dlm_ops column`` is the default dispatch (on sm90
+the ``cutlass`` backend: the listed K / V gathered per head, then the block-sparse kernel with a
+key length per head), ``dlm_ops column triton`` the same call forced to Triton's kernel; no other
+contender (flex would need a per-token mask_mod over a column table, evaluated inside every
+visited block).
 
 Patterns: block-sparse, per (head, query block) a uniformly random set of round(density * nKb) key
 blocks, listed in ascending order (what a table-to-indices conversion produces), selection blocks
@@ -52,6 +55,8 @@ GOAL = 1.15  # sparse / dense time <= GOAL * density
 AMORTISE_STEPS = (64, 256, 1024)
 DENSE = "dense cudnn"
 TRITON = "dlm_ops triton"  # block-sparse forced to the Triton kernels (dlm_ops: default dispatch)
+COLUMN = "dlm_ops column"
+COLUMN_TRITON = "dlm_ops column triton"  # column-sparse forced to the Triton kernel
 
 
 @dataclass(frozen=True)
@@ -129,10 +134,11 @@ def make_ours(case: SparseCase, q, k, v, idx, counts, backend=None):
                                              block_size_k=bs, check_indices=False, backend=backend)
 
 
-def make_column(case: SparseCase, q, k, v, idx, counts):
+def make_column(case: SparseCase, q, k, v, idx, counts, backend=None):
     import dlm_ops
 
-    return lambda: dlm_ops.column_sparse_attn(q, k, v, idx, counts, check_indices=False)
+    return lambda: dlm_ops.column_sparse_attn(q, k, v, idx, counts, check_indices=False,
+                                              backend=backend)
 
 
 def make_selections(seqlen: int, q, k) -> dict:
@@ -239,7 +245,8 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
         fns[("dlm_ops", d)] = make_ours(case, q, k, v, idx, counts)
         fns[(TRITON, d)] = make_ours(case, q, k, v, idx, counts, backend="triton")
         columns[d] = column_pattern(case)
-        fns[("dlm_ops column", d)] = make_column(case, q, k, v, *columns[d])
+        fns[(COLUMN, d)] = make_column(case, q, k, v, *columns[d])
+        fns[(COLUMN_TRITON, d)] = make_column(case, q, k, v, *columns[d], backend="triton")
         if with_flex:
             try:
                 fns[("flex", d)] = make_flex(case, q, k, v, idx, counts)
@@ -263,12 +270,15 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
             lambda: dlm_ops.block_sparse_attn(q, k, v, idx, counts, block_size_q=block_size,
                                               block_size_k=block_size, check_indices=True),
             fns[("dlm_ops", d)])
-        if ("dlm_ops column", d) in fns:
-            cidx, ccounts = columns[d]
-            meta[("dlm_ops column", d)] = dict(
-                check_column_accuracy(case, fns[("dlm_ops column", d)](), q, k, v, cidx, ccounts),
+        cidx, ccounts = columns[d]
+        if (COLUMN, d) in fns:
+            meta[(COLUMN, d)] = dict(
+                check_column_accuracy(case, fns[(COLUMN, d)](), q, k, v, cidx, ccounts),
                 check_ms=_check_ms(lambda: dlm_ops.column_sparse_attn(q, k, v, cidx, ccounts),
-                                   fns[("dlm_ops column", d)]))
+                                   fns[(COLUMN, d)]))
+        if (COLUMN_TRITON, d) in fns:
+            meta[(COLUMN_TRITON, d)] = check_column_accuracy(case, fns[(COLUMN_TRITON, d)](), q, k,
+                                                             v, cidx, ccounts)
     if with_select:
         for name, fn in make_selections(seqlen, q, k).items():
             try:
@@ -293,7 +303,7 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
                                                      for n in AMORTISE_STEPS}))
         elif d is not None:
             case = patterns[d][0]
-            column = name == "dlm_ops column"
+            column = name in (COLUMN, COLUMN_TRITON)
             density = case.columns / seqlen if column else case.true_density
             rows.append(dict(asdict(case), kind="column" if column else "block",
                              true_density=density, contender=name, ms=ms, ratio=ms / dense_ms,
@@ -316,18 +326,27 @@ def _dense_ms(rows: list[dict]) -> dict:
 
 
 def column_table(rows: list[dict]) -> str:
+    """One line per (S, density): the default dispatch, then the forced-Triton contender (``-``
+    in a run without it)."""
     head = ["S", "density (columns)", "dense cuDNN ms", "column ms", "column / dense",
-            "/ density", "err vs fp32", f"column / density <= {GOAL}"]
+            "/ density", "err vs fp32", f"column / density <= {GOAL}", "triton ms",
+            "triton / density", "triton ms / column ms"]
     lines = ["Column-sparse (`column_sparse_attn`, every query of a head attends to its head's "
              "columns):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     dense = _dense_ms(rows)
-    for r in sorted((r for r in rows if r.get("kind") == "column"),
-                    key=lambda r: (r["seqlen"], r["density"])):
+    column = [r for r in rows if r.get("kind") == "column"]
+    for s, d in sorted({(r["seqlen"], r["density"]) for r in column}):
+        get = lambda name: next((r for r in column if r["contender"] == name
+                                 and r["seqlen"] == s and r["density"] == d), None)
+        r, t = get(COLUMN), get(COLUMN_TRITON)
+        f = lambda x, key, fmt: "-" if x is None else format(x[key], fmt)
         lines.append("| " + " | ".join([
-            f"{r['seqlen'] // 1024}K", f"{r['true_density']:.3f}", f"{dense[r['seqlen']]:.2f}",
-            f"{r['ms']:.2f}", f"{r['ratio']:.3f}", f"{r['ratio_over_density']:.2f}",
-            f"{r.get('err_ours', float('nan')):.1e}",
-            "yes" if r["ratio_over_density"] <= GOAL else "no"]) + " |")
+            f"{s // 1024}K", f"{(r or t)['true_density']:.3f}", f"{dense[s]:.2f}",
+            f(r, "ms", ".2f"), f(r, "ratio", ".3f"), f(r, "ratio_over_density", ".2f"),
+            "-" if r is None else f"{r.get('err_ours', float('nan')):.1e}",
+            "-" if r is None else ("yes" if r["ratio_over_density"] <= GOAL else "no"),
+            f(t, "ms", ".2f"), f(t, "ratio_over_density", ".2f"),
+            "-" if not (r and t) else f"{t['ms'] / r['ms']:.2f}x"]) + " |")
     return "\n".join(lines)
 
 

@@ -1,10 +1,13 @@
 """The sparse family's cutlass backend without a GPU (dlm_ops/backends/cutlass_sparse.py): which
 calls run the sm90 block-sparse forward and which go to Triton (block sizes, head dims, TMA
-alignment, empty list tables, a failed build; every backward and the column-sparse op), what it
-hands the extension (tensors, block sizes, scale, the longest-first work order), its dispatch
-(preferred where it builds, DLM_OPS_CUTLASS=0, forcing) and the remembered build failure. A fake
-extension stands in for the build: it records its calls and writes the torch backend's result,
-so the backend's returned tensors are checked against the reference too."""
+alignment, empty list tables, a failed build; every backward), what it hands the extension
+(tensors, block sizes, scale, the longest-first work order), the column-sparse forward's wiring
+(the per-head gather of K / V, the shared block list, per-item block counts, key_len, its work
+order and fallbacks), its dispatch (preferred where it builds, DLM_OPS_CUTLASS=0, forcing) and the
+remembered build failure. A fake extension stands in for the build: it records its calls and
+writes what the kernel must (block lists: the torch backend's result; with key_len: the masked
+attention its contract defines, checked against that contract), so the backend's returned
+tensors are checked against the reference too."""
 
 import warnings
 
@@ -19,8 +22,10 @@ from dlm_ops.backends.base import GQA, Problem
 from dlm_ops.backends.sparse import TorchSparseBackend
 from dlm_ops.backends.sparse_triton import TritonSparseBackend
 from dlm_ops.errors import UnsupportedConfig
+from dlm_ops.reference import block_sparse_mask, column_sparse_attn_ref, masked_attention_ref
 
-from .test_sparse_attn import block_pattern
+from .accuracy import assert_rule
+from .test_sparse_attn import block_pattern, random_lists
 
 
 class FakeExtension:
@@ -35,13 +40,34 @@ class FakeExtension:
         return block_q == 128 and block_k == 128 and d in (64, 128)
 
     def fwd(self, q, k, v, out, lse, kv_block_indices, kv_block_counts, work_order, block_q,
-            block_k, scale):
+            block_k, scale, key_len=None):
         self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, idx=kv_block_indices,
                                counts=kv_block_counts, order=work_order, block_q=block_q,
-                               block_k=block_k, scale=scale))
-        o, l = TorchSparseBackend().block_fwd(q, k, v, kv_block_indices, kv_block_counts, block_q,
-                                              block_k, scale)
+                               block_k=block_k, scale=scale, key_len=key_len))
+        if key_len is None:
+            o, l = TorchSparseBackend().block_fwd(q, k, v, kv_block_indices, kv_block_counts,
+                                                  block_q, block_k, scale)
+        else:
+            o, l = self.key_len_fwd(q, k, v, kv_block_indices, kv_block_counts, block_q, block_k,
+                                    scale, key_len)
         out.copy_(o), lse.copy_(l)
+
+    @staticmethod
+    def key_len_fwd(q, k, v, idx, counts, block_q, block_k, scale, key_len):
+        """The kernel with key_len (block_sparse_fwd.cuh): item (b, h, qb) sees the keys of its
+        listed blocks below key_len[b, h]; idx may be one list shared by every item. Asserts the
+        contract the binding cannot check without a sync: key_len in [0, Sk], listed blocks below
+        ceil(key_len / block_k), list slots for every count."""
+        b, sq, h, _ = q.shape
+        nqb, sk = counts.shape[-1], k.shape[1]
+        lists = idx.expand(b, h, nqb, idx.shape[-1]) if idx.dim() == 1 else idx
+        assert ((key_len >= 0) & (key_len <= sk)).all() and (counts <= lists.shape[-1]).all()
+        listed = torch.arange(lists.shape[-1]) < counts.unsqueeze(-1)
+        limit = (key_len + block_k - 1) // block_k
+        assert (~listed | ((lists >= 0) & (lists < limit[..., None, None]))).all()
+        mask = block_sparse_mask(lists, counts, sq, sk, block_q, block_k)
+        mask = mask & (torch.arange(sk) < key_len[:, :, None, None])
+        return masked_attention_ref(q, k, v, mask, softmax_scale=scale)
 
 
 TRITON_ENTRY_POINTS = ("block_fwd", "block_bwd", "column_fwd", "column_bwd")
@@ -142,7 +168,7 @@ def test_uncovered_forwards_fall_back_to_triton(fake, monkeypatch):
     assert len(fake.calls) == 2
 
 
-def test_backwards_and_column_sparse_run_triton_counted(fake):
+def test_backwards_run_triton_counted(fake):
     backend = cs.CutlassSparseBackend()
     q, k, v = _inputs(1, 256, 256, 2, 2, 128)
     idx, cnt = block_pattern(1, 2, 256, 256, 128, 128, "all", 0)
@@ -151,10 +177,123 @@ def test_backwards_and_column_sparse_run_triton_counted(fake):
         ("triton", "block_bwd")
     cidx = torch.arange(10, dtype=torch.int32).expand(1, 2, 10).contiguous()
     ccnt = torch.full((1, 2), 10, dtype=torch.int32)
-    assert backend.column_fwd(q, k, v, cidx, ccnt, 0.1) == ("triton", "column_fwd")
-    assert backend.column_bwd(q, q, k, v, out, lse, None, cidx, ccnt, 0.1) == ("triton", "column_bwd")
-    assert cs.STATS == dict(fwd=1, fwd_fallback=0, bwd_fallback=1, column_fwd_fallback=1,
-                            column_bwd_fallback=1)
+    cout, clse = backend.column_fwd(q, k, v, cidx, ccnt, 0.1)  # the CUTLASS forward ...
+    # ... and Triton's backward, which reads only its out and lse (public layouts)
+    assert backend.column_bwd(q, q, k, v, cout, clse, None, cidx, ccnt, 0.1) == \
+        ("triton", "column_bwd")
+    assert cs.STATS == dict(fwd=1, fwd_fallback=0, bwd_fallback=1, column_fwd=1,
+                            column_fwd_fallback=0, column_bwd_fallback=1)
+
+
+# -- column-sparse forward -------------------------------------------------------------------------
+
+
+@given(b=st.integers(1, 2), sq=st.integers(0, 300), sk=st.integers(1, 400),
+       heads=st.sampled_from([(2, 2), (4, 1), (4, 2)]), d=st.sampled_from([64, 128]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       mode=st.sampled_from(["random", "random", "empty", "all"]),
+       slots=st.sampled_from([1, 127, 128, 129, 260, None]), seed=st.integers(0, 1000))
+def test_column_forward_runs_cutlass_over_gathered_keys(b, sq, sk, heads, d, dtype, mode, slots,
+                                                        seed):
+    """Any Sq / Sk, GQA, K (list slots) around the 128-key tile, counts 0 / K / random, junk past
+    the counts: the kernel gets q, per-query-head gathered K / V (B, K, H, D) whose listed slots
+    are the listed keys and whose other slots are finite keys of the input, the shared list
+    0 .. ceil(K / 128) - 1, block counts ceil(count / 128) per (b, h, query block), key_len =
+    counts, a stable heads-longest-first work order, blocks 128 and the scale; what it writes
+    (the fake: the kernel's contract, asserted) meets the accuracy rule against the reference."""
+    ext = FakeExtension()
+    h, hkv = heads
+    m = sk + 2 if slots is None else slots
+    q, k, v = _inputs(b, sq, sk, h, hkv, d, dtype, seed)
+    idx, cnt = random_lists((b, h), sk, m, mode, seed)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cs, "_extension", lambda: ext)
+        mp.setattr(cs, "STATS", dict.fromkeys(cs.STATS, 0))
+        mp.setattr(TritonSparseBackend, "column_fwd", lambda self, *a: ("triton", "column_fwd"))
+        out, lse = cs.CutlassSparseBackend().column_fwd(q, k, v, idx, cnt, 0.3)
+        stats = dict(cs.STATS)
+    assert stats == dict(cs.STATS, column_fwd=1, column_fwd_fallback=0)
+    (call,) = ext.calls
+    assert call["q"] is q and call["out"] is out and call["lse"] is lse
+    assert (call["block_q"], call["block_k"], call["scale"]) == (128, 128, 0.3)
+    kg, vg = call["k"], call["v"]
+    for t, src in ((kg, k), (vg, v)):
+        assert t.shape == (b, m, h, d) and t.dtype == dtype and t.is_contiguous()
+        for bi in range(b):
+            for hi in range(h):
+                c, kvh = int(cnt[bi, hi]), hi // (h // hkv)
+                rows = src[bi, :, kvh]
+                assert torch.equal(t[bi, :c, hi], rows[idx[bi, hi, :c].long()])
+                # unlisted slots: a row of the input (finite where the input is), masked anyway
+                fill = rows[int(idx[bi, hi, 0])] if c else rows[0]
+                assert torch.equal(t[bi, c:, hi], fill.expand(m - c, d))
+    nqb, nkb = -(-sq // 128), -(-m // 128)
+    shared, blocks, key_len = call["idx"], call["counts"], call["key_len"]
+    assert shared.dtype == torch.int32 and shared.tolist() == list(range(nkb))
+    assert blocks.dtype == torch.int32 and blocks.is_contiguous() and blocks.shape == (b, h, nqb)
+    assert torch.equal(blocks, ((cnt + 127) // 128).unsqueeze(-1).expand(b, h, nqb))
+    assert key_len.dtype == torch.int32 and key_len.is_contiguous() and torch.equal(key_len, cnt)
+    order = call["order"]
+    assert order.dtype == torch.int32 and order.is_contiguous()
+    assert order.tolist() == _stable_longest_first(blocks)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    gold = column_sparse_attn_ref(q, k, v, idx, cnt, softmax_scale=0.3)
+    plain = column_sparse_attn_ref(q, k, v, idx, cnt, softmax_scale=0.3, compute_dtype=dtype)
+    empty = torch.isneginf(gold[1])
+    assert torch.equal(torch.isneginf(lse), empty) and not (out.transpose(1, 2)[empty] != 0).any()
+    fin = lambda x: torch.where(empty, 0.0, x)
+    assert_rule("out", out, gold[0], plain[0], dtype)
+    assert_rule("lse", fin(lse), fin(gold[1]), fin(plain[1]), dtype)
+
+
+def test_column_plan_work_order_is_the_items_longest_first():
+    """Sorting heads (B * H) and expanding is the stable longest-first order of the items."""
+    counts = torch.tensor([[300, 0, 129, 256], [128, 300, 1, 257]], dtype=torch.int32)
+    shared, blocks, order = cs.column_plan(counts, 3, 300)
+    assert shared.tolist() == [0, 1, 2]
+    assert blocks[:, :, 0].tolist() == [[3, 0, 2, 2], [1, 3, 1, 3]]
+    assert order.tolist() == _stable_longest_first(blocks)
+    assert order.tolist()[:9] == [0, 1, 2, 15, 16, 17, 21, 22, 23]
+    shared, blocks, order = cs.column_plan(counts, 0, 300)  # Sq = 0: no item
+    assert blocks.shape == (2, 4, 0) and order.numel() == 0
+
+
+def test_column_forward_clamps_unchecked_counts_to_the_list():
+    """check_indices=False with counts past K: key_len and the block counts stay within the
+    gathered keys and the shared list (the kernel never reads past either)."""
+    ext = FakeExtension()
+    q, k, v = _inputs(1, 130, 300, 2, 2, 64)
+    idx = torch.arange(200, dtype=torch.int32).expand(1, 2, 200).contiguous()
+    cnt = torch.tensor([[250, -3]], dtype=torch.int32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cs, "_extension", lambda: ext)
+        cs.CutlassSparseBackend().column_fwd(q, k, v, idx, cnt, 0.1)
+    (call,) = ext.calls
+    assert call["key_len"].tolist() == [[200, 0]]
+    assert call["counts"][:, :, 0].tolist() == [[2, 0]] and call["idx"].numel() == 2
+
+
+def test_uncovered_column_forwards_fall_back_to_triton(fake, monkeypatch):
+    backend = cs.CutlassSparseBackend()
+    q, k, v = _inputs(1, 300, 260, 4, 2, 128)
+    idx, cnt = random_lists((1, 4), 260, 100, "random", 3)
+
+    def fwd(q, k, v, idx=idx, cnt=cnt):
+        return backend.column_fwd(q, k, v, idx, cnt, 0.1)
+
+    assert fwd(q, k, v)[0] != "triton"  # the covered call, for contrast
+    odd = torch.randn(1, 260, 2, 129).to(k.dtype)[..., :128]  # 258-byte rows: gathered, so fine
+    assert fwd(q, odd, v)[0] != "triton"
+    q256, k256, v256 = _inputs(1, 300, 260, 4, 2, 256)  # a head dim the kernel lacks
+    assert fwd(q256, k256, v256) == ("triton", "column_fwd")
+    shifted = torch.randn(q.numel() + 4).to(q.dtype)[4:].view(q.shape)  # q 8 bytes off
+    assert fwd(shifted, k, v) == ("triton", "column_fwd")
+    assert fwd(q, k, v, idx[..., :0], cnt * 0) == ("triton", "column_fwd")  # K = 0: no slot
+    monkeypatch.setattr(cs, "_extension", lambda: None)  # a failed build
+    assert fwd(q, k, v) == ("triton", "column_fwd")
+    assert cs.STATS["column_fwd"] == 2 and cs.STATS["column_fwd_fallback"] == 4
+    assert len(fake.calls) == 2
 
 
 @pytest.fixture

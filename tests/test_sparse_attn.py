@@ -491,7 +491,13 @@ def test_benchmark_column_rows_selection_and_quick_preset():
             dict(seqlen=16384, kind="select", density=1.0, contender="pulsecol select (S/8 rows)",
                  ms=2.56, ratio=0.256, amortised_64=0.004, amortised_256=0.001, amortised_1024=0.00025)]
     table = bench.markdown(rows)
-    assert "| 16K | 0.300 | 10.00 | 3.30 | 0.330 | 1.10 | 1.0e-03 | yes |" in table
+    assert "| 16K | 0.300 | 10.00 | 3.30 | 0.330 | 1.10 | 1.0e-03 | yes | - | - | - |" in table
+    rows.insert(2, dict(seqlen=16384, kind="column", density=0.3, true_density=0.3,
+                        contender="dlm_ops column triton", ms=6.6, ratio=0.66,
+                        ratio_over_density=2.2, err_ours=2e-3))
+    table = bench.markdown(rows)  # one line per point: the default dispatch and forced Triton
+    assert ("| 16K | 0.300 | 10.00 | 3.30 | 0.330 | 1.10 | 1.0e-03 | yes | 6.60 | 2.20 | 2.00x |"
+            in table) and table.count("| 16K | 0.300 |") == 1
     assert "| 16K | pulsecol select (S/8 rows) | 2.56 | 0.256 | 0.0040 | 0.0010 | 0.0003 |" in table
 
 
@@ -629,11 +635,11 @@ def _sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _forward_rule(out, lse, q, k, v, idx, cnt, dtype):
-    """The accuracy rule on the forward alone (out, lse), -inf rows exactly the reference's and
-    their out exactly 0."""
-    gold = block_sparse_attn_ref(q, k, v, idx, cnt, 128, 128, compute_dtype=torch.float32)
-    plain = block_sparse_attn_ref(q, k, v, idx, cnt, 128, 128, compute_dtype=dtype)
+def _forward_rule(out, lse, ref, dtype):
+    """The accuracy rule on the forward alone (out, lse) against ref(compute_dtype=...), -inf rows
+    exactly the reference's and their out exactly 0."""
+    gold = ref(compute_dtype=torch.float32)
+    plain = ref(compute_dtype=dtype)
     empty = torch.isneginf(gold[1])
     assert torch.equal(torch.isneginf(lse), empty), "lse -inf rows differ"
     assert not (out.transpose(1, 2)[empty] != 0).any(), "a query block with no key block must give out 0"
@@ -676,7 +682,13 @@ def test_gpu_cutlass_block_sparse_forward(dtype, sq, sk, h, hkv, d, mode):
                                                  backend="triton")
     assert cs.STATS["fwd"] == before["fwd"] + 1, "the CUTLASS forward did not run"
     assert cs.STATS["fwd_fallback"] == before["fwd_fallback"]
-    gold = _forward_rule(out, lse, q, k, v, idx, cnt, dtype)
+    gold = _forward_rule(out, lse, lambda **kw: block_sparse_attn_ref(q, k, v, idx, cnt, 128, 128,
+                                                                      **kw), dtype)
+    _no_worse_than_triton(out, lse, out_t, lse_t, gold, dtype)
+
+
+def _no_worse_than_triton(out, lse, out_t, lse_t, gold, dtype):
+    """The CUTLASS forward's error at most twice Triton's (+ a tiny atol), out and finite lse."""
     empty = torch.isneginf(gold[1])
     fin = lambda x: torch.where(empty, 0.0, x)
     for name, ours, triton, ref in (("out", out, out_t, gold[0]), ("lse", fin(lse), fin(lse_t), fin(gold[1]))):
@@ -711,4 +723,96 @@ def test_gpu_cutlass_training_step_and_fallbacks():
         out, lse = dlm_ops.block_sparse_attn(shifted, k, v, idx, cnt, block_size_q=128,
                                              block_size_k=128, return_lse=True)
     assert cs.STATS["fwd_fallback"] == fallbacks + 2
-    _forward_rule(out, lse, shifted, k, v, idx, cnt, torch.bfloat16)
+    _forward_rule(out, lse, lambda **kw: block_sparse_attn_ref(shifted, k, v, idx, cnt, 128, 128,
+                                                               **kw), torch.bfloat16)
+
+
+def _gpu_column_pattern(b, h, sk, kmax, mode, seed):
+    """Per (b, h) kmax distinct keys in random order (not ascending); counts 0, 1, 127, 128, 129,
+    kmax first (clipped to kmax), then random ("random"), all kmax ("all") or all 0 ("empty")."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.rand(b, h, sk, device="cuda", generator=g).argsort(-1)[..., :kmax]
+    idx = idx.int().contiguous()
+    if mode == "all":
+        return idx, torch.full((b, h), kmax, device="cuda", dtype=torch.int32)
+    if mode == "empty":
+        return idx, torch.zeros((b, h), device="cuda", dtype=torch.int32)
+    cnt = torch.randint(0, kmax + 1, (b * h,), device="cuda", generator=g)
+    fixed = torch.tensor([0, 1, 127, 128, 129, kmax], device="cuda")[: b * h].clamp(max=kmax)
+    cnt[: fixed.numel()] = fixed
+    return idx, cnt.view(b, h).int()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the cutlass backend is sm90 only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sq,sk,h,hkv,d,kmax,mode", [
+    (1000, 1500, 8, 2, 128, 700, "random"),  # GQA 4, Sq / Sk / K not multiples of 128
+    (512, 512, 4, 4, 64, 512, "all"),  # count = K = Sk, multiples of 128
+    (300, 777, 4, 1, 128, 129, "random"),  # MQA, K one past a tile
+    (640, 333, 4, 2, 64, 200, "empty"),  # every count 0: out 0, lse -inf everywhere
+    (129, 4000, 16, 4, 128, 3000, "random"),  # long lists, a short last query block
+])
+def test_gpu_cutlass_column_sparse_forward(dtype, sq, sk, h, hkv, d, kmax, mode):
+    """The sm90 column-sparse forward (gathered keys, the block-sparse kernel with key_len; the
+    default dispatch on sm90) meets the accuracy rule against the explicit-mask reference, its
+    error at most twice Triton's (+ a tiny atol), counted in STATS; duplicates are rejected
+    before any kernel runs."""
+    assert _cutlass_reason() is None, _cutlass_reason()
+    from dlm_ops.backends import cutlass_sparse as cs
+
+    q, k, v = _gpu_qkv(2, sq, sk, h, hkv, d, dtype, seed=sq + kmax)
+    idx, cnt = _gpu_column_pattern(2, h, sk, kmax, mode, sq)
+    before = dict(cs.STATS)
+    with torch.no_grad():
+        out, lse = dlm_ops.column_sparse_attn(q, k, v, idx, cnt, return_lse=True)
+        out_t, lse_t = dlm_ops.column_sparse_attn(q, k, v, idx, cnt, return_lse=True,
+                                                  backend="triton")
+    assert cs.STATS["column_fwd"] == before["column_fwd"] + 1, "the CUTLASS forward did not run"
+    assert cs.STATS["column_fwd_fallback"] == before["column_fwd_fallback"]
+    gold = _forward_rule(out, lse, lambda **kw: column_sparse_attn_ref(q, k, v, idx, cnt, **kw),
+                         dtype)
+    _no_worse_than_triton(out, lse, out_t, lse_t, gold, dtype)
+    if kmax >= 2:
+        dup = idx.clone()
+        dup[0, 0, 1] = dup[0, 0, 0]
+        cnt2 = cnt.clone()
+        cnt2[0, 0] = 2
+        with pytest.raises(ValueError, match="distinct"):
+            dlm_ops.column_sparse_attn(q, k, v, dup, cnt2)
+        assert cs.STATS["column_fwd"] == before["column_fwd"] + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the cutlass backend is sm90 only")
+def test_gpu_cutlass_column_training_step_and_fallbacks():
+    """Training through the default dispatch: the CUTLASS column forward's out / lse feed Triton's
+    backward (the full accuracy rule on out, lse, dq, dk, dv); head dim 256 and a q that is not
+    TMA-ready run Triton's forward, counted; DLM_OPS_CUTLASS=0 (read per call) selects Triton."""
+    assert _cutlass_reason() is None, _cutlass_reason()
+    from dlm_ops.backends import cutlass_sparse as cs
+
+    q, k, v = _gpu_qkv(1, 700, 900, 8, 2, 128, torch.bfloat16, seed=12)
+    idx, cnt = _gpu_column_pattern(1, 8, 900, 400, "random", 12)
+    before = dict(cs.STATS)
+    check_sparse(
+        lambda q, k, v: dlm_ops.column_sparse_attn(q, k, v, idx, cnt, return_lse=True),
+        lambda q, k, v, **kw: column_sparse_attn_ref(q, k, v, idx, cnt, **kw),
+        (q, k, v), torch.bfloat16)
+    assert cs.STATS["column_fwd"] > before["column_fwd"]
+    assert cs.STATS["column_bwd_fallback"] > before["column_bwd_fallback"]
+    shifted = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    fallbacks, runs = cs.STATS["column_fwd_fallback"], cs.STATS["column_fwd"]
+    with torch.no_grad():
+        out, lse = dlm_ops.column_sparse_attn(shifted, k, v, idx, cnt, return_lse=True)
+        q256, k256, v256 = _gpu_qkv(1, 300, 400, 4, 2, 256, torch.bfloat16, seed=1)
+        pattern = _gpu_column_pattern(1, 4, 400, 100, "random", 1)
+        dlm_ops.column_sparse_attn(q256, k256, v256, *pattern)
+    assert cs.STATS["column_fwd_fallback"] == fallbacks + 1  # d 256 selects Triton directly
+    _forward_rule(out, lse, lambda **kw: column_sparse_attn_ref(shifted, k, v, idx, cnt, **kw),
+                  torch.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DLM_OPS_CUTLASS", "0")
+        with torch.no_grad():
+            dlm_ops.column_sparse_attn(q, k, v, idx, cnt)
+    assert cs.STATS["column_fwd"] == runs

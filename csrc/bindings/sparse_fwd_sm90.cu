@@ -30,11 +30,15 @@ bool supports(int64_t block_q, int64_t block_k, int64_t d) {
 }
 
 // Writes out (B, Sq, H, D) and lse (B, H, Sq) fp32; q (B, Sq, H, D), k / v (B, Sk, Hkv, D);
-// kv_block_indices (B, H, nQb, max_blocks) and kv_block_counts (B, H, nQb) int32, contiguous;
-// work_order: None or the (B * H * nQb) items (b * H + h) * nQb + qb, longest list first.
+// kv_block_indices (B, H, nQb, max_blocks), or (max_blocks): one list every item reads, and
+// kv_block_counts (B, H, nQb), int32, contiguous; work_order: None or the (B * H * nQb) items
+// (b * H + h) * nQb + qb, longest list first; key_len: None or (B, H) int32, the keys of (b, h)
+// are [0, key_len[b, h]) (<= Sk, lists below ceil(key_len / 128): the column-sparse forward's
+// gathered keys, dlm_ops/backends/cutlass_sparse.py).
 void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
          torch::Tensor kv_block_indices, torch::Tensor kv_block_counts,
-         std::optional<torch::Tensor> work_order, int64_t block_q, int64_t block_k, double scale) {
+         std::optional<torch::Tensor> work_order, int64_t block_q, int64_t block_k, double scale,
+         std::optional<torch::Tensor> key_len) {
   const auto& idx = kv_block_indices;
   const auto& counts = kv_block_counts;
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
@@ -57,10 +61,17 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   TORCH_CHECK(idx.scalar_type() == torch::kInt32 && counts.scalar_type() == torch::kInt32 &&
                   idx.is_contiguous() && counts.is_contiguous(),
               "kv_block_indices / kv_block_counts: contiguous int32");
-  TORCH_CHECK(idx.dim() == 4 && idx.size(0) == b && idx.size(1) == h && idx.size(2) == nqb &&
-                  counts.sizes() == idx.sizes().slice(0, 3), "index shapes (B, H, nQb[, max_blocks])");
+  const bool shared = idx.dim() == 1;
+  TORCH_CHECK(counts.dim() == 3 && counts.size(0) == b && counts.size(1) == h && counts.size(2) == nqb &&
+                  (shared || (idx.dim() == 4 && idx.sizes().slice(0, 3) == counts.sizes())),
+              "index shapes (B, H, nQb[, max_blocks]), or a shared list (max_blocks)");
   // An empty list table would hand the kernel a pointer to nothing: the backend runs Triton then.
-  TORCH_CHECK(idx.size(3) >= 1, "max_blocks >= 1");
+  TORCH_CHECK(idx.size(-1) >= 1, "max_blocks >= 1");
+  if (key_len) {
+    TORCH_CHECK(key_len->device() == q.device() && key_len->scalar_type() == torch::kInt32 &&
+                    key_len->is_contiguous() && key_len->dim() == 2 && key_len->size(0) == b &&
+                    key_len->size(1) == h, "key_len: (B, H) contiguous int32 on q's device");
+  }
   TORCH_CHECK(b * h * nqb <= INT32_MAX && idx.numel() <= INT32_MAX && sq <= INT32_MAX &&
                   sk <= INT32_MAX, "sizes must fit in int32");
   if (work_order) {
@@ -79,7 +90,9 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   a.heads = static_cast<int>(h), a.kv_heads = static_cast<int>(hkv);
   a.block_q = static_cast<int>(block_q), a.block_k = static_cast<int>(block_k);
   a.kv_block_indices = idx.data_ptr<int32_t>(), a.kv_block_counts = counts.data_ptr<int32_t>();
-  a.num_q_blocks = static_cast<int>(nqb), a.max_blocks = static_cast<int>(idx.size(3));
+  a.num_q_blocks = static_cast<int>(nqb), a.max_blocks = static_cast<int>(idx.size(-1));
+  a.shared_list = shared;
+  a.key_len = key_len ? key_len->data_ptr<int32_t>() : nullptr;
   a.scale = static_cast<float>(scale);
   a.work_order = work_order ? work_order->data_ptr<int32_t>() : nullptr;
   a.stream = c10::cuda::getCurrentCUDAStream();
@@ -96,6 +109,6 @@ void add_sparse_fwd(pybind11::module_& m) {  // the module: csrc/bindings/sparse
   m.def("fwd", &fwd, pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("kv_block_indices"), pybind11::arg("kv_block_counts"),
         pybind11::arg("work_order"), pybind11::arg("block_q"), pybind11::arg("block_k"),
-        pybind11::arg("scale"));
+        pybind11::arg("scale"), pybind11::arg("key_len") = pybind11::none());
 }
 }  // namespace dlm_bindings

@@ -22,6 +22,15 @@
 // Work items: item w is entry work_order[w] (or w) of the flat (B, H, nQb) count tensor. The CTA
 // loop over items (w, w + grid, ...) is v5's; launch_block_sparse_fwd runs one CTA per item
 // (launch_block_sparse_fwd_cfg can run a persistent grid, for the harness's A/B).
+//
+// Per-item key lengths (key_len, optional; the column-sparse forward's: csrc/NOTES.md "Column-sparse
+// forward (issue #5)"). With key_len set, the keys of (b, h) are [0, key_len[b * H + h]) (<= Sk),
+// its lists name blocks below ceil(key_len / 128) only, and the tile of block (key_len - 1) / 128
+// masks its columns from key_len % 128 on: Sk's short last tile, generalised to a tail per item.
+// That is a second kernel per TU (template flag kKeyLen, consumers KeyLenConsumerSide), so the
+// shipped kernel (key_len null) keeps its machine code: no per-item tail in its loop. Lists may
+// also be shared (shared_list: every item reads the one list kv_block_indices[0, max_blocks)), so
+// the column-sparse forward passes one arange instead of B * H * nQb copies of it.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -47,12 +56,14 @@ struct SparseFwdArgs {
   int64_t lse_stride[2];                                       // (batch, head); lse (B, H, Sq) fp32
   int batch, seqlen_q, seqlen_k, heads, kv_heads;
   int block_q, block_k;                 // selection block sizes (this kernel: both == 128)
-  const int32_t* kv_block_indices;      // (B, H, nQb, max_blocks), contiguous
+  const int32_t* kv_block_indices;      // (B, H, nQb, max_blocks), contiguous; or (max_blocks): shared_list
   const int32_t* kv_block_counts;       // (B, H, nQb), contiguous
   int num_q_blocks, max_blocks;
   float scale;                          // softmax scale (natural), the kernel folds log2 e
   const int32_t* work_order = nullptr;  // optional: (B*H*nQb) work items, longest list first; null = natural order
   cudaStream_t stream;
+  bool shared_list = false;             // kv_block_indices is one list (max_blocks) read by every item
+  const int32_t* key_len = nullptr;     // optional: (B, H) keys per (batch, head), <= seqlen_k; null = seqlen_k
 };
 
 // Host: what this kernel covers (the binding falls back to Triton otherwise).
@@ -73,11 +84,14 @@ struct SparseFwdParams {
   typename Cfg::Elem* o;
   float* lse;
   int64_t o_stride_s, o_stride_h, o_stride_b, lse_stride_h, lse_stride_b;
-  int seqlen_q, seqlen_k, heads, kv_heads, batch, num_q_blocks, max_blocks;
-  const int32_t* indices;     // (B, H, nQb, max_blocks)
+  int seqlen_q, seqlen_k, heads, kv_heads, batch, num_q_blocks;
+  int list_stride;            // entries between two items' lists: max_blocks, or 0 (one shared list)
+  const int32_t* indices;     // (B, H, nQb, max_blocks), or (max_blocks) shared
   const int32_t* counts;      // (B, H, nQb)
   const int32_t* work_order;  // null: item w is entry w
   float scale_log2;           // softmax scale * log2(e)
+  const int32_t* key_len;     // (B, H); read by the kKeyLen kernel only (appended: the shipped
+                              // kernel's parameter offsets stay as they were)
 };
 
 // Work item w: query block qb of (b, h) and its key block list.
@@ -89,7 +103,7 @@ template <class Params>
 CUTE_DEVICE SparseItem sparse_item(Params const& p, int w) {
   const int e = p.work_order ? p.work_order[w] : w, bh = e / p.num_q_blocks;
   return {bh / p.heads, bh % p.heads, e % p.num_q_blocks, p.counts[e],
-          p.indices + int64_t(e) * p.max_blocks};
+          p.indices + int64_t(e) * p.list_stride};
 }
 
 // The block-sparse side of fwd_consumers (hopper/attn_common.cuh): item w is query block qb of
@@ -125,7 +139,46 @@ struct SparseConsumerSide {
   }
 };
 
-template <class Cfg>
+// The same with a key length per (batch, head), key_len[b * H + h]: the tile of block
+// last_kb = (key_len - 1) / BN masks its keys from k_tail = key_len % BN on (none when 0). Both
+// come with the item (one load of key_len per item); the mask test stays one compare against the
+// listed block, as in SparseConsumerSide. key_len 0 comes with an empty list (out 0, lse -inf).
+template <class Cfg, class Params>
+struct KeyLenConsumerSide {
+  Params const& p;
+
+  struct Item {
+    int b, h, row_base, row_offset, n_tiles;
+    const int32_t* list;
+    int k_tail, last_kb;
+  };
+  template <class Coords>
+  CUTE_DEVICE Item item(int w, int consumer, Coords const&) const {
+    const SparseItem si = sparse_item(p, w);
+    const int len = p.key_len[si.b * p.heads + si.h];
+    return {si.b, si.h, si.qb * Cfg::BM + consumer * Cfg::kConsumerRows, 0, si.count, si.list,
+            len % Cfg::BN, (len - 1) / Cfg::BN};
+  }
+  CUTE_DEVICE int row_end(Item const&) const { return p.seqlen_q; }
+  CUTE_DEVICE int tile(Item const&, int j) const { return j; }
+  CUTE_DEVICE bool may_mask(int) const { return true; }  // the tail is per item: masked() decides
+  CUTE_DEVICE bool masked(Item const& item, int j) const {
+    return item.k_tail != 0 && item.list[j] == item.last_kb;
+  }
+  template <class Coords>
+  CUTE_DEVICE auto bounds(Item const& item, int, Coords const& tScS_rc) const {
+    return [k_tail = item.k_tail, &tScS_rc](int i, int& lo, int& hi) {
+      const int c0 = get<1>(tScS_rc(i, 0));
+      lo = -c0;
+      hi = k_tail - c0;
+    };
+  }
+};
+
+// kKeyLen: the consumers take each item's key length from p.key_len (KeyLenConsumerSide);
+// otherwise every item has seqlen_k keys (SparseConsumerSide, the shipped kernel). The producer
+// is the same: it loads the listed blocks, whatever their valid length.
+template <class Cfg, bool kKeyLen>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     block_sparse_fwd_kernel(__grid_constant__ const SparseFwdParams<Cfg> p) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
@@ -183,10 +236,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 
   // ------------------------------------------------------------------------------------ consumers
-  fwd_consumers<Cfg, SparseConsumerSide>(p, ss, warp_group - 1, num_items);
+  if constexpr (kKeyLen)
+    fwd_consumers<Cfg, KeyLenConsumerSide>(p, ss, warp_group - 1, num_items);
+  else
+    fwd_consumers<Cfg, SparseConsumerSide>(p, ss, warp_group - 1, num_items);
 }
 
 // ------------------------------------------------------------------------------------- launch
+template <class Cfg, bool kKeyLen>
+cudaError_t run_block_sparse_fwd(const SparseFwdParams<Cfg>& p, int ctas, cudaStream_t stream) {
+  auto kernel = block_sparse_fwd_kernel<Cfg, kKeyLen>;
+  constexpr int smem = sizeof(typename Cfg::SharedStorage);
+  static const cudaError_t configured =  // once per instantiation: the attribute is per function
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (configured != cudaSuccess) return configured;
+  kernel<<<ctas, Cfg::kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 // max_ctas > 0: a persistent grid of at most that many CTAs (each walks items w, w + grid, ...);
 // 0: one CTA per item (what launch_block_sparse_fwd runs; the harness times both).
 template <class Cfg>
@@ -213,16 +280,11 @@ cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a, int max_ctas = 0
       make_tma_kv<Cfg>(ptr(a.v), sk, a.kv_heads, a.batch, a.v_stride[1], a.v_stride[2], a.v_stride[0]),
       static_cast<Elem*>(a.o), a.lse, a.o_stride[1], a.o_stride[2], a.o_stride[0],
       a.lse_stride[1], a.lse_stride[0], a.seqlen_q, sk, a.heads, a.kv_heads, a.batch,
-      a.num_q_blocks, a.max_blocks, a.kv_block_indices, a.kv_block_counts, a.work_order,
-      a.scale * 1.4426950408889634f};
-  auto kernel = block_sparse_fwd_kernel<Cfg>;
-  constexpr int smem = sizeof(typename Cfg::SharedStorage);
-  static const cudaError_t configured =  // once per instantiation: the attribute is per function
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (configured != cudaSuccess) return configured;
+      a.num_q_blocks, a.shared_list ? 0 : a.max_blocks, a.kv_block_indices, a.kv_block_counts,
+      a.work_order, a.scale * 1.4426950408889634f, a.key_len};
   const int ctas = max_ctas > 0 && max_ctas < items ? max_ctas : items;
-  kernel<<<ctas, Cfg::kThreads, smem, a.stream>>>(p);
-  return cudaGetLastError();
+  return a.key_len ? run_block_sparse_fwd<Cfg, true>(p, ctas, a.stream)
+                   : run_block_sparse_fwd<Cfg, false>(p, ctas, a.stream);
 }
 
 template <class Elem, int D>

@@ -5,15 +5,25 @@ extension, ``dlm_sparse_sm90`` (csrc/bindings/sparse_sm90.cpp): a user of the sp
 builds the block-diffusion kernels, nor the reverse. Everything else runs the Triton kernels (this
 backend subclasses the Triton one).
 
-Forward only, selection blocks 128. The kernel covers what its ``supports`` says (the extension
-exposes block_sparse_fwd_supports: block_size_q == block_size_k == 128, head dim 64 or 128), fp16 /
-bf16 (declared capabilities: fp32 selects ``triton``), GQA, any Sq / Sk (the last blocks may be
-partial), empty lists (out 0, lse -inf), return_lse; checked per call, TMA-ready q / k / v (unit
-stride in D, 16-byte aligned base and strides). Any other block-sparse forward, every backward
-(block- and column-sparse) and the column-sparse forward run Triton's kernels, counted in
-``STATS`` per direction. The kernel walks its (batch, head, query block) items in a work order,
-longest list first (one argsort of the counts on the device per call, no host sync), so the
-longest lists start in the first wave.
+Forwards only. Block-sparse: selection blocks 128. The kernel covers what its ``supports`` says
+(the extension exposes block_sparse_fwd_supports: block_size_q == block_size_k == 128, head dim 64
+or 128), fp16 / bf16 (declared capabilities: fp32 selects ``triton``), GQA, any Sq / Sk (the last
+blocks may be partial), empty lists (out 0, lse -inf), return_lse; checked per call, TMA-ready
+q / k / v (unit stride in D, 16-byte aligned base and strides). The kernel walks its (batch, head,
+query block) items in a work order, longest list first (one argsort of the counts on the device
+per call, no host sync), so the longest lists start in the first wave.
+
+Column-sparse (``column_fwd``): dense attention over each head's listed keys, so the listed K / V
+rows are gathered per query head into (B, K, H, D) buffers (K = kv_indices.shape[-1], static: no
+host sync; ~1 % of the attention's time, csrc/NOTES.md "Column-sparse forward (issue #5)") and
+the same kernel runs over them with Hkv = H, every query block listing key blocks
+0 .. ceil(count / 128) - 1 (one shared arange) and key_len = kv_counts (the tile of the last
+listed key masks the rest). Same coverage (D 64 / 128, fp16 / bf16, TMA-ready q), K >= 1. The
+buffers are sized by the list width K, not the counts: cut Sk-wide tables to the longest list.
+
+Every backward (block- and column-sparse) and the forwards the kernel does not cover run Triton's
+kernels, counted in ``STATS`` per entry point. The backwards need only the forward's out and lse,
+which the CUTLASS forwards write in the public layouts.
 
 The build happens at the first call (one WARNING line; 4 kernel units and the binding). If it
 fails, the failure is remembered, reported by ``unavailable_reason`` (``python -m dlm_ops`` shows
@@ -33,10 +43,11 @@ from .sparse_triton import TritonSparseBackend
 
 SOURCES = ["bindings/sparse_sm90.cpp", "bindings/sparse_fwd_sm90.cu"] + [
     f"hopper/block_sparse_fwd_{t}_d{d}.cu" for t in ("bf16", "fp16") for d in (64, 128)]
-# CUTLASS forwards run, and calls handed to Triton, per direction; the column-sparse op and every
-# backward have no CUTLASS kernel: they are all fallbacks.
-STATS = {"fwd": 0, "fwd_fallback": 0, "bwd_fallback": 0, "column_fwd_fallback": 0,
-         "column_bwd_fallback": 0}
+# CUTLASS forwards run, and calls handed to Triton, per entry point; the backwards have no CUTLASS
+# kernel: they are all fallbacks.
+STATS = {"fwd": 0, "fwd_fallback": 0, "bwd_fallback": 0, "column_fwd": 0,
+         "column_fwd_fallback": 0, "column_bwd_fallback": 0}
+BLOCK = 128  # the kernel's key block (block_sparse_fwd_supports)
 
 _EXT = None
 _BUILD_ERROR: str | None = None
@@ -55,6 +66,40 @@ def work_order(counts: torch.Tensor) -> torch.Tensor:
     first (stable: ties keep their natural order, so the schedule is deterministic), int32 on the
     counts' device; no host sync."""
     return torch.argsort(counts.reshape(-1), descending=True, stable=True).to(torch.int32)
+
+
+def gather_columns(k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The listed keys of every query head, kg[b, j, h] = k[b, idx[b, h, j], h // G] (and vg), as
+    contiguous (B, K, H, D) buffers: the kernel's (B, Sk, Hkv, D) with Hkv = H. Slots past a head's
+    count are masked by the kernel, so they need only be finite (0 * inf would be NaN in P V):
+    they repeat the head's first listed key, a row the result depends on anyway (key 0 for an
+    empty list, whose tiles are never visited). One gather per tensor, no host sync."""
+    b, h, m = idx.shape
+    dev = idx.device
+    listed = torch.arange(m, device=dev) < counts.unsqueeze(-1)
+    first = torch.where(counts > 0, idx[..., 0], 0).unsqueeze(-1)
+    # (B, K, H), contiguous: the gather's output takes the index's layout (a transposed index
+    # gave a (B, H, K)-ordered result).
+    rows = torch.where(listed, idx, first).transpose(1, 2).contiguous().long()
+    bi = torch.arange(b, device=dev).view(b, 1, 1)
+    hi = (torch.arange(h, device=dev) // (h // k.shape[2])).view(1, 1, h)
+    return k[bi, rows, hi], v[bi, rows, hi]
+
+
+def column_plan(counts: torch.Tensor, num_q_blocks: int, num_keys: int):
+    """What the kernel needs besides the gathered keys: the shared list 0 .. ceil(K / 128) - 1,
+    the per-item block counts ceil(count / 128) (B, H, nQb), and the work order, heads with the
+    most blocks first (stable; all nQb items of a head share a count, so this is work_order of the
+    per-item counts, sorted over B * H heads instead of B * H * nQb items). int32, no host sync."""
+    dev = counts.device
+    shared = torch.arange(-(-num_keys // BLOCK), dtype=torch.int32, device=dev)
+    per_head = (counts + (BLOCK - 1)) // BLOCK  # (B, H)
+    blocks = per_head.unsqueeze(-1).expand(*per_head.shape, num_q_blocks).contiguous()
+    heads = work_order(per_head).long()
+    order = (heads.unsqueeze(-1) * num_q_blocks
+             + torch.arange(num_q_blocks, device=dev)).reshape(-1).to(torch.int32)
+    return shared, blocks, order
 
 
 class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
@@ -97,8 +142,24 @@ class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
         return super().block_bwd(dout, q, k, v, out, lse, dlse, idx, counts, bsq, bsk, scale)
 
     def column_fwd(self, q, k, v, idx, counts, scale):
-        STATS["column_fwd_fallback"] += 1
-        return super().column_fwd(q, k, v, idx, counts, scale)
+        ext = _extension()
+        # q alone needs checking: the gathered K / V are fresh contiguous buffers (D 64 / 128:
+        # 16-byte rows); K = 0 leaves no list slot (Triton writes the empty result).
+        if (ext is None or not ext.supports(BLOCK, BLOCK, q.shape[-1]) or idx.shape[-1] == 0
+                or not cutlass.tma_ready(q)):
+            STATS["column_fwd_fallback"] += 1
+            return super().column_fwd(q, k, v, idx, counts, scale)
+        b, sq, h, _ = q.shape
+        # In [0, K] even when the caller skipped the index check: the kernel then never reads
+        # past the shared list (ceil(K / 128) entries) nor past the gathered keys.
+        key_len = counts.clamp(0, idx.shape[-1]).contiguous()  # int32 (B, H)
+        kg, vg = gather_columns(k, v, idx, key_len)
+        shared, blocks, order = column_plan(key_len, -(-sq // BLOCK), idx.shape[-1])
+        out = new_output(q, q.shape)
+        lse = new_output(q, (b, h, sq), torch.float32)
+        ext.fwd(q, kg, vg, out, lse, shared, blocks, order, BLOCK, BLOCK, scale, key_len=key_len)
+        STATS["column_fwd"] += 1
+        return out, lse
 
     def column_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, scale):
         STATS["column_bwd_fallback"] += 1

@@ -1,6 +1,7 @@
 """Backends of the sparse family (dlm_ops/ops/sparse.py): tiled PyTorch on any device (here), the
 Triton kernels of templates/sparse_attn.py on CUDA (sparse_triton.py), and on sm90 the CUTLASS
-block-sparse forward (cutlass_sparse.py: forward only, selection blocks 128; Triton otherwise).
+block-sparse forward (cutlass_sparse.py: forwards only, block-sparse at selection blocks 128 and
+column-sparse over gathered keys; Triton otherwise).
 
 All are deterministic: none sums with atomics (the CUTLASS forward writes each query block from
 one CTA; its backwards are Triton's). The block-sparse backward of torch and Triton walks the

@@ -314,7 +314,9 @@ def column_sparse_attn(q, k, v, kv_indices, kv_counts, *, softmax_scale=None, re
     kv_indices: int32 (B, H, K); head h attends to keys kv_indices[b, h, :kv_counts[b, h]]
         (distinct, in [0, Sk), any order).
     kv_counts: int32 (B, H), each in [0, K]; 0 gives out 0 and lse -inf for the whole head.
-    softmax_scale, return_lse, check_indices, backend: as in ``block_sparse_attn``.
+    softmax_scale, return_lse, check_indices, backend: as in ``block_sparse_attn`` (on sm90
+        ``cutlass`` runs the forward at head dims 64 / 128 over the K listed keys of every head,
+        copied: keep K near the longest count; the backward is Triton's).
     Returns out (B, Sq, H, D), or (out, lse (B, H, Sq)).
     """
     _check_column(q, k, v, kv_indices, kv_counts, softmax_scale)

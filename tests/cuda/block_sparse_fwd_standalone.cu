@@ -1,7 +1,8 @@
 // Standalone check + timing of csrc/hopper/block_sparse_fwd.cuh (issue #5) without torch: random
 // inputs, an fp64 CPU reference on sampled rows (random ascending lists incl. empty ones and all
 // blocks, Sq / Sk not multiples of 128, GQA 32/8 and 4/4, bf16 and fp16, D 64 / 128, a work order,
-// NaN-poisoned outputs), then CUDA-event timing at the benchmark's shapes (B = 1, H = 32/8, D = 128,
+// NaN-poisoned outputs; per-(batch, head) key lengths key_len incl. 0, 1, 127, 128, 129 and Sk,
+// with own lists and with one shared list as the column-sparse forward passes it), then CUDA-event timing at the benchmark's shapes (B = 1, H = 32/8, D = 128,
 // S = 16K / 32K / 64K, densities 0.1 / 0.3 / 0.5 / 1.0; per (head, query block) a uniformly random
 // ascending set of round(density * nKb) key blocks, as benchmarks/sparse.py builds them). Build
 // (nvcc >= 12.3, CUTLASS headers from the nvidia-cutlass wheel) and run on an H100/H200:
@@ -39,33 +40,53 @@ int g_failed = 0;
 double dense_cudnn_ms(int s) { return s == 16384 ? 6.53 : s == 32768 ? 28.45 : s == 65536 ? 115.78 : 0; }
 
 // Key block lists, (B, H, nQb, max_blocks) with counts (B, H, nQb); entries past a count are -1.
+// With key lengths (lens, per (b, h)): the lists name blocks below ceil(len / 128) only, and
+// `shared` is one list 0 .. nKb - 1 (max_blocks entries) that every item reads, its count
+// ceil(len / 128): the column-sparse forward's form.
 struct Pattern {
   int nqb, nkb, max_blocks;
-  std::vector<int32_t> idx, cnt;
+  std::vector<int32_t> idx, cnt, lens;
+  bool shared = false;
 };
 
 // kind "mix": per list empty (15 %), all blocks (15 %) or a random subset of random size;
-// kind "density": round(density * nKb) random blocks everywhere.
-Pattern make_pattern(int B, int H, int sq, int sk, const char* kind, double density, int pad, std::mt19937& g) {
+// kind "density": round(density * nKb) random blocks everywhere. key_len 1: a length per (b, h)
+// (cycling through 0, 1, 127, 128, 129, Sk and random ones) with own lists; 2: with the shared list.
+Pattern make_pattern(int B, int H, int sq, int sk, const char* kind, double density, int pad, std::mt19937& g,
+                     int key_len = 0) {
   Pattern p;
   p.nqb = (sq + kBlock - 1) / kBlock;
   p.nkb = (sk + kBlock - 1) / kBlock;
   p.max_blocks = p.nkb + pad;
+  p.shared = key_len == 2;
   const size_t lists = (size_t)B * H * p.nqb;
-  p.idx.assign(lists * p.max_blocks, -1);
+  if (key_len) {
+    const int fixed[] = {0, 1, 127, 128, 129, sk};
+    for (int bh = 0; bh < B * H; ++bh)
+      p.lens.push_back(std::min(sk, bh < 6 ? fixed[bh] : (int)(g() % (sk + 1))));
+  }
+  p.idx.assign(p.shared ? p.max_blocks : lists * p.max_blocks, -1);
   p.cnt.assign(lists, 0);
   std::vector<int32_t> all(p.nkb);
   std::iota(all.begin(), all.end(), 0);
+  if (p.shared) std::copy(all.begin(), all.end(), p.idx.begin());
   std::uniform_real_distribution<double> u;
   for (size_t l = 0; l < lists; ++l) {
+    // blocks this list may name: all of them, or those below ceil(len / 128)
+    const int avail = key_len ? (p.lens[l / p.nqb] + kBlock - 1) / kBlock : p.nkb;
+    if (p.shared) {
+      p.cnt[l] = avail;
+      continue;
+    }
+    if (key_len) std::iota(all.begin(), all.end(), 0);  // the first avail entries: [0, avail)
     int n;
     if (!strcmp(kind, "density")) {
-      n = (int)std::lround(density * p.nkb);
+      n = (int)std::lround(density * avail);
     } else {
       const double r = u(g);
-      n = r < 0.15 ? 0 : r < 0.3 ? p.nkb : (int)(g() % (p.nkb + 1));
+      n = r < 0.15 ? 0 : r < 0.3 ? avail : (int)(g() % (avail + 1));
     }
-    for (int i = 0; i < n; ++i) std::swap(all[i], all[i + g() % (p.nkb - i)]);  // partial shuffle
+    for (int i = 0; i < n; ++i) std::swap(all[i], all[i + g() % (avail - i)]);  // partial shuffle
     std::sort(all.begin(), all.begin() + n);
     std::copy(all.begin(), all.begin() + n, p.idx.begin() + l * p.max_blocks);
     p.cnt[l] = n;
@@ -89,13 +110,14 @@ struct Case {
   int pad;          // max_blocks - nKb
   bool order;       // pass a work order (longest list first)
   int ctas = 0;     // > 0: a persistent grid of this many CTAs (the timing's A/B), else one per item
+  int key_len = 0;  // 0: none; 1: a key length per (b, h), own lists; 2: the same, one shared list
 };
 
 template <class Elem, int D>
 struct Bufs {
   Elem *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
   float* lse = nullptr;
-  int32_t *idx = nullptr, *cnt = nullptr, *order = nullptr;
+  int32_t *idx = nullptr, *cnt = nullptr, *order = nullptr, *lens = nullptr;
   dlm::sm90::SparseFwdArgs args{};
   void alloc(const Case& c, const Pattern& p) {
     const size_t nq = (size_t)c.B * c.sq * c.H * D, nk = (size_t)c.B * c.sk * c.Hkv * D;
@@ -105,6 +127,10 @@ struct Bufs {
     CK(cudaMalloc(&idx, p.idx.size() * 4)); CK(cudaMalloc(&cnt, p.cnt.size() * 4)); CK(cudaMalloc(&order, p.cnt.size() * 4));
     CK(cudaMemcpy(idx, p.idx.data(), p.idx.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(cnt, p.cnt.data(), p.cnt.size() * 4, cudaMemcpyHostToDevice));
+    if (!p.lens.empty()) {
+      CK(cudaMalloc(&lens, p.lens.size() * 4));
+      CK(cudaMemcpy(lens, p.lens.data(), p.lens.size() * 4, cudaMemcpyHostToDevice));
+    }
     std::vector<int32_t> ord(p.cnt.size());
     std::iota(ord.begin(), ord.end(), 0);
     std::stable_sort(ord.begin(), ord.end(), [&](int a, int b) { return p.cnt[a] > p.cnt[b]; });
@@ -122,18 +148,20 @@ struct Bufs {
     a.scale = (float)(1.0 / std::sqrt((double)D));
     a.work_order = c.order ? order : nullptr;
     a.stream = 0;
+    a.shared_list = p.shared;
+    a.key_len = lens;  // null without key lengths
   }
   void poison(const Case& c) {  // 0xff bytes: NaN in bf16, fp16 and fp32
     CK(cudaMemset(o, 0xff, (size_t)c.B * c.sq * c.H * D * sizeof(Elem)));
     CK(cudaMemset(lse, 0xff, (size_t)c.B * c.H * c.sq * 4));
   }
-  ~Bufs() { cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(lse); cudaFree(idx); cudaFree(cnt); cudaFree(order); }
+  ~Bufs() { cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(lse); cudaFree(idx); cudaFree(cnt); cudaFree(order); cudaFree(lens); }
 };
 
 template <class Elem, int D>
 void check(const Case& c, const char* name) {
   std::mt19937 g(c.sq * 7919 + c.sk * 31 + c.H + D);
-  const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
+  const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g, c.key_len);
   Bufs<Elem, D> b;
   b.alloc(c, p);
   const size_t nq = (size_t)c.B * c.sq * c.H * D, nk = (size_t)c.B * c.sk * c.Hkv * D;
@@ -172,10 +200,12 @@ void check(const Case& c, const char* name) {
         if (i % step && !edge) continue;
         ++rows;
         const size_t l = ((size_t)bb * c.H + h) * p.nqb + i / kBlock;
+        const int len = p.lens.empty() ? c.sk : p.lens[(size_t)bb * c.H + h];  // keys [0, len)
+        const int32_t* list = &p.idx[p.shared ? 0 : l * p.max_blocks];
         keys.clear();
         for (int t = 0; t < p.cnt[l]; ++t) {
-          const int kb = p.idx[l * p.max_blocks + t];
-          for (int j = kb * kBlock; j < std::min(c.sk, (kb + 1) * kBlock); ++j) keys.push_back(j);
+          const int kb = list[t];
+          for (int j = kb * kBlock; j < std::min(len, (kb + 1) * kBlock); ++j) keys.push_back(j);
         }
         const float got_lse = hl[((size_t)bb * c.H + h) * c.sq + i];
         const Elem* orow = &ho[(((size_t)bb * c.sq + i) * c.H + h) * D];
@@ -216,8 +246,9 @@ void check(const Case& c, const char* name) {
   for (float x : hl) unwritten += std::isnan(x);
   const bool ok = bad == 0 && max_lse_err <= 1e-3 && unwritten == 0;
   g_failed += !ok;
-  printf("%s %s D=%d B=%d Sq=%d Sk=%d H=%d/%d %s%s pad %d ctas %d: %ld rows (%ld empty), max |out err| %.4f, max |lse err| %.5f, bad %ld, unwritten %ld\n",
-         ok ? "PASS" : "FAIL", name, D, c.B, c.sq, c.sk, c.H, c.Hkv, c.kind, c.order ? " +order" : "", c.pad, c.ctas, rows,
+  printf("%s %s D=%d B=%d Sq=%d Sk=%d H=%d/%d %s%s%s pad %d ctas %d: %ld rows (%ld empty), max |out err| %.4f, max |lse err| %.5f, bad %ld, unwritten %ld\n",
+         ok ? "PASS" : "FAIL", name, D, c.B, c.sq, c.sk, c.H, c.Hkv, c.kind, c.order ? " +order" : "",
+         c.key_len == 1 ? " +key_len" : c.key_len == 2 ? " +key_len shared list" : "", c.pad, c.ctas, rows,
          empty_rows, max_err, max_lse_err, bad, unwritten);
 }
 
@@ -231,6 +262,11 @@ void checks(const char* name) {
   check<Elem, D>({1, 1, 1, 2, 1, "density", 1.0, 0, false}, name);     // one query, one key
   check<Elem, D>({1, 300, 700, 4, 4, "density", 0.0, 0, false}, name); // every list empty
   check<Elem, D>({2, 700, 900, 8, 2, "mix", 0, 0, true, 7}, name);     // persistent: 7 CTAs, ring across items
+  // key_len: lengths 0, 1, 127, 128, 129, Sk, then random, per (b, h)
+  check<Elem, D>({2, 300, 700, 8, 8, "mix", 0, 0, true, 0, 1}, name);      // own lists below each length
+  check<Elem, D>({1, 257, 1000, 16, 16, "mix", 0, 0, true, 0, 2}, name);   // shared list (column-sparse)
+  check<Elem, D>({2, 129, 256, 8, 8, "mix", 0, 0, false, 0, 2}, name);     // Sk a multiple of 128
+  check<Elem, D>({2, 700, 900, 8, 8, "mix", 0, 0, true, 7, 2}, name);      // persistent, shared list
 }
 
 // ------------------------------------------------------------------------------------- timing
@@ -278,6 +314,39 @@ Timed time_one(int s, double density, int iters, int sms) {
   return {s, density, ms, tflops, ratio, ms_persistent};
 }
 
+// The column-sparse forward's kernel call at the same shapes (what dlm_ops runs after gathering
+// the listed K / V rows per query head): K = round(density * S) keys for each of the 32 heads,
+// gathered (Hkv = 32), one shared list, key_len = K everywhere. The gather itself is not timed
+// here (benchmarks.sparse times the whole op).
+Timed time_column(int s, double density, int iters) {
+  constexpr int D = 128;
+  const int keys = (int)std::lround(density * s);
+  const Case c{1, s, keys, 32, 32, "mix", 0, 0, false};
+  Pattern p;
+  p.nqb = (s + kBlock - 1) / kBlock;
+  p.nkb = p.max_blocks = (keys + kBlock - 1) / kBlock;
+  p.shared = true;
+  p.idx.resize(p.nkb);
+  std::iota(p.idx.begin(), p.idx.end(), 0);
+  p.cnt.assign((size_t)c.H * p.nqb, p.nkb);
+  p.lens.assign(c.H, keys);
+  Bufs<bf16, D> b;
+  b.alloc(c, p);
+  fill_random<<<1024, 256>>>(b.q, (size_t)s * c.H * D, 1);
+  fill_random<<<1024, 256>>>(b.k, (size_t)keys * c.Hkv * D, 2);
+  fill_random<<<1024, 256>>>(b.v, (size_t)keys * c.Hkv * D, 3);
+  CK(cudaGetLastError());
+  CK(dlm::sm90::launch_block_sparse_fwd<bf16, D>(b.args));
+  const float ms = time_launches<bf16, D>(b.args, 0, iters);
+  const double real_density = (double)keys / s;
+  const double tflops = 4.0 * (double)c.H * s * keys * D / (ms * 1e9);
+  const double ratio = ms / (dense_cudnn_ms(s) * real_density);
+  printf("time column S=%d density %.2f (%d keys): %.3f ms, %.0f TFLOPS, %.2f x density\n", s, density, keys,
+         ms, tflops, ratio);
+  fflush(stdout);
+  return {s, density, ms, tflops, ratio, 0};
+}
+
 void timing() {
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
@@ -291,6 +360,13 @@ void timing() {
   for (auto& x : t)
     printf("| %dK | %.1f | %.3f | %.0f | %.2f | %.2f | %.3f | %.2f |\n", x.s / 1024, x.density, x.ms, x.tflops,
            dense_cudnn_ms(x.s), x.ratio, x.ms_persistent, x.ratio * x.ms_persistent / x.ms);
+  std::vector<Timed> col;
+  for (int s : {16384, 32768, 65536})
+    for (double d : {0.1, 0.3, 0.5}) col.push_back(time_column(s, d, 20));
+  printf("\nColumn-sparse form (gathered keys, Hkv = H = 32, shared list, key_len; the kernel alone):\n"
+         "| S | density | ms | TFLOPS | ratio |\n|---|---|---|---|---|\n");
+  for (auto& x : col)
+    printf("| %dK | %.1f | %.3f | %.0f | %.2f |\n", x.s / 1024, x.density, x.ms, x.tflops, x.ratio);
 }
 
 int main(int argc, char** argv) {
@@ -298,6 +374,7 @@ int main(int argc, char** argv) {
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
     check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");
+    check<bf16, 128>({1, 200, 300, 8, 8, "mix", 0, 0, true, 0, 2}, "bf16");
   }
   if (mode == "all" || mode == "check") {
     checks<bf16, 128>("bf16");
