@@ -59,7 +59,9 @@ CUTE_DEVICE void bar_sync(int id, int threads) {
 }
 // Register fragments into swizzled shared memory through 32-bit shared addresses: a plain C++
 // store through the tensor's element pointer compiled to generic ST with 64-bit addresses held
-// over the loop (404 bytes spilled).
+// over the loop (404 bytes spilled). The address must come from the element reference: these
+// tensors hold a swizzle_ptr (GMMA layouts carry smem_ptr_flag), which swizzles on dereference,
+// so data() + layout offset is the unswizzled address.
 CUTE_DEVICE void st_shared_b32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v));
 }
@@ -603,12 +605,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // The buffers are 16 KB apart, a multiple of the swizzle's period: buffer 1's offsets are
           // buffer 0's plus that.
           auto& tdSs = get<2>(fp);
-          const uint32_t base = smem_addr(raw_pointer_cast(tdSs.data())) +
-                                (it & 1) * uint32_t(BM * BN * sizeof(Elem));
+          const uint32_t buffer = (it & 1) * uint32_t(BM * BN * sizeof(Elem));
           CUTE_UNROLL
           for (int e = 0; e < size(ds_elem); e += 2) {
             alignas(4) Elem pair[2] = {ds_elem(e), ds_elem(e + 1)};
-            st_shared_b32(base + sizeof(Elem) * tdSs.layout()(e, 0, 0, 0), *reinterpret_cast<uint32_t*>(pair));
+            st_shared_b32(smem_addr(&tdSs(e, 0, 0, 0)) + buffer, *reinterpret_cast<uint32_t*>(pair));
           }
         }
 
@@ -647,10 +648,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // Stage the partial, then one thread reduce-adds it at the tile's rows; rows past the
           // visit (next half, sample or S) hold exact zeros (P^T = 0 there) or fall off the tensor.
           auto& tdQs = get<3>(fp);
-          const uint32_t dq_base = smem_addr(raw_pointer_cast(tdQs.data()));
           CUTE_UNROLL
           for (int e = 0; e < size(acc_dq); e += 2)
-            st_shared_f32x2(dq_base + sizeof(float) * tdQs.layout()(e), acc_dq(e), acc_dq(e + 1));
+            st_shared_f32x2(smem_addr(&tdQs(e)), acc_dq(e), acc_dq(e + 1));
           tma_store_fence();
           bar_sync(kFusedDqBarrier + consumer, 128);
           if (tid == 0) {
