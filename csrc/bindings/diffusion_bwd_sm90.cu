@@ -64,7 +64,7 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
          torch::Tensor dv, torch::Tensor lse2, torch::Tensor delta, torch::Tensor dkdv_order,
          torch::Tensor dq_order, int64_t n_noisy, int64_t block_size, double scale,
          std::optional<torch::Tensor> dkdv_sample, std::optional<torch::Tensor> dq_sample,
-         std::optional<torch::Tensor> cu_seqlens, std::optional<torch::Tensor> dq_accum) {
+         std::optional<torch::Tensor> cu_seqlens) {
   const bool varlen = cu_seqlens.has_value();
   const auto dev = q.device();
   for (const auto& t : {dout, k, v, out, lse, dq, dk, dv, lse2, delta, dkdv_order, dq_order})
@@ -100,14 +100,6 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
                 "lse2 / delta: 16-byte aligned 1-D scratch of B * H * S + ", dlm::sm90::kVarlenScratchPad,
                 " floats");
   }
-  if (dq_accum) {  // the fused backward: dQ reduce-added into it by the dK/dV kernel
-    TORCH_CHECK(dlm::sm90::fused_dq_supports(static_cast<int>(q.size(3))),
-                "the fused dQ backward supports head dim 128, got ", q.size(3));
-    TORCH_CHECK(dq_accum->device() == dev && dq_accum->scalar_type() == torch::kFloat32 &&
-                    dq_accum->is_contiguous() && dq_accum->numel() >= q.numel() &&
-                    reinterpret_cast<uintptr_t>(dq_accum->data_ptr()) % 16 == 0,
-                "dq_accum: contiguous 16-byte aligned fp32 scratch of B * S * H * D floats");
-  }
   if (dlse) {
     TORCH_CHECK(dlse->device() == dev && dlse->scalar_type() == torch::kFloat32 && dlse->dim() == 3 &&
                     dlse->stride(2) == 1, "dlse: fp32 (B, H, S) with unit stride in S");
@@ -133,7 +125,6 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     a.dkdv_sample = dkdv_sample->data_ptr<int32_t>(), a.dq_sample = dq_sample->data_ptr<int32_t>();
     a.cu_seqlens = cu_seqlens->data_ptr<int32_t>();
   }
-  if (dq_accum) a.dq_accum = dq_accum->data_ptr<float>();
   // launch_bwd skips empty problems and each gradient kernel whose grid would be empty.
   const cudaError_t err =
       dlm_bindings::dispatch<64, 128>(q.scalar_type(), q.size(3), LaunchBwd{a, varlen});
@@ -152,9 +143,7 @@ void add_bwd(pybind11::module_& m) {
         pybind11::arg("dkdv_order"), pybind11::arg("dq_order"), pybind11::arg("n_noisy"),
         pybind11::arg("block_size"), pybind11::arg("scale"),
         pybind11::arg("dkdv_sample") = pybind11::none(), pybind11::arg("dq_sample") = pybind11::none(),
-        pybind11::arg("cu_seqlens") = pybind11::none(), pybind11::arg("dq_accum") = pybind11::none());
+        pybind11::arg("cu_seqlens") = pybind11::none());
   m.attr("scratch_pad") = dlm::sm90::kVarlenScratchPad;  // floats past lse2 / delta, zeroed
-  // Head dims of the fused (dQ inside the dK/dV kernel, non-deterministic) backward.
-  m.attr("fused_dq_head_dims") = pybind11::make_tuple(128);
 }
 }  // namespace dlm_bindings

@@ -604,12 +604,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if constexpr (Cfg::kFusedDq) {  // dS^T into buffer it & 1, two adjacent queries per store
           // The buffers are 16 KB apart, a multiple of the swizzle's period: buffer 1's offsets are
           // buffer 0's plus that.
+          // Keys of the box past the key tile (the next half's or sample's, where tiles start
+          // anywhere) are not masked in S^T: their dK / dV rows are simply not stored, but dQ sums
+          // over every key of the box, so their dS^T must be 0 here.
           auto& tdSs = get<2>(fp);
           const uint32_t buffer = (it & 1) * uint32_t(BM * BN * sizeof(Elem));
+          [[maybe_unused]] const int keys_live = k_tile.hi - key_base;
           CUTE_UNROLL
           for (int e = 0; e < size(ds_elem); e += 2) {
             alignas(4) Elem pair[2] = {ds_elem(e), ds_elem(e + 1)};
-            st_shared_b32(smem_addr(&tdSs(e, 0, 0, 0)) + buffer, *reinterpret_cast<uint32_t*>(pair));
+            uint32_t bits = *reinterpret_cast<uint32_t*>(pair);
+            if constexpr (Cfg::kStart != kStartTile) bits = get<0>(tScS(e)) < keys_live ? bits : 0u;
+            st_shared_b32(smem_addr(&tdSs(e, 0, 0, 0)) + buffer, bits);
           }
         }
 
@@ -888,9 +894,8 @@ struct BwdArgs {
   // odd-length / varlen dK/dV kernel also reads up to kVarlenScratchPad zeroed floats past the
   // lse2 / delta scratch.
   const int32_t *dkdv_sample = nullptr, *dq_sample = nullptr, *cu_seqlens = nullptr;
-  // Set (D = 128 only): the fused backward, dQ computed by the dK/dV kernel and reduce-added into
-  // this (B, S, H, D) contiguous fp32 scratch (launch_bwd zeroes it), then scaled into dq; the dQ
-  // kernel and dq_order / dq_tiles are not used. Faster, not deterministic. Null: two kernels.
+  // launch_bwd_fused only (D = 128): dQ computed by the dK/dV kernel and reduce-added into this
+  // (B, S, H, D) contiguous fp32 scratch, then scaled into dq; dq_order / dq_tiles unused.
   float* dq_accum = nullptr;
 };
 
@@ -993,21 +998,24 @@ cudaError_t launch_convert_dq(const BwdArgs& a) {
 template <class Elem, int D, int START = kBatchedStart>
 cudaError_t launch_bwd(const BwdArgs& a) {
   if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
-  if (a.dq_accum) {
-    if constexpr (fused_dq_supports(D)) {
-      const size_t bytes = sizeof(float) * a.batch * a.seqlen * a.heads * D;
-      cudaError_t err = cudaMemsetAsync(a.dq_accum, 0, bytes, a.stream);
-      if (err == cudaSuccess) err = launch_preprocess<Elem, D>(a);
-      if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDvFused<Elem, D, START>>(a);
-      if (err == cudaSuccess) err = launch_convert_dq<Elem, D>(a);
-      return err;
-    } else {
-      return cudaErrorInvalidValue;  // callers ask fused_dq_supports(D) first
-    }
-  }
   cudaError_t err = launch_preprocess<Elem, D>(a);
   if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDvShipped<Elem, D, START>>(a);
   if (err == cudaSuccess && a.dq_tiles) err = launch_dq<DqShipped<Elem, D, START>>(a);
+  return err;
+}
+
+// The fused backward (dQ inside the dK/dV kernel; csrc/NOTES.md "Fused dQ"): measured slower than
+// launch_bwd on the H200, so the extension does not instantiate it; tests/cuda's harness does.
+// a.dq_accum: (B, S, H, D) fp32 scratch, zeroed here.
+template <class Elem, int D, int START = kBatchedStart>
+cudaError_t launch_bwd_fused(const BwdArgs& a) {
+  static_assert(fused_dq_supports(D));
+  if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
+  const size_t bytes = sizeof(float) * a.batch * a.seqlen * a.heads * D;
+  cudaError_t err = cudaMemsetAsync(a.dq_accum, 0, bytes, a.stream);
+  if (err == cudaSuccess) err = launch_preprocess<Elem, D>(a);
+  if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDvFused<Elem, D, START>>(a);
+  if (err == cudaSuccess) err = launch_convert_dq<Elem, D>(a);
   return err;
 }
 

@@ -14,11 +14,8 @@ fp16/bf16, no softcap (declared capabilities: such calls select ``triton``) and,
 direction and layout. (Were kBatchedStart flipped back to kStartTile, the extension says so
 through ``batched_any_length`` and batched halves that are not multiples of 128 run Triton's
 again.) The backward (preprocess, dK/dV per key tile, dQ per query tile: three kernels with
-disjoint writes) is bitwise deterministic, batched and varlen: ``deterministic=True`` takes it.
-Other calls at the head dims the extension lists in ``fused_dq_head_dims`` (128) take the fused
-backward instead: the dK/dV kernel also computes dQ (one matmul per tile instead of the dQ
-kernel's three) and reduce-adds it into an fp32 buffer, so the sum's order, and dQ's last bits,
-vary from run to run (csrc/NOTES.md "Fused dQ").
+disjoint writes) is bitwise deterministic, batched and varlen, so ``deterministic=True`` takes it
+too.
 
 Work tables (the CTA schedules, most expensive tile first) are built in C++ from dlm/geometry.h
 and cached here: batched per (halves, block_size[, head dim], device), varlen per (cu_seqlens,
@@ -58,7 +55,7 @@ SOURCES = [
 # it was built with tiles on tile boundaries (batched_any_length false: kBatchedStart kStartTile).
 TILE = 128
 # CUTLASS calls run, and calls handed to Triton, per direction and layout
-STATS = {"fwd": 0, "fwd_fallback": 0, "bwd": 0, "bwd_fallback": 0, "bwd_fused_dq": 0,
+STATS = {"fwd": 0, "fwd_fallback": 0, "bwd": 0, "bwd_fallback": 0,
          "varlen_fwd": 0, "varlen_fwd_fallback": 0, "varlen_bwd": 0, "varlen_bwd_fallback": 0}
 
 _EXT = None
@@ -184,7 +181,8 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         to Triton."""
         ext = _extension() if softcap == 0 else None
         if ext is not None and not cutlass.tma_ready(dout if dout.dim() == 4 else dout[None]):
-            dout = dout.contiguous()
+            # An empty dout (no token) can keep an expand's zero strides through contiguous().
+            dout = dout.contiguous() if dout.numel() else dout.new_empty(dout.shape)
         return ext, dout
 
     def fwd(self, q, k, v, mask, scale, softcap, deterministic):
@@ -217,20 +215,17 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
 
     @staticmethod
     def _run_bwd(ext, dout, q, k, v, out, lse, dlse, n_noisy, block_size, scale, dkdv, dq_tables,
-                 deterministic, cu_seqlens=None):
-        """The backward kernels on (B, S, H, D) views; dkdv / dq_tables: (order, sample or None).
-        Fused (dQ reduce-added by the dK/dV kernel into an fp32 buffer) unless deterministic."""
-        b, s, h, d = q.shape
+                 cu_seqlens=None):
+        """The three backward kernels on (B, S, H, D) views; dkdv / dq_tables: (order, sample or
+        None)."""
+        b, s, h, _ = q.shape
         lse = lse.float().contiguous()
         dlse = None if dlse is None else dlse.float().contiguous()
         dq, dk, dv = new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape)
         lse2, delta = _scratch(ext, b * h * s, q.device)
-        fused = not deterministic and d in getattr(ext, "fused_dq_head_dims", ())
-        dq_accum = torch.empty(q.numel(), dtype=torch.float32, device=q.device) if fused else None
         ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv[0], dq_tables[0],
                 n_noisy, block_size, scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1],
-                cu_seqlens=cu_seqlens, dq_accum=dq_accum)
-        STATS["bwd_fused_dq"] += fused
+                cu_seqlens=cu_seqlens)
         return dq, dk, dv
 
     def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
@@ -241,7 +236,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         dkdv_order, dq_order = _bwd_tile_orders(mask.n_noisy, mask.n_clean, mask.block_size,
                                                 str(q.device))
         grads = self._run_bwd(ext, dout, q, k, v, out, lse, dlse, mask.n_noisy, mask.block_size,
-                              scale, (dkdv_order, None), (dq_order, None), deterministic)
+                              scale, (dkdv_order, None), (dq_order, None))
         STATS["bwd"] += 1
         return grads
 
@@ -256,7 +251,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         q4, k4, v4, dout4, out4 = views
         grads = self._run_bwd(ext, dout4, q4, k4, v4, out4, lse[None],
                               None if dlse is None else dlse[None], 0, mask.block_size, scale,
-                              t.dkdv, t.dq, deterministic, t.cu_seqlens)
+                              t.dkdv, t.dq, t.cu_seqlens)
         STATS["varlen_bwd"] += 1
         return tuple(g[0] for g in grads)
 

@@ -585,7 +585,7 @@ struct VarRun {
   }
   void fwd() { if (f.num_tiles) CK(dlm::sm90::launch_fwd_cfg<FwdCfg>(f)); }
   void bwd() {
-    if (FUSED) CK(cudaMemsetAsync(a.dq_accum, 0, nq * sizeof(float), a.stream));
+    if (FUSED) CK(cudaMemsetAsync(a.dq_accum, 0, std::max<size_t>(nq, 1) * sizeof(float), a.stream));
     CK((dlm::sm90::launch_preprocess<Elem, D>(a)));
     if (a.dkdv_tiles) CK(dlm::sm90::launch_dkdv<DkCfg>(a));
     if (FUSED) {
