@@ -23,7 +23,8 @@
 //               Three matmuls per tile pair on top of the dK/dV kernel's four (a fused dQ with
 //               fp32 atomics would need five in all): csrc/NOTES.md "Backward" gives the numbers
 //               behind that choice. Every output element is written by one CTA, in one order, so
-//               the whole backward is bitwise deterministic.
+//               the whole backward is bitwise deterministic. The fused variant (dK/dV/dQ in one
+//               kernel, FUSED_DQ_ below) exists for the harness: it measured slower.
 //
 // Coverage as the forward's (dlm_ops/backends/cutlass_diffusion.py checks): halves of any length
 // and packed samples (the START_ option of both configs, hopper/common.cuh: launch_bwd<Elem, D>
@@ -130,9 +131,9 @@ template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, int
 struct DkDvConfig {
   using Elem = Elem_;
   static constexpr int kStart = START_;
-  // FUSED_DQ_: the kernel also computes dQ (one more matmul per tile, fp32 reduce-adds) and the
-  // dQ kernel does not run; not deterministic (the adds' order varies), so deterministic calls
-  // keep the two-kernel backward.
+  // FUSED_DQ_: the kernel also computes dQ (one more matmul per tile, fp32 reduce-adds; the dQ
+  // kernel does not run; not deterministic). Correct but measured 0.79-0.90x of the two kernels on
+  // the H200, so only the harness runs it (launch_bwd_fused; csrc/NOTES.md "Fused dQ").
   static constexpr bool kFusedDq = FUSED_DQ_;
   // Bulk copies need 16-byte aligned sources: a query tile starting anywhere copies its lse2 / delta
   // from the aligned element at or before its first row, kRowPad more floats, and the consumers
