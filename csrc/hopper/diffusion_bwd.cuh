@@ -72,6 +72,18 @@ CUTE_DEVICE void st_shared_f32x2(uint32_t addr, float x, float y) {
 template <class T>
 CUTE_DEVICE uint32_t smem_addr(T* p) { return cute::cast_smem_ptr_to_uint(p); }
 
+// f(true_type) or f(false_type): a tile's element loop compiled once with and once without the
+// mask, so the test is made per tile rather than per score (a per-score test compiled to a
+// predicated branch around every score, FULL tiles included: csrc/NOTES.md "Per-tile mask").
+template <class F>
+CUTE_DEVICE void with_mask_decided(bool masked, F&& f) {
+  if (masked) {
+    f(cute::true_type{});
+  } else {
+    f(cute::false_type{});
+  }
+}
+
 // ------------------------------------------------------------------------------ configurations
 // 128-byte swizzled, K-major (head dim contiguous): the layout TMA writes and wgmma reads. A
 // transposed view (MN-major, the other dimension contiguous) over the same bytes is what the
@@ -549,9 +561,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           skip = static_cast<int>(((static_cast<int64_t>(b) * p.heads + kvh * group + g) * p.seqlen +
                                    offset + visit.start) & 3);
         const float* lse2 = ss.lse2[stage] + skip;
-        // The mask decided once per tile (two copies of the loop), not per score: a per-score
-        // test compiled to a predicated branch around each of the 32 scores, which the FULL
-        // tiles paid too (the forward's v4 -> v5 lesson, csrc/NOTES.md).
         auto exponentiate = [&](auto masked_tag) {
           constexpr bool kMasked = decltype(masked_tag)::value;
           // The query rows that see each of this thread's keys, recomputed per PARTIAL tile rather
@@ -577,11 +586,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             }
           }
         };
-        if (masked) {
-          exponentiate(cute::true_type{});
-        } else {
-          exponentiate(cute::false_type{});
-        }
+        with_mask_decided(masked, exponentiate);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dp);
         // dS^T = P^T (dP^T - delta[query]), in dP^T's registers.
@@ -822,7 +827,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
       Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, keys)
       const bool masked = !visit.full || visit.end - visit.start < BN;
-      auto exponentiate = [&](auto masked_tag) {  // the mask decided per tile, as in dK/dV
+      auto exponentiate = [&](auto masked_tag) {
         constexpr bool kMasked = decltype(masked_tag)::value;
         CUTE_UNROLL
         for (int i = 0; i < kRows; ++i) {
@@ -837,11 +842,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
         }
       };
-      if (masked) {
-        exponentiate(cute::true_type{});
-      } else {
-        exponentiate(cute::false_type{});
-      }
+      with_mask_decided(masked, exponentiate);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dp);
       Barrier::arrive(&ss.v_empty[stage]);  // V is read only by dP

@@ -371,12 +371,14 @@ float time_ms(F f, int iters) {
   return ms / iters;
 }
 
+// The timed shapes (bf16 D=128, 16K tokens): n = 1K..8K at bs 16, bs 4, GQA 32/8.
+const Run kTimingRuns[] = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
+                           {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4},  {4, 2048, 32, 8, 16}};
+
 template <class DkCfg, class DqCfg>
 void timing(const char* name) {
   printf("== timing %s (bf16, D=128, 16K tokens, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n", name);
-  const Run runs[] = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
-                      {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4}, {4, 2048, 32, 8, 16}};
-  for (const Run& r : runs) {
+  for (const Run& r : kTimingRuns) {
     Problem<bf16> P(r, 128);
     P.to_device();
     Bwd<bf16, 128, DkCfg, DqCfg> bwd(P);
@@ -402,9 +404,7 @@ void timing(const char* name) {
 template <class Dk, class DkF, class Dq>
 void timing_fused() {
   printf("== timing fused dQ vs shipped (bf16, D=128, 16K tokens, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n");
-  const Run runs[] = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
-                      {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4}, {4, 2048, 32, 8, 16}};
-  for (const Run& r : runs) {
+  for (const Run& r : kTimingRuns) {
     Problem<bf16> P(r, 128);
     P.to_device();
     Bwd<bf16, 128, Dk, Dq> ship(P);
