@@ -386,10 +386,10 @@ def test_cutlass_varlen_empty_packings(cu_list):
     torch.cuda.synchronize()
     assert out.shape == q.shape and lse.shape == (4, cu_list[-1])
     assert all(g is None or (g.shape == t.shape and torch.isfinite(g).all()) for g, t in zip(grads, (q, k, v)))
+    # Autograd calls the backward even with no token (seen on the H200 in session 6: the fallback
+    # counter moved, its dout an expand with zero strides); the backend makes such a dout TMA-ready.
     assert cd.STATS["varlen_bwd_fallback"] == before["varlen_bwd_fallback"]
-    # With no token at all autograd never calls the backward op (seen on the H200: neither counter
-    # moved), so the CUTLASS backward is counted only where there is a token.
-    assert cd.STATS["varlen_bwd"] == before["varlen_bwd"] + (cu_list[-1] > 0)
+    assert cd.STATS["varlen_bwd"] == before["varlen_bwd"] + 1
     if cu_list[-1]:
         gold, gold_lse = diffusion_attn_varlen_ref(q.detach(), k.detach(), v.detach(), cu, 4)
         assert (out.float() - gold).abs().max().item() < 2e-2
