@@ -183,3 +183,58 @@ def test_forced_backend_and_unsupported_config():
                        dlm_ops.diffusion_attn_func(q, k, v, 2))
     with pytest.raises(ValueError, match="backend must be one of"):
         dlm_ops.diffusion_attn_func(q, k, v, 2, backend="nope")
+
+
+def _packed_inputs(cu_list, seed, requires_grad=False):
+    total = cu_list[-1]
+    q, k, v = make_qkv((total, 2, 16), (total, 1, 16), torch.float64, seed)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def test_varlen_reads_cu_seqlens_once_per_tensor():
+    """The host reads a cu_seqlens tensor's values once (a device sync on CUDA), not in every
+    forward and backward: a model passes one tensor to all its layers."""
+    from dlm_ops.ops.diffusion import _host_bounds
+
+    cu_list = [0, 6, 6, 20]
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    q, k, v = _packed_inputs(cu_list, seed=7, requires_grad=True)
+    reads = _host_bounds.reads
+    for _ in range(3):  # three "layers": forward and backward each
+        out = dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 14, 4)
+        out.sum().backward()
+    assert _host_bounds.reads == reads + 1
+    # A new tensor with the same values is read again (another address).
+    dlm_ops.diffusion_attn_varlen_func(q, k, v, cu.clone(), 14, 4)
+    assert _host_bounds.reads == reads + 2
+
+
+def test_varlen_rereads_cu_seqlens_written_in_place():
+    """An in-place write (through the tensor or a view) bumps its version: the new bounds are used,
+    never the cached ones."""
+    first, second = [0, 6, 6, 20], [0, 10, 14, 20]
+    cu = torch.tensor(first, dtype=torch.int32)
+    q, k, v = _packed_inputs(first, seed=8)
+    dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 14, 4)
+    cu[1:].copy_(torch.tensor(second[1:], dtype=torch.int32))  # through a view
+    out = dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 14, 4)
+    gold, _ = diffusion_attn_varlen_ref(q, k, v, torch.tensor(second, dtype=torch.int32), 4,
+                                        compute_dtype=torch.float64)
+    torch.testing.assert_close(out, gold.to(out.dtype), atol=1e-12, rtol=0)
+
+
+def test_varlen_host_bounds_inference_tensors_and_eviction():
+    """Inference tensors have no version counter: read every call, still correct. The cache keeps
+    a bounded number of tensors."""
+    from dlm_ops.ops.diffusion import _HostBounds
+
+    bounds = _HostBounds(size=2)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+        assert bounds(cu) == bounds(cu) == (0, 4, 8) and bounds.reads == 2
+    tensors = [torch.tensor([0, 2 * i], dtype=torch.int32) for i in range(4)]
+    for i, t in enumerate(tensors):
+        assert bounds(t) == (0, 2 * i)
+    assert len(bounds._entries) == 2 and bounds.reads == 2 + 4
+    assert bounds(tensors[-1]) == (0, 6) and bounds.reads == 6  # still cached
+    assert bounds(tensors[0]) == (0, 0) and bounds.reads == 7   # evicted, read again

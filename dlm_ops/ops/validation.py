@@ -4,6 +4,8 @@ value it expected."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -70,7 +72,7 @@ def check_cu_seqlens(cu_seqlens, q, max_seqlen) -> None:
         raise ValueError(f"max_seqlen must be an int >= 0, got {max_seqlen!r}")
 
 
-def check_cu_seqlens_values(cu: list[int], total: int, max_seqlen: int) -> None:
+def check_cu_seqlens_values(cu: Sequence[int], total: int, max_seqlen: int) -> None:
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {cu[0]}")
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
