@@ -800,6 +800,15 @@ int main(int argc, char** argv) {
   if (mode == "fused" || mode == "fused-small") {
     using DkF = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, true>;
     using DkF16 = DkDvConfig<fp16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, true>;
+    if (mode == "fused-prof") {  // one launch of each dK/dV kernel at n = 4K bs 16 B = 2, for ncu
+      Problem<bf16> P({2, 4096, 16, 16, 16}, 128);
+      P.to_device();
+      Bwd<bf16, 128, Dk, Dq> ship(P);
+      Bwd<bf16, 128, DkF, Dq> fused(P);
+      ship.dkdv(), fused.dkdv();
+      CK(cudaDeviceSynchronize());
+      return 0;
+    }
     if (mode == "fused-small") {  // e.g. under compute-sanitizer
       check<bf16, 128, DkF, Dq>("bf16 D=128 fused", {1, 256, 4, 2, 16});
       VarRun<bf16, 128, kStartVarlen, true>(VarSpec{true, {0, 100, 37, 0, 130}, 2, 1, 16}).check("bf16 D=128 fused");
