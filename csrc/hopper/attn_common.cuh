@@ -254,15 +254,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
-      warpgroup_fence_operand(acc_s);
-      warpgroup_arrive();
-      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-        gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
-        mma_s.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
+      gemm_fresh(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
       if (j > 0) {
         warpgroup_fence_operand(acc_o);
         warpgroup_arrive();

@@ -57,6 +57,21 @@ CUTE_DEVICE auto acc_as_operand_a(Layout l) {  // ((2, 2, V), M, N) -> ((2, 2, 2
                      make_layout(get<2, 1>(v), get<2>(l)));
 }
 
+// acc = A B as one committed wgmma batch over the operands' k blocks (the first instruction
+// overwrites acc, the rest accumulate). A and B: (MMA, M or N, K) fragments. The caller waits.
+template <class Mma, class FragA, class FragB, class Acc>
+CUTE_DEVICE void gemm_fresh(Mma& mma, FragA const& a, FragB const& b, Acc& acc) {
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    gemm(mma, a(_, _, kb), b(_, _, kb), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
 // exp2 as the SFU's approximate instruction (what --use_fast_math makes of exp2f): the kernels
 // say so themselves instead of depending on a build flag. ex2.approx of -inf is +0, which masked
 // scores rely on.

@@ -530,25 +530,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
         // S^T and dP^T issued back to back: P^T's exponentials run while dP^T is computed.
         Barrier::wait(&ss.q_full[stage], phase);
-        warpgroup_fence_operand(acc_s);
-        warpgroup_arrive();
-        mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tSrK); ++kb) {
-          gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb, stage), acc_s);
-          mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
+        gemm_fresh(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
         Barrier::wait(&ss.do_full[stage], phase);
-        warpgroup_fence_operand(acc_dp);
-        warpgroup_arrive();
-        mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tSrV); ++kb) {
-          gemm(mma_sdp, tSrV(_, _, kb), tSrdO(_, _, kb, stage), acc_dp);
-          mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
+        gemm_fresh(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
         warpgroup_wait<1>();
         warpgroup_fence_operand(acc_s);
 
@@ -643,15 +627,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           bar_sync(kFusedDsBarrier, 256);
           Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<Fused::kCols>>{});
           auto& tdQrdS = get<0>(fp);
-          warpgroup_fence_operand(acc_dq);
-          warpgroup_arrive();
-          mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
-          CUTE_UNROLL
-          for (int kb = 0; kb < size<2>(tdQrdS); ++kb) {
-            gemm(mma_dq, tdQrdS(_, _, kb, it & 1), get<1>(fp)(_, _, kb), acc_dq);
-            mma_dq.accumulate_ = GMMA::ScaleOut::One;
-          }
-          warpgroup_commit_batch();
+          gemm_fresh(mma_dq, tdQrdS(_, _, _, it & 1), get<1>(fp), acc_dq);
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_dq);
           warpgroup_fence_operand(acc_dv);
@@ -803,25 +779,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
       Barrier::wait(&ss.k_full[stage], phase);
-      warpgroup_fence_operand(acc_s);
-      warpgroup_arrive();
-      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-        gemm(mma_sdp, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
-        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
+      gemm_fresh(mma_sdp, tSrQ, tSrK(_, _, _, stage), acc_s);
       Barrier::wait(&ss.v_full[stage], phase);
-      warpgroup_fence_operand(acc_dp);
-      warpgroup_arrive();
-      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tSrdO); ++kb) {
-        gemm(mma_sdp, tSrdO(_, _, kb), tSrV(_, _, kb, stage), acc_dp);
-        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
+      gemm_fresh(mma_sdp, tSrdO, tSrV(_, _, _, stage), acc_dp);
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_s);
 
