@@ -219,6 +219,11 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         """The three backward kernels on (B, S, H, D) views; dkdv / dq_tables: (order, sample or
         None)."""
         b, s, h, _ = q.shape
+        if b * s * h == 0:
+            # No token (an empty varlen packing; autograd still calls the backward): nothing to
+            # launch, and the zero-size dlse autograd passes is an expand whose strides the
+            # binding's layout checks reject (contiguous() keeps them on an empty tensor).
+            return tuple(torch.empty_like(t) for t in (q, k, v))
         lse = lse.float().contiguous()
         dlse = None if dlse is None else dlse.float().contiguous()
         dq, dk, dv = new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape)

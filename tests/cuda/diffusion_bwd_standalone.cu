@@ -797,7 +797,7 @@ int main(int argc, char** argv) {
     printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
     return g_failures != 0;
   }
-  if (mode == "fused" || mode == "fused-small") {
+  if (mode == "fused" || mode == "fused-small" || mode == "fused-prof") {
     using DkF = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, true>;
     using DkF16 = DkDvConfig<fp16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, true>;
     if (mode == "fused-prof") {  // one launch of each dK/dV kernel at n = 4K bs 16 B = 2, for ncu
