@@ -252,11 +252,15 @@ struct BwdParams {
   SequenceMask mask;
   float scale, scale_log2;    // softmax scale, and times log2 e
   const int32_t* tile_order;  // own tiles, most expensive first (geometry most_expensive_first)
-  // kStartVarlen only (appended, so the shipped kernels' parameter offsets do not move): grid row
-  // blockIdx.y is own tile tile_order[y] of sample tile_sample[y]; sample i occupies packed rows
-  // [cu_seqlens[i], cu_seqlens[i + 1]) of batch 0; mask.block_size is every sample's block size.
+  // kStartVarlen only: entry e is own tile tile_order[e] of sample tile_sample[e]; sample i
+  // occupies packed rows [cu_seqlens[i], cu_seqlens[i + 1]) of batch 0; mask.block_size is every
+  // sample's block size.
   const int32_t* tile_sample = nullptr;
   const int32_t* cu_seqlens = nullptr;
+  // The grid: CTA w is (entry, slot) of `chunks` (hopper/common.cuh), over `entries` entries of
+  // tile_order and the batch * (kv) heads slots.
+  int entries = 0;
+  HeadChunks chunks{};
   // Fused dK/dV/dQ only: reduce-adds into the (B, S, H, D) fp32 dQ accumulator.
   typename Cfg::Fused::TmaDq tma_dq{};
 };
@@ -266,16 +270,16 @@ struct BwdParams {
 // values (zeros): masked queries get P^T = 0, and dS^T = 0 * (dP^T - delta) only if delta is finite.
 constexpr int kVarlenScratchPad = 128;
 
-// The mask and the packed row of position 0 of the CTA's sample (kStartVarlen: from the grid row;
+// The mask and the packed row of position 0 of the CTA's sample (kStartVarlen: entry e's sample;
 // otherwise the kernel's mask and row 0).
 struct SampleGeom {
   SequenceMask mask;
   int offset;
 };
 template <class Cfg, class Params>
-CUTE_DEVICE SampleGeom sample_geom(Params const& p) {
+CUTE_DEVICE SampleGeom sample_geom(Params const& p, int e) {
   if constexpr (Cfg::kStart == kStartVarlen) {
-    const int sample = p.tile_sample[blockIdx.y], lo = p.cu_seqlens[sample];
+    const int sample = p.tile_sample[e], lo = p.cu_seqlens[sample];
     return {block_diffusion(p.cu_seqlens[sample + 1] - lo, p.mask.block_size), lo};
   } else {
     return {p.mask, 0};
@@ -387,13 +391,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor sQt = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(ss.dout), typename Cfg::SmemLayoutQt{});
 
-  const int bh = blockIdx.x, b = bh / p.kv_heads, kvh = bh % p.kv_heads;
+  int e, bh;
+  p.chunks.decode(blockIdx.x, p.entries, e, bh);
+  const int b = bh / p.kv_heads, kvh = bh % p.kv_heads;
   const int group = p.heads / p.kv_heads;
-  const SampleGeom geom = sample_geom<Cfg>(p);
+  const SampleGeom geom = sample_geom<Cfg>(p, e);
   const SequenceMask& mask = Cfg::kStart == kStartTile ? p.mask : geom.mask;
   const int offset = Cfg::kStart == kStartVarlen ? geom.offset : 0;  // packed row of position 0
   const TilePlans plans = mask.bwd_tiles(BM, BN);  // own: key tiles; other: query tiles
-  const int kt = p.tile_order[blockIdx.y];
+  const int kt = p.tile_order[e];
   const Interval k_tile = plans.tile(kt);
   const TileRuns runs = plans.runs(kt);
   const int warp_group = threadIdx.x / 128;
@@ -691,13 +697,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutKV{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKt{});
 
-  const int bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads;
+  int e, bh;
+  p.chunks.decode(blockIdx.x, p.entries, e, bh);
+  const int b = bh / p.heads, h = bh % p.heads;
   const int kvh = h / (p.heads / p.kv_heads);
-  const SampleGeom geom = sample_geom<Cfg>(p);
+  const SampleGeom geom = sample_geom<Cfg>(p, e);
   const SequenceMask& mask = Cfg::kStart == kStartTile ? p.mask : geom.mask;
   const int offset = Cfg::kStart == kStartVarlen ? geom.offset : 0;  // packed row of position 0
   const TilePlans plans = mask.fwd_tiles(BM, BN);
-  const int qt = p.tile_order[blockIdx.y];
+  const int qt = p.tile_order[e];
   const Interval q_tile = plans.tile(qt);
   const TileRuns runs = plans.runs(qt);
   const int warp_group = threadIdx.x / 128;
@@ -851,6 +859,7 @@ struct BwdArgs {
   const int32_t* dq_order;    // query tiles of fwd_tiles(kDqBlockM, kDqBlockN), most expensive first
   int dq_tiles;
   cudaStream_t stream;
+  int head_chunk = 0;  // HeadChunks' chunk: 0 = from the L2 size (head_chunks); the harness's A/B sets it
   // kStartVarlen configs only (batch 1, seqlen = packed tokens): the sample of each entry of
   // dkdv_order / dq_order, and the samples' offsets (csrc/NOTES.md "Odd lengths and varlen"). The
   // odd-length / varlen dK/dV kernel also reads up to kVarlenScratchPad zeroed floats past the
@@ -896,7 +905,10 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
       a.dk_stride[1], a.dk_stride[2], a.dk_stride[0], a.dv_stride[1], a.dv_stride[2], a.dv_stride[0],
       a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale,
-      a.scale * 1.4426950408889634f, a.dkdv_order, a.dkdv_sample, a.cu_seqlens};
+      a.scale * 1.4426950408889634f, a.dkdv_order, a.dkdv_sample, a.cu_seqlens, a.dkdv_tiles,
+      // A (batch, kv head) slot re-reads Q and dO of the group's query heads at every key tile.
+      head_chunks(a.batch * a.kv_heads,
+                  int64_t{2} * a.seqlen * D * sizeof(Elem) * (a.heads / a.kv_heads), a.head_chunk)};
   if constexpr (Cfg::kFusedDq) {
     p.tma_dq = make_tma_copy(
         SM90_TMA_REDUCE_ADD{},
@@ -908,7 +920,7 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);  // once: the attribute is per function
   if (configured != cudaSuccess) return configured;
-  kernel<<<dim3(a.batch * a.kv_heads, a.dkdv_tiles), Cfg::kThreads, smem, a.stream>>>(p);
+  kernel<<<a.batch * a.kv_heads * a.dkdv_tiles, Cfg::kThreads, smem, a.stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -926,12 +938,15 @@ cudaError_t launch_dq(const BwdArgs& a) {
       a.dq_stride[1], a.dq_stride[2], a.dq_stride[0], 0, 0, 0,
       a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale,
-      a.scale * 1.4426950408889634f, a.dq_order, a.dq_sample, a.cu_seqlens};
+      a.scale * 1.4426950408889634f, a.dq_order, a.dq_sample, a.cu_seqlens, a.dq_tiles,
+      // A (batch, head) slot re-reads its kv head's K and V (shared by the group: adjacent slots).
+      head_chunks(a.batch * a.heads,
+                  int64_t{2} * a.seqlen * D * sizeof(Elem) * a.kv_heads / a.heads, a.head_chunk)};
   auto kernel = diffusion_bwd_dq_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);
   if (configured != cudaSuccess) return configured;
-  kernel<<<dim3(a.batch * a.heads, a.dq_tiles), Cfg::kThreads, smem, a.stream>>>(p);
+  kernel<<<a.batch * a.heads * a.dq_tiles, Cfg::kThreads, smem, a.stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -62,22 +62,25 @@ struct FwdParams {
   // [cu_seqlens[i], cu_seqlens[i + 1]) of batch 0; mask.block_size is every sample's block size.
   const int32_t* tile_sample = nullptr;
   const int32_t* cu_seqlens = nullptr;
+  HeadChunks chunks;  // the order of (tile_order entry, batch * heads slot) pairs
 };
 
-// The work: item w is query tile tile_order[w / (batch * heads)] of (batch, head) w % (batch *
-// heads), so the most expensive tiles of every head come first. CTA c takes items c, c + grid,
-// c + 2 grid, ... (persistent when the grid is smaller than the work).
+// The work: item w is (entry e, slot j) of p.chunks (hopper/common.cuh HeadChunks: most expensive
+// tiles first within chunks of heads that share the L2): query tile tile_order[e] of (batch,
+// head) j. CTA c takes items c, c + grid, c + 2 grid, ... (persistent when the grid is smaller
+// than the work).
 struct WorkItem {
   int b, h, qt;
 };
 template <class Params>
 CUTE_DEVICE WorkItem work_item(Params const& p, int w) {
-  const int bh_count = p.batch * p.heads, bh = w % bh_count;
-  return {bh / p.heads, bh % p.heads, p.tile_order[w / bh_count]};
+  int e, bh;
+  p.chunks.decode(w, p.num_tiles, e, bh);
+  return {bh / p.heads, bh % p.heads, p.tile_order[e]};
 }
 
 // A work item with its mask and the packed row its sample starts at (kStartAny: the batch's mask,
-// row 0; kStartVarlen: item w is entry w / heads of head w % heads, batch 0).
+// row 0; kStartVarlen: entry e of sample tile_sample[e], slot j its head, batch 0).
 struct ItemGeom {
   WorkItem wi;
   SequenceMask mask;
@@ -86,8 +89,10 @@ struct ItemGeom {
 template <class Cfg, class Params>
 CUTE_DEVICE ItemGeom item_geom(Params const& p, int w) {
   if constexpr (Cfg::kStart == kStartVarlen) {
-    const int e = w / p.heads, sample = p.tile_sample[e], lo = p.cu_seqlens[sample];
-    return {{0, w % p.heads, p.tile_order[e]},
+    int e, h;
+    p.chunks.decode(w, p.num_tiles, e, h);
+    const int sample = p.tile_sample[e], lo = p.cu_seqlens[sample];
+    return {{0, h, p.tile_order[e]},
             block_diffusion(p.cu_seqlens[sample + 1] - lo, p.mask.block_size), lo};
   } else {
     return {work_item(p, w), p.mask, 0};
@@ -342,6 +347,7 @@ struct FwdArgs {
   int num_tiles;
   int max_ctas;  // persistent grid: at most this many CTAs (the SM count); 0 = one CTA per work item
   cudaStream_t stream;
+  int head_chunk = 0;  // HeadChunks' chunk: 0 = from the L2 size (head_chunks); the harness's A/B sets it
   // kStartVarlen configs only (batch 1, seqlen = packed tokens): the sample of each tile_order
   // entry and the samples' offsets (csrc/NOTES.md "Odd lengths and varlen").
   const int32_t *tile_sample = nullptr, *cu_seqlens = nullptr;
@@ -352,6 +358,14 @@ struct FwdArgs {
 // Q (64 KB) plus two stages of K and V (2 x 2 x 32 KB) fit in shared memory.
 constexpr int kFwdBlockM = 128, kFwdStages = 2;
 constexpr int fwd_block_n(int d) { return d > 128 ? 64 : 128; }
+
+// The forward's HeadChunks: a slot re-reads its kv head's K and V, which the group's query heads
+// (adjacent slots) share.
+template <class Cfg>
+HeadChunks fwd_head_chunks(int batch, int seqlen, int heads, int kv_heads, int requested = 0) {
+  const int64_t kv_bytes = int64_t{2} * seqlen * Cfg::D * sizeof(typename Cfg::Elem);
+  return head_chunks(batch * heads, kv_bytes * kv_heads / heads, requested);
+}
 
 // Any FwdConfig (the shipped ones through launch_fwd; kStartAny / kStartVarlen ones directly).
 template <class Cfg>
@@ -365,7 +379,8 @@ cudaError_t launch_fwd_cfg(const FwdArgs& a) {
       static_cast<Elem*>(a.o), a.lse, a.o_stride[1], a.o_stride[2], a.o_stride[0],
       a.lse_stride[1], a.lse_stride[0], a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale * 1.4426950408889634f,
-      a.tile_order, a.num_tiles, a.tile_sample, a.cu_seqlens};
+      a.tile_order, a.num_tiles, a.tile_sample, a.cu_seqlens,
+      fwd_head_chunks<Cfg>(a.batch, a.seqlen, a.heads, a.kv_heads, a.head_chunk)};
   auto kernel = diffusion_fwd_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured =  // once per instantiation: the attribute is per function

@@ -31,6 +31,7 @@
 
 struct Run { int B, n, H, Hkv, bs; bool causal = false; };  // causal: block-causal over 2n
 int g_max_ctas = 0;  // persistent grid of at most this many CTAs; 0: one CTA per work item
+int g_head_chunk = 0;  // HeadChunks' chunk (0: from the L2 size, as the launcher; 1 << 30: the plain order)
 int g_failed = 0;    // checks that failed (exit status of `ab`)
 
 template <class Cfg>
@@ -58,7 +59,8 @@ float run(Run r, bool check, int iters) {
       dlm::sm90::make_tma_kv<Cfg>(k, S, r.Hkv, r.B, (int64_t)r.Hkv * D, D, (int64_t)S * r.Hkv * D),
       dlm::sm90::make_tma_kv<Cfg>(v, S, r.Hkv, r.B, (int64_t)r.Hkv * D, D, (int64_t)S * r.Hkv * D),
       o, lse, (int64_t)r.H * D, D, (int64_t)S * r.H * D, S, (int64_t)r.H * S, S, r.H, r.Hkv, r.B, mask,
-      (float)(1.4426950408889634 / std::sqrt((double)D)), order, T};
+      (float)(1.4426950408889634 / std::sqrt((double)D)), order, T, nullptr, nullptr,
+      dlm::sm90::fwd_head_chunks<Cfg>(r.B, S, r.H, r.Hkv, g_head_chunk)};
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
   int smem = sizeof(typename Cfg::SharedStorage);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -169,11 +171,13 @@ float time_on(Run r, const Bufs& b, int iters) {
       dlm::sm90::make_tma_kv<Cfg>(k, S, r.Hkv, r.B, (int64_t)r.Hkv * D, D, (int64_t)S * r.Hkv * D),
       dlm::sm90::make_tma_kv<Cfg>(v, S, r.Hkv, r.B, (int64_t)r.Hkv * D, D, (int64_t)S * r.Hkv * D),
       static_cast<Elem*>(b.o), b.lse, (int64_t)r.H * D, D, (int64_t)S * r.H * D, S, (int64_t)r.H * S, S,
-      r.H, r.Hkv, r.B, mask, (float)(1.4426950408889634 / std::sqrt((double)D)), b.order, T};
+      r.H, r.Hkv, r.B, mask, (float)(1.4426950408889634 / std::sqrt((double)D)), b.order, T, nullptr,
+      nullptr, dlm::sm90::fwd_head_chunks<Cfg>(r.B, S, r.H, r.Hkv, g_head_chunk)};
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
   const int smem = sizeof(typename Cfg::SharedStorage);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  dim3 grid(r.B * r.H * T);
+  const int items = r.B * r.H * T;
+  dim3 grid(g_max_ctas > 0 && g_max_ctas < items ? g_max_ctas : items);
   cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   for (int i = 0; i < 3; ++i) kern<<<grid, Cfg::kThreads, smem>>>(p);
   CK(cudaEventRecord(e0));
@@ -184,14 +188,25 @@ float time_on(Run r, const Bufs& b, int iters) {
   return ms / iters;
 }
 
-template <class... Cfgs>
+// A variant: a config, or a config in a given HeadChunks order (Chunked<Cfg, chunk>).
+template <class Cfg_, int CHUNK>
+struct Chunked {};
+template <class T>
+struct VariantOf { using Cfg = T; static constexpr int kChunk = 0; };
+template <class Cfg_, int CHUNK>
+struct VariantOf<Chunked<Cfg_, CHUNK>> { using Cfg = Cfg_; static constexpr int kChunk = CHUNK; };
+
+template <class... Vs>
 struct Variants {
-  static constexpr int kCount = sizeof...(Cfgs);
+  static constexpr int kCount = sizeof...(Vs);
   static void time_all(Run r, const Bufs& b, float* ms) {
     int i = 0;
-    ((ms[i] = std::min(ms[i], time_on<Cfgs>(r, b, 20)), ++i), ...);
+    ((g_head_chunk = VariantOf<Vs>::kChunk,
+      ms[i] = std::min(ms[i], time_on<typename VariantOf<Vs>::Cfg>(r, b, 20)), ++i), ...);
+    g_head_chunk = 0;
   }
 };
+int g_backend_grid = 0;  // ab_timing: the backend's grid (persistent, the SM count, for n <= 2048)
 
 template <class V>
 void ab_timing(const char* const* names) {
@@ -207,9 +222,13 @@ void ab_timing(const char* const* names) {
   fill_random<<<1024, 256>>>(static_cast<cutlass::bfloat16_t*>(b.v), nq, 3);
   CK(cudaDeviceSynchronize());
   std::vector<std::vector<float>> ms(shapes.size(), std::vector<float>(V::kCount, 1e30f));
-  for (size_t s = 0; s < shapes.size(); ++s)
+  for (size_t s = 0; s < shapes.size(); ++s) {
+    g_max_ctas = shapes[s].n <= 2048 ? g_backend_grid : 0;
     for (int round = 0; round < 2; ++round) V::time_all(shapes[s], b, ms[s].data());
-  printf("\n== forward A/B, bf16 D=128, one CTA per work item; TFLOPS on visible pairs (ratio to %s)\n", names[0]);
+  }
+  g_max_ctas = 0;
+  printf("\n== forward A/B, bf16 D=128, %s; TFLOPS on visible pairs (ratio to %s)\n",
+         g_backend_grid ? "the backend's grid (persistent for n <= 2048)" : "one CTA per work item", names[0]);
   printf("| B | n | H/Hkv | bs |");
   for (int i = 0; i < V::kCount; ++i) printf(" %s |", names[i]);
   printf("\n|---|---|---|---|");
@@ -272,7 +291,7 @@ float run_varlen(const std::vector<int>& halves, int H, int Hkv, int bs, bool ch
       dlm::sm90::make_tma_kv<Cfg>(v, S, Hkv, 1, (int64_t)Hkv * D, D, (int64_t)S * Hkv * D),
       o, lse, (int64_t)H * D, D, (int64_t)S * H * D, S, (int64_t)H * S, S, H, Hkv, 1,
       dlm::SequenceMask{0, 0, bs}, (float)(1.4426950408889634 / std::sqrt((double)D)), d_order, E,
-      d_sample, d_cu};
+      d_sample, d_cu, dlm::sm90::fwd_head_chunks<Cfg>(1, S, H, Hkv, g_head_chunk)};
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
   int smem = sizeof(typename Cfg::SharedStorage);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -444,6 +463,20 @@ int main(int argc, char** argv) {
     ab_checks<FwdConfig<cutlass::half_t, 128>>("fp16 shipped");
     static const char* names[] = {"shipped", "3 stages", "no ping-pong"};
     ab_timing<Variants<Shipped, Stages3, NoPingPong>>(names);
+    printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
+    return g_failed != 0;
+  }
+  if (v == "chunks") {  // HeadChunks (L2) order against the plain entry-major order, the backend's grid
+    using Shipped = FwdConfig<bf16, 128>;
+    CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
+    for (int chunk : {1, 3, 1 << 30}) {  // the order must not change a result
+      g_head_chunk = chunk;
+      g_max_ctas = chunk == 3 ? g_backend_grid : 0;
+      ab_checks<Shipped>(chunk == 1 ? "chunk 1" : chunk == 3 ? "chunk 3, persistent" : "plain order");
+    }
+    g_head_chunk = g_max_ctas = 0;
+    static const char* names[] = {"plain order", "chunked (L2)"};
+    ab_timing<Variants<Chunked<Shipped, 1 << 30>, Shipped>>(names);
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
     return g_failed != 0;
   }
