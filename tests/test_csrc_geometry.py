@@ -25,6 +25,7 @@ SIGNATURES = {
     "dlm_plan": [_INT, _INT, _INT, _INT, _INT, _INT, I64, I32, I64, I32],
     "dlm_varlen_num_pairs": [I32, _INT, _INT, I64],
     "dlm_varlen_plan": [I32, _INT, _INT, _INT, _INT, _INT, I64, I32, I64, I32],
+    "dlm_work_order": [_INT, _INT, _INT, _INT, I32],
 }
 
 
@@ -154,3 +155,30 @@ def test_rejects_what_geometry_py_rejects(lib):
     for cu in ([0, 3], [2, 6], [0, 4, 2]):  # odd length, not starting at 0, decreasing
         cu_t = torch.tensor(cu, dtype=torch.int32)
         assert lib.dlm_varlen_num_pairs(_p(cu_t), len(cu) - 1, 4, _p(out)) == -1
+
+
+def _work_order_expected(entries, slots, chunk, block):
+    """The walk WorkOrder documents, written from its definition: blocks of `block` entries, inside
+    each block chunks of `chunk` slots, inside each chunk entry-major."""
+    out = []
+    for first_entry in range(0, entries, block):
+        rows = range(first_entry, min(first_entry + block, entries))
+        for first_slot in range(0, slots, chunk):
+            cols = range(first_slot, min(first_slot + chunk, slots))
+            out += [(e, j) for e in rows for j in cols]
+    return out
+
+
+@given(st.integers(1, 40), st.integers(1, 40), st.data())
+def test_work_order_walks_every_item_once_in_its_documented_order(lib, entries, slots, data):
+    """The kernels' grid / persistent walk (dlm/geometry.h WorkOrder): every (entry, slot) exactly
+    once, in block, chunk, entry-major order; chunk = slots is the plain entry-major order, and a
+    block past the entries (the harness's 1 << 30) is one block."""
+    chunk = data.draw(st.integers(1, slots))
+    block = data.draw(st.one_of(st.integers(1, entries + 3), st.just(1 << 30)))
+    out = torch.full((2 * entries * slots,), -1, dtype=torch.int32)
+    _call(lib.dlm_work_order, entries, slots, chunk, block, _p(out))
+    got = [tuple(p) for p in out.view(-1, 2).tolist()]
+    assert got == _work_order_expected(entries, slots, chunk, min(block, entries))
+    if chunk == slots:
+        assert got == [(e, j) for e in range(entries) for j in range(slots)]

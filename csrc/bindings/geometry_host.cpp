@@ -110,4 +110,12 @@ int dlm_varlen_plan(const int32_t* cu, int num_samples, int bs, int block_m, int
   return plan(samples, block_m, block_n, transpose, sizes, tiles, areas, visits);
 }
 
+// out[2*w ..] = (entry, slot) of work index w of WorkOrder{slots, chunk, block} over `entries`.
+int dlm_work_order(int entries, int slots, int chunk, int block, int32_t* out) {
+  if (entries < 1 || slots < 1 || chunk < 1 || chunk > slots || block < 1) return -1;
+  const dlm::WorkOrder o{slots, chunk, block};
+  for (int w = 0; w < entries * slots; ++w) o.decode(w, entries, out[2 * w], out[2 * w + 1]);
+  return 0;
+}
+
 }  // extern "C"

@@ -30,39 +30,37 @@ constexpr int kStartTile = 0, kStartAny = 1, kStartVarlen = 2;
 // `batched_any_length` so that dlm_ops follows a flip of this constant).
 constexpr int kBatchedStart = kStartAny;
 
-// The order of a kernel's work: (entry e, slot j) pairs, entries its tiles most expensive first,
-// slots its (batch, head) pairs. Entry-major over all B * H slots (the order up to session 6) puts
-// every head in flight at once, and what a slot re-reads per visit (K / V in the forward and dQ,
-// Q / dO in dK/dV) is then B * H times a head's share: 134 MB at 16K tokens, H = 16, D = 128,
-// against 50 MB of L2 (ncu on the H200, n = 1K: L2 hit rate 25 / 27 / 20 % in forward / dK/dV /
-// dQ). Slots are cut into chunks of `chunk` consecutive ones, and the order is chunk-major, then
-// entry-major inside a chunk: the slots in flight are one chunk's (two at its edges), and most
-// expensive first still holds within each chunk. chunk >= slots is the plain entry-major order.
-struct HeadChunks {
-  int slots, chunk;
-  // Work index w of entries * slots -> (entry, slot).
-  CUTE_HOST_DEVICE void decode(int w, int entries, int& entry, int& slot) const {
-    const int per_chunk = chunk * entries, c = w / per_chunk, r = w - c * per_chunk;
-    const int first = c * chunk, width = slots - first < chunk ? slots - first : chunk;
-    entry = r / width;
-    slot = first + r - entry * width;
-  }
-};
-// The chunk for slots that re-read `bytes_per_slot` each: as many as fit in half the device's L2
-// (the other half for what streams through once: outputs, the first reads); `requested` > 0
-// overrides it (the harness's A/B; >= slots gives the plain order).
-inline HeadChunks head_chunks(int slots, int64_t bytes_per_slot, int requested = 0) {
-  int chunk = requested;
+// The order a kernel walks its (tile entry, slot) work in (dlm/geometry.h WorkOrder) for slots
+// that re-read `bytes_per_slot` each. Chunks pay only where the plain order keeps at most one item
+// of a slot in flight (slots >= SMs: n = 1K, or GQA): the harness's `order` A/B (session 7, bf16
+// D = 128, 16K tokens) measured the forward +2..+5 % at n = 1K and +11 % at GQA 32/8 n = 2K, dQ
+// +8 % at that GQA shape; with fewer slots the items of a head in flight already share its data,
+// and chunks cost the forward 4-7 % at n = 8K (its longest items start later). Then: chunks of as
+// many slots as fit in half the device's L2 (the other half for what streams through once), blocks
+// of entries that give each (block, chunk) group kOrderWaves waves of CTAs (4 measured best of 2,
+// 4 and one block). `chunk` > 0 and `block` > 0 override them (block < 0: -block waves): the
+// harness's A/B.
+constexpr int kOrderWaves = 4;
+inline WorkOrder work_order(int slots, int64_t bytes_per_slot, int chunk = 0, int block = 0) {
+  int device = 0, sms = 0, l2 = 0;
+  cudaGetDevice(&device);
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
+    sms = 132;
+  if (chunk <= 0 && slots < sms) chunk = slots;
   if (chunk <= 0) {
-    int device = 0, l2 = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess || l2 <= 0)
-      l2 = 50 << 20;  // the H100 / H200's
+    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess || l2 <= 0)
+      l2 = 50 << 20;  // the H100's (the H200 has 60 MB)
     chunk = static_cast<int>(l2 / 2 / (bytes_per_slot > 0 ? bytes_per_slot : 1));
   }
-  chunk = chunk < 1 ? 1 : chunk;
-  return {slots, chunk < slots ? chunk : slots};
+  chunk = chunk < 1 ? 1 : chunk < slots ? chunk : slots;
+  if (block <= 0) {
+    const int waves = block < 0 ? -block : kOrderWaves;
+    block = (waves * sms + chunk - 1) / chunk;
+  }
+  return {slots, chunk, block};
 }
+// The plain entry-major order (most expensive tiles of every slot first).
+inline WorkOrder plain_order(int slots) { return {slots, slots, 1}; }
 
 // A (seqlen, D, heads, batch) view of a (B, S, H, D) tensor, the shape TMA descriptors are made of.
 template <class Elem>

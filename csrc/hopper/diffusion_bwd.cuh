@@ -257,10 +257,10 @@ struct BwdParams {
   // sample's block size.
   const int32_t* tile_sample = nullptr;
   const int32_t* cu_seqlens = nullptr;
-  // The grid: CTA w is (entry, slot) of `chunks` (hopper/common.cuh), over `entries` entries of
+  // The grid: CTA w is (entry, slot) of `order` (hopper/common.cuh WorkOrder), over `entries` of
   // tile_order and the batch * (kv) heads slots.
   int entries = 0;
-  HeadChunks chunks{};
+  WorkOrder order{};
   // Fused dK/dV/dQ only: reduce-adds into the (B, S, H, D) fp32 dQ accumulator.
   typename Cfg::Fused::TmaDq tma_dq{};
 };
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor sdOt = make_tensor(make_smem_ptr(ss.dout), typename Cfg::SmemLayoutQt{});
 
   int e, bh;
-  p.chunks.decode(blockIdx.x, p.entries, e, bh);
+  p.order.decode(blockIdx.x, p.entries, e, bh);
   const int b = bh / p.kv_heads, kvh = bh % p.kv_heads;
   const int group = p.heads / p.kv_heads;
   const SampleGeom geom = sample_geom<Cfg>(p, e);
@@ -698,7 +698,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKt{});
 
   int e, bh;
-  p.chunks.decode(blockIdx.x, p.entries, e, bh);
+  p.order.decode(blockIdx.x, p.entries, e, bh);
   const int b = bh / p.heads, h = bh % p.heads;
   const int kvh = h / (p.heads / p.kv_heads);
   const SampleGeom geom = sample_geom<Cfg>(p, e);
@@ -859,7 +859,7 @@ struct BwdArgs {
   const int32_t* dq_order;    // query tiles of fwd_tiles(kDqBlockM, kDqBlockN), most expensive first
   int dq_tiles;
   cudaStream_t stream;
-  int head_chunk = 0;  // HeadChunks' chunk: 0 = from the L2 size (head_chunks); the harness's A/B sets it
+  int order_chunk = 0, order_block = 0;  // WorkOrder overrides (work_order's); the harness's A/B sets them
   // kStartVarlen configs only (batch 1, seqlen = packed tokens): the sample of each entry of
   // dkdv_order / dq_order, and the samples' offsets (csrc/NOTES.md "Odd lengths and varlen"). The
   // odd-length / varlen dK/dV kernel also reads up to kVarlenScratchPad zeroed floats past the
@@ -906,9 +906,14 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
       a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale,
       a.scale * 1.4426950408889634f, a.dkdv_order, a.dkdv_sample, a.cu_seqlens, a.dkdv_tiles,
-      // A (batch, kv head) slot re-reads Q and dO of the group's query heads at every key tile.
-      head_chunks(a.batch * a.kv_heads,
-                  int64_t{2} * a.seqlen * D * sizeof(Elem) * (a.heads / a.kv_heads), a.head_chunk)};
+      // The plain order unless the harness asks: every WorkOrder with chunks measured slower here
+      // (0.82-0.99x at n = 1K..8K and GQA 32/8, session 7), its items being long (a key tile walks
+      // every query tile that sees it), so starting the longest ones late costs more than L2 hits
+      // save. A (batch, kv head) slot re-reads Q and dO of the group's query heads.
+      a.order_chunk > 0 ? work_order(a.batch * a.kv_heads,
+                                     int64_t{2} * a.seqlen * D * sizeof(Elem) * (a.heads / a.kv_heads),
+                                     a.order_chunk, a.order_block)
+                        : plain_order(a.batch * a.kv_heads)};
   if constexpr (Cfg::kFusedDq) {
     p.tma_dq = make_tma_copy(
         SM90_TMA_REDUCE_ADD{},
@@ -940,8 +945,8 @@ cudaError_t launch_dq(const BwdArgs& a) {
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale,
       a.scale * 1.4426950408889634f, a.dq_order, a.dq_sample, a.cu_seqlens, a.dq_tiles,
       // A (batch, head) slot re-reads its kv head's K and V (shared by the group: adjacent slots).
-      head_chunks(a.batch * a.heads,
-                  int64_t{2} * a.seqlen * D * sizeof(Elem) * a.kv_heads / a.heads, a.head_chunk)};
+      work_order(a.batch * a.heads, int64_t{2} * a.seqlen * D * sizeof(Elem) * a.kv_heads / a.heads,
+                 a.order_chunk, a.order_block)};
   auto kernel = diffusion_bwd_dq_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);

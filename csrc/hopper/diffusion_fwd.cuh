@@ -62,12 +62,11 @@ struct FwdParams {
   // [cu_seqlens[i], cu_seqlens[i + 1]) of batch 0; mask.block_size is every sample's block size.
   const int32_t* tile_sample = nullptr;
   const int32_t* cu_seqlens = nullptr;
-  HeadChunks chunks;  // the order of (tile_order entry, batch * heads slot) pairs
+  WorkOrder order;  // of the (tile_order entry, batch * heads slot) pairs
 };
 
-// The work: item w is (entry e, slot j) of p.chunks (hopper/common.cuh HeadChunks: most expensive
-// tiles first within chunks of heads that share the L2): query tile tile_order[e] of (batch,
-// head) j. CTA c takes items c, c + grid, c + 2 grid, ... (persistent when the grid is smaller
+// The work: item w is (entry e, slot j) of p.order (hopper/common.cuh WorkOrder: most expensive
+// tiles first, in chunks of heads that share the L2): query tile tile_order[e] of (batch, head) j. CTA c takes items c, c + grid, c + 2 grid, ... (persistent when the grid is smaller
 // than the work).
 struct WorkItem {
   int b, h, qt;
@@ -75,7 +74,7 @@ struct WorkItem {
 template <class Params>
 CUTE_DEVICE WorkItem work_item(Params const& p, int w) {
   int e, bh;
-  p.chunks.decode(w, p.num_tiles, e, bh);
+  p.order.decode(w, p.num_tiles, e, bh);
   return {bh / p.heads, bh % p.heads, p.tile_order[e]};
 }
 
@@ -90,7 +89,7 @@ template <class Cfg, class Params>
 CUTE_DEVICE ItemGeom item_geom(Params const& p, int w) {
   if constexpr (Cfg::kStart == kStartVarlen) {
     int e, h;
-    p.chunks.decode(w, p.num_tiles, e, h);
+    p.order.decode(w, p.num_tiles, e, h);
     const int sample = p.tile_sample[e], lo = p.cu_seqlens[sample];
     return {{0, h, p.tile_order[e]},
             block_diffusion(p.cu_seqlens[sample + 1] - lo, p.mask.block_size), lo};
@@ -347,7 +346,7 @@ struct FwdArgs {
   int num_tiles;
   int max_ctas;  // persistent grid: at most this many CTAs (the SM count); 0 = one CTA per work item
   cudaStream_t stream;
-  int head_chunk = 0;  // HeadChunks' chunk: 0 = from the L2 size (head_chunks); the harness's A/B sets it
+  int order_chunk = 0, order_block = 0;  // WorkOrder overrides (work_order's); the harness's A/B sets them
   // kStartVarlen configs only (batch 1, seqlen = packed tokens): the sample of each tile_order
   // entry and the samples' offsets (csrc/NOTES.md "Odd lengths and varlen").
   const int32_t *tile_sample = nullptr, *cu_seqlens = nullptr;
@@ -359,12 +358,12 @@ struct FwdArgs {
 constexpr int kFwdBlockM = 128, kFwdStages = 2;
 constexpr int fwd_block_n(int d) { return d > 128 ? 64 : 128; }
 
-// The forward's HeadChunks: a slot re-reads its kv head's K and V, which the group's query heads
+// The forward's WorkOrder: a slot re-reads its kv head's K and V, which the group's query heads
 // (adjacent slots) share.
 template <class Cfg>
-HeadChunks fwd_head_chunks(int batch, int seqlen, int heads, int kv_heads, int requested = 0) {
+WorkOrder fwd_work_order(int batch, int seqlen, int heads, int kv_heads, int chunk = 0, int block = 0) {
   const int64_t kv_bytes = int64_t{2} * seqlen * Cfg::D * sizeof(typename Cfg::Elem);
-  return head_chunks(batch * heads, kv_bytes * kv_heads / heads, requested);
+  return work_order(batch * heads, kv_bytes * kv_heads / heads, chunk, block);
 }
 
 // Any FwdConfig (the shipped ones through launch_fwd; kStartAny / kStartVarlen ones directly).
@@ -380,7 +379,7 @@ cudaError_t launch_fwd_cfg(const FwdArgs& a) {
       a.lse_stride[1], a.lse_stride[0], a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale * 1.4426950408889634f,
       a.tile_order, a.num_tiles, a.tile_sample, a.cu_seqlens,
-      fwd_head_chunks<Cfg>(a.batch, a.seqlen, a.heads, a.kv_heads, a.head_chunk)};
+      fwd_work_order<Cfg>(a.batch, a.seqlen, a.heads, a.kv_heads, a.order_chunk, a.order_block)};
   auto kernel = diffusion_fwd_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured =  // once per instantiation: the attribute is per function

@@ -28,6 +28,7 @@
 #include <string>
 #include <initializer_list>
 #include <type_traits>
+#include <utility>
 #include <cuda_runtime.h>
 #include "hopper/diffusion_fwd.cuh"
 #include "hopper/diffusion_bwd.cuh"
@@ -48,9 +49,9 @@ struct Run {
 };
 
 static int g_failures = 0;
-// HeadChunks' chunk for every launch here (0: from the L2 size, as the extension; 1 << 30: the
-// plain entry-major order); the `chunks` mode checks and times the orders.
-static int g_head_chunk = 0;
+// WorkOrder overrides for every launch here (0: work_order's choice, as the extension's; chunk
+// 1 << 30: the plain entry-major order); the `order` mode checks and times the orders.
+static int g_order_chunk = 0, g_order_block = 0;
 
 // ------------------------------------------------------------------------------ fp64 reference
 // Visibility straight from the definition (DESIGN.md 1), not from geometry.h.
@@ -232,7 +233,7 @@ struct Bwd {
     f.lse_stride[0] = (int64_t)r.H * S, f.lse_stride[1] = S;
     f.batch = r.B, f.seqlen = S, f.heads = r.H, f.kv_heads = r.Hkv, f.n_noisy = P.mask.n_noisy;
     f.block_size = r.bs, f.scale = (float)P.scale(), f.tile_order = fwd_order;
-    f.num_tiles = (int)fwd_ord.size(), f.stream = nullptr, f.head_chunk = g_head_chunk;
+    f.num_tiles = (int)fwd_ord.size(), f.stream = nullptr, f.order_chunk = g_order_chunk, f.order_block = g_order_block;
     CK((dlm::sm90::launch_fwd<Elem, D>(f)));
     CK(cudaDeviceSynchronize());
 
@@ -247,7 +248,8 @@ struct Bwd {
     a.block_size = r.bs, a.scale = (float)P.scale();
     a.dkdv_tiles = (int)order_of(P.mask.bwd_tiles(DkCfg::BM, DkCfg::BN), &dkdv_order).size();
     a.dq_tiles = (int)order_of(P.mask.fwd_tiles(DqCfg::BM, DqCfg::BN), &dq_order).size();
-    a.dkdv_order = dkdv_order, a.dq_order = dq_order, a.stream = nullptr, a.head_chunk = g_head_chunk;
+    a.dkdv_order = dkdv_order, a.dq_order = dq_order, a.stream = nullptr;
+    a.order_chunk = g_order_chunk, a.order_block = g_order_block;
     if constexpr (DkCfg::kFusedDq) CK(cudaMalloc(&a.dq_accum, P.nq * sizeof(float)));
   }
   ~Bwd() {
@@ -427,33 +429,38 @@ void timing_fused() {
   }
 }
 
-// The HeadChunks order (the L2 chunks the launchers pick) against the plain entry-major order on
-// the same inputs, interleaved, per kernel, bf16 D = 128, 16K tokens.
+// WorkOrders (hopper/common.cuh) against the plain entry-major order on the same inputs,
+// interleaved, per kernel, bf16 D = 128, 16K tokens. Chunk 0 is work_order's choice (the plain
+// order where slots < SMs, and always for dK/dV, as shipped); pass chunk > 0 to force chunks.
 template <class Dk, class Dq>
-void timing_chunks() {
-  printf("== timing, HeadChunks vs the plain order (bf16, D=128, 16K tokens; TFLOPS of the backward's 5 "
-         "matmuls, of dK/dV's 4, of dQ's 3)\n");
+void timing_orders() {
+  struct { int chunk, block; const char* name; } orders[] = {
+      {1 << 30, 0, "plain"}, {0, 1 << 30, "chunk-major"}, {0, -2, "blocks of 2 waves"}, {0, 0, "shipped"}};
+  constexpr int kOrders = sizeof(orders) / sizeof(orders[0]);
+  printf("== timing, WorkOrders (bf16, D=128, 16K tokens; TFLOPS of the backward's 5 matmuls, of dK/dV's 4, "
+         "of dQ's 3; ratios to the plain order)\n");
   for (const Run& r : kTimingRuns) {
     Problem<bf16> P(r, 128);
     P.to_device();
     Bwd<bf16, 128, Dk, Dq> bwd(P);
-    float t[2][3] = {{1e9f, 1e9f, 1e9f}, {1e9f, 1e9f, 1e9f}};  // [plain, chunked][all, dK/dV, dQ]
+    float t[kOrders][3];
+    for (auto& x : t) x[0] = x[1] = x[2] = 1e9f;
     for (int round = 0; round < 2; ++round)
-      for (int v = 0; v < 2; ++v) {
-        bwd.a.head_chunk = v == 0 ? 1 << 30 : 0;
+      for (int v = 0; v < kOrders; ++v) {
+        bwd.a.order_chunk = orders[v].chunk, bwd.a.order_block = orders[v].block;
         t[v][0] = std::min(t[v][0], time_ms([&] { bwd.all(); }, 20));
         t[v][1] = std::min(t[v][1], time_ms([&] { bwd.dkdv(); }, 20));
         t[v][2] = std::min(t[v][2], time_ms([&] { bwd.dq(); }, 20));
       }
     CK(cudaGetLastError());
     const double matmul = 2.0 * (double)P.mask.num_pairs() * 128 * r.H * r.B / 1e9;
-    const int chunk_dkdv = dlm::sm90::head_chunks(r.B * r.Hkv, int64_t{2} * P.S * 128 * 2 * (r.H / r.Hkv)).chunk;
-    const int chunk_dq = dlm::sm90::head_chunks(r.B * r.H, int64_t{2} * P.S * 128 * 2 * r.Hkv / r.H).chunk;
-    printf("time B=%d n=%d H=%d/%d bs=%d (chunks %d / %d slots): bwd %.0f -> %.0f (%.3fx), dK/dV %.0f -> %.0f "
-           "(%.3fx), dQ %.0f -> %.0f (%.3fx)\n",
-           r.B, r.n, r.H, r.Hkv, r.bs, chunk_dkdv, chunk_dq, 5 * matmul / t[0][0], 5 * matmul / t[1][0],
-           t[0][0] / t[1][0], 4 * matmul / t[0][1], 4 * matmul / t[1][1], t[0][1] / t[1][1],
-           3 * matmul / t[0][2], 3 * matmul / t[1][2], t[0][2] / t[1][2]);
+    const auto odq = dlm::sm90::work_order(r.B * r.H, int64_t{2} * P.S * 128 * 2 * r.Hkv / r.H);
+    printf("B=%d n=%d H=%d/%d bs=%d: shipped dQ order chunk %d of %d slots, block %d of %d entries\n",
+           r.B, r.n, r.H, r.Hkv, r.bs, odq.chunk, odq.slots, odq.block, bwd.a.dq_tiles);
+    for (int v = 0; v < kOrders; ++v)
+      printf("  %-18s bwd %4.0f (%.3fx)  dK/dV %4.0f (%.3fx)  dQ %4.0f (%.3fx)\n", orders[v].name,
+             5 * matmul / t[v][0], t[0][0] / t[v][0], 4 * matmul / t[v][1], t[0][1] / t[v][1],
+             3 * matmul / t[v][2], t[0][2] / t[v][2]);
   }
 }
 
@@ -548,7 +555,8 @@ struct VarRun {
   int64_t pairs = 0;
 
   explicit VarRun(const VarSpec& spec) : v(spec) {
-    f.head_chunk = a.head_chunk = g_head_chunk;
+    f.order_chunk = a.order_chunk = g_order_chunk;
+    f.order_block = a.order_block = g_order_block;
     off.push_back(0);
     for (int h : v.halves) {
       masks.push_back(v.causal ? dlm::block_causal(2 * h, v.bs) : dlm::block_diffusion(2 * h, v.bs));
@@ -855,19 +863,19 @@ int main(int argc, char** argv) {
     if (g_failures) return 1;
     timing_fused<Dk, DkF, Dq>();
   }
-  if (mode == "chunks") {  // every order must give the same gradients; then the A/B
-    for (int chunk : {1, 3, 1 << 30}) {
-      g_head_chunk = chunk;
-      printf("== chunk %d\n", chunk);
+  if (mode == "order") {  // every order must give the same gradients; then the A/B
+    for (auto [chunk, block] : {std::pair{1, 1}, std::pair{3, 2}, std::pair{1 << 30, 0}}) {
+      g_order_chunk = chunk, g_order_block = block;
+      printf("== order: chunk %d, block %d\n", chunk, block);
       checks<bf16, 128, Dk, Dq>("bf16 D=128", true);
       checks<fp16, 64, DkDvConfig<fp16, 64, kBwdBlockM, kBwdBlockN, kBwdStages>,
              DqConfig<fp16, 64, kDqBlockM, kDqBlockN, kDqStages>>("fp16 D=64", false);
       odd_varlen_checks<bf16, 128>("bf16 D=128");
     }
-    g_head_chunk = 0;
+    g_order_chunk = g_order_block = 0;
     printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
     if (g_failures) return 1;
-    timing_chunks<Dk, Dq>();
+    timing_orders<Dk, Dq>();
   }
   if (mode == "dkdv3") {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;

@@ -31,7 +31,8 @@
 
 struct Run { int B, n, H, Hkv, bs; bool causal = false; };  // causal: block-causal over 2n
 int g_max_ctas = 0;  // persistent grid of at most this many CTAs; 0: one CTA per work item
-int g_head_chunk = 0;  // HeadChunks' chunk (0: from the L2 size, as the launcher; 1 << 30: the plain order)
+// WorkOrder overrides (0: work_order's choice, as the launcher's; chunk 1 << 30: the plain order).
+int g_order_chunk = 0, g_order_block = 0;
 int g_failed = 0;    // checks that failed (exit status of `ab`)
 
 template <class Cfg>
@@ -60,7 +61,7 @@ float run(Run r, bool check, int iters) {
       dlm::sm90::make_tma_kv<Cfg>(v, S, r.Hkv, r.B, (int64_t)r.Hkv * D, D, (int64_t)S * r.Hkv * D),
       o, lse, (int64_t)r.H * D, D, (int64_t)S * r.H * D, S, (int64_t)r.H * S, S, r.H, r.Hkv, r.B, mask,
       (float)(1.4426950408889634 / std::sqrt((double)D)), order, T, nullptr, nullptr,
-      dlm::sm90::fwd_head_chunks<Cfg>(r.B, S, r.H, r.Hkv, g_head_chunk)};
+      dlm::sm90::fwd_work_order<Cfg>(r.B, S, r.H, r.Hkv, g_order_chunk, g_order_block)};
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
   int smem = sizeof(typename Cfg::SharedStorage);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -172,7 +173,7 @@ float time_on(Run r, const Bufs& b, int iters) {
       dlm::sm90::make_tma_kv<Cfg>(v, S, r.Hkv, r.B, (int64_t)r.Hkv * D, D, (int64_t)S * r.Hkv * D),
       static_cast<Elem*>(b.o), b.lse, (int64_t)r.H * D, D, (int64_t)S * r.H * D, S, (int64_t)r.H * S, S,
       r.H, r.Hkv, r.B, mask, (float)(1.4426950408889634 / std::sqrt((double)D)), b.order, T, nullptr,
-      nullptr, dlm::sm90::fwd_head_chunks<Cfg>(r.B, S, r.H, r.Hkv, g_head_chunk)};
+      nullptr, dlm::sm90::fwd_work_order<Cfg>(r.B, S, r.H, r.Hkv, g_order_chunk, g_order_block)};
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
   const int smem = sizeof(typename Cfg::SharedStorage);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -188,22 +189,25 @@ float time_on(Run r, const Bufs& b, int iters) {
   return ms / iters;
 }
 
-// A variant: a config, or a config in a given HeadChunks order (Chunked<Cfg, chunk>).
-template <class Cfg_, int CHUNK>
-struct Chunked {};
+// A variant: a config, or a config in a given WorkOrder (Ordered<Cfg, chunk, block>).
+template <class Cfg_, int CHUNK, int BLOCK>
+struct Ordered {};
 template <class T>
-struct VariantOf { using Cfg = T; static constexpr int kChunk = 0; };
-template <class Cfg_, int CHUNK>
-struct VariantOf<Chunked<Cfg_, CHUNK>> { using Cfg = Cfg_; static constexpr int kChunk = CHUNK; };
+struct VariantOf { using Cfg = T; static constexpr int kChunk = 0, kBlock = 0; };
+template <class Cfg_, int CHUNK, int BLOCK>
+struct VariantOf<Ordered<Cfg_, CHUNK, BLOCK>> {
+  using Cfg = Cfg_;
+  static constexpr int kChunk = CHUNK, kBlock = BLOCK;
+};
 
 template <class... Vs>
 struct Variants {
   static constexpr int kCount = sizeof...(Vs);
   static void time_all(Run r, const Bufs& b, float* ms) {
     int i = 0;
-    ((g_head_chunk = VariantOf<Vs>::kChunk,
+    ((g_order_chunk = VariantOf<Vs>::kChunk, g_order_block = VariantOf<Vs>::kBlock,
       ms[i] = std::min(ms[i], time_on<typename VariantOf<Vs>::Cfg>(r, b, 20)), ++i), ...);
-    g_head_chunk = 0;
+    g_order_chunk = g_order_block = 0;
   }
 };
 int g_backend_grid = 0;  // ab_timing: the backend's grid (persistent, the SM count, for n <= 2048)
@@ -291,7 +295,7 @@ float run_varlen(const std::vector<int>& halves, int H, int Hkv, int bs, bool ch
       dlm::sm90::make_tma_kv<Cfg>(v, S, Hkv, 1, (int64_t)Hkv * D, D, (int64_t)S * Hkv * D),
       o, lse, (int64_t)H * D, D, (int64_t)S * H * D, S, (int64_t)H * S, S, H, Hkv, 1,
       dlm::SequenceMask{0, 0, bs}, (float)(1.4426950408889634 / std::sqrt((double)D)), d_order, E,
-      d_sample, d_cu, dlm::sm90::fwd_head_chunks<Cfg>(1, S, H, Hkv, g_head_chunk)};
+      d_sample, d_cu, dlm::sm90::fwd_work_order<Cfg>(1, S, H, Hkv, g_order_chunk, g_order_block)};
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
   int smem = sizeof(typename Cfg::SharedStorage);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -466,17 +470,21 @@ int main(int argc, char** argv) {
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
     return g_failed != 0;
   }
-  if (v == "chunks") {  // HeadChunks (L2) order against the plain entry-major order, the backend's grid
+  if (v == "order") {  // WorkOrders against the plain entry-major order, the backend's grid
     using Shipped = FwdConfig<bf16, 128>;
     CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
-    for (int chunk : {1, 3, 1 << 30}) {  // the order must not change a result
-      g_head_chunk = chunk;
-      g_max_ctas = chunk == 3 ? g_backend_grid : 0;
-      ab_checks<Shipped>(chunk == 1 ? "chunk 1" : chunk == 3 ? "chunk 3, persistent" : "plain order");
+    struct { int chunk, block, ctas; const char* name; } orders[] = {
+        {1, 1, 0, "chunk 1, block 1"}, {3, 2, 0, "chunk 3, block 2"},
+        {3, 5, g_backend_grid, "chunk 3, block 5, persistent"}, {1 << 30, 0, 0, "plain order"}};
+    for (const auto& o : orders) {  // the order must not change a result
+      g_order_chunk = o.chunk, g_order_block = o.block, g_max_ctas = o.ctas;
+      ab_checks<Shipped>(o.name);
     }
-    g_head_chunk = g_max_ctas = 0;
-    static const char* names[] = {"plain order", "chunked (L2)"};
-    ab_timing<Variants<Chunked<Shipped, 1 << 30>, Shipped>>(names);
+    g_order_chunk = g_order_block = g_max_ctas = 0;
+    // Chunk 0: work_order's choice (the plain order where slots < SMs), as shipped.
+    static const char* names[] = {"plain order", "chunk-major", "blocks of 2 waves", "shipped"};
+    ab_timing<Variants<Ordered<Shipped, 1 << 30, 0>, Ordered<Shipped, 0, 1 << 30>,
+                       Ordered<Shipped, 0, -2>, Shipped>>(names);
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
     return g_failed != 0;
   }
