@@ -30,37 +30,34 @@ constexpr int kStartTile = 0, kStartAny = 1, kStartVarlen = 2;
 // `batched_any_length` so that dlm_ops follows a flip of this constant).
 constexpr int kBatchedStart = kStartAny;
 
-// The order a kernel walks its (tile entry, slot) work in (dlm/geometry.h WorkOrder) for slots
-// that re-read `bytes_per_slot` each. Chunks pay only where the plain order keeps at most one item
-// of a slot in flight (slots >= SMs: n = 1K, or GQA): the harness's `order` A/B (session 7, bf16
-// D = 128, 16K tokens) measured the forward +2..+5 % at n = 1K and +11 % at GQA 32/8 n = 2K, dQ
-// +8 % at that GQA shape; with fewer slots the items of a head in flight already share its data,
-// and chunks cost the forward 4-7 % at n = 8K (its longest items start later). Then: chunks of as
-// many slots as fit in half the device's L2 (the other half for what streams through once), blocks
-// of entries that give each (block, chunk) group kOrderWaves waves of CTAs (4 measured best of 2,
-// 4 and one block). `chunk` > 0 and `block` > 0 override them (block < 0: -block waves): the
-// harness's A/B.
+// The order a kernel walks its (tile entry, slot) work in (dlm/geometry.h WorkOrder), for slots
+// that re-read `bytes_per_slot` each. chunk 0 (the launchers' default): the plain entry-major
+// order. chunk < 0: chunks of as many slots as fit in half the device's L2 (the other half for
+// what streams through once); chunk > 0: that many. block <= 0: blocks of entries that give each
+// (block, chunk) group -block waves of CTAs (block 0: kOrderWaves); block > 0: that many entries.
+// Chunks are off by default because no gain is established: session 7's A/Bs (harness `order`
+// mode) measured +5..+15 % at n = 1K and at GQA 32/8 but also -5..-16 % elsewhere, and the same
+// order measured twice in one run differed by up to 15 %, in the direction of measurement order
+// (csrc/NOTES.md "Work order"). The next A/B alternates the variants' order between rounds.
 constexpr int kOrderWaves = 4;
 inline WorkOrder work_order(int slots, int64_t bytes_per_slot, int chunk = 0, int block = 0) {
+  if (chunk == 0 || slots <= 1) return {slots, slots, 1};
   int device = 0, sms = 0, l2 = 0;
   cudaGetDevice(&device);
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
-    sms = 132;
-  if (chunk <= 0 && slots < sms) chunk = slots;
-  if (chunk <= 0) {
+  if (chunk < 0) {
     if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess || l2 <= 0)
       l2 = 50 << 20;  // the H100's (the H200 has 60 MB)
     chunk = static_cast<int>(l2 / 2 / (bytes_per_slot > 0 ? bytes_per_slot : 1));
   }
   chunk = chunk < 1 ? 1 : chunk < slots ? chunk : slots;
   if (block <= 0) {
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
+      sms = 132;
     const int waves = block < 0 ? -block : kOrderWaves;
     block = (waves * sms + chunk - 1) / chunk;
   }
   return {slots, chunk, block};
 }
-// The plain entry-major order (most expensive tiles of every slot first).
-inline WorkOrder plain_order(int slots) { return {slots, slots, 1}; }
 
 // A (seqlen, D, heads, batch) view of a (B, S, H, D) tensor, the shape TMA descriptors are made of.
 template <class Elem>

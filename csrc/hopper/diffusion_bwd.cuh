@@ -859,7 +859,7 @@ struct BwdArgs {
   const int32_t* dq_order;    // query tiles of fwd_tiles(kDqBlockM, kDqBlockN), most expensive first
   int dq_tiles;
   cudaStream_t stream;
-  int order_chunk = 0, order_block = 0;  // WorkOrder overrides (work_order's); the harness's A/B sets them
+  int order_chunk = 0, order_block = 0;  // work_order's arguments (0, 0: the plain order); the harness's A/B sets them
   // kStartVarlen configs only (batch 1, seqlen = packed tokens): the sample of each entry of
   // dkdv_order / dq_order, and the samples' offsets (csrc/NOTES.md "Odd lengths and varlen"). The
   // odd-length / varlen dK/dV kernel also reads up to kVarlenScratchPad zeroed floats past the
@@ -906,14 +906,9 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
       a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale,
       a.scale * 1.4426950408889634f, a.dkdv_order, a.dkdv_sample, a.cu_seqlens, a.dkdv_tiles,
-      // The plain order unless the harness asks: every WorkOrder with chunks measured slower here
-      // (0.82-0.99x at n = 1K..8K and GQA 32/8, session 7), its items being long (a key tile walks
-      // every query tile that sees it), so starting the longest ones late costs more than L2 hits
-      // save. A (batch, kv head) slot re-reads Q and dO of the group's query heads.
-      a.order_chunk > 0 ? work_order(a.batch * a.kv_heads,
-                                     int64_t{2} * a.seqlen * D * sizeof(Elem) * (a.heads / a.kv_heads),
-                                     a.order_chunk, a.order_block)
-                        : plain_order(a.batch * a.kv_heads)};
+      // A (batch, kv head) slot re-reads Q and dO of the group's query heads at every key tile.
+      work_order(a.batch * a.kv_heads, int64_t{2} * a.seqlen * D * sizeof(Elem) * (a.heads / a.kv_heads),
+                 a.order_chunk, a.order_block)};
   if constexpr (Cfg::kFusedDq) {
     p.tma_dq = make_tma_copy(
         SM90_TMA_REDUCE_ADD{},

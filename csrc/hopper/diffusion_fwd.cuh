@@ -65,9 +65,10 @@ struct FwdParams {
   WorkOrder order;  // of the (tile_order entry, batch * heads slot) pairs
 };
 
-// The work: item w is (entry e, slot j) of p.order (hopper/common.cuh WorkOrder: most expensive
-// tiles first, in chunks of heads that share the L2): query tile tile_order[e] of (batch, head) j. CTA c takes items c, c + grid, c + 2 grid, ... (persistent when the grid is smaller
-// than the work).
+// The work: item w is (entry e, slot j) of p.order (dlm/geometry.h WorkOrder; by default
+// entry-major, so the most expensive tiles of every head come first): query tile tile_order[e] of
+// (batch, head) j. CTA c takes items c, c + grid, c + 2 grid, ... (persistent when the grid is
+// smaller than the work).
 struct WorkItem {
   int b, h, qt;
 };
@@ -346,7 +347,7 @@ struct FwdArgs {
   int num_tiles;
   int max_ctas;  // persistent grid: at most this many CTAs (the SM count); 0 = one CTA per work item
   cudaStream_t stream;
-  int order_chunk = 0, order_block = 0;  // WorkOrder overrides (work_order's); the harness's A/B sets them
+  int order_chunk = 0, order_block = 0;  // work_order's arguments (0, 0: the plain order); the harness's A/B sets them
   // kStartVarlen configs only (batch 1, seqlen = packed tokens): the sample of each tile_order
   // entry and the samples' offsets (csrc/NOTES.md "Odd lengths and varlen").
   const int32_t *tile_sample = nullptr, *cu_seqlens = nullptr;
