@@ -545,6 +545,12 @@ def test_benchmark_column_rows_selection_and_quick_preset():
     assert ("| 16K | 0.300 | 10.00 | 3.30 | 0.330 | 1.10 | 1.0e-03 | yes | 6.60 | 2.20 | 2.00x |"
             in table) and table.count("| 16K | 0.300 |") == 1
     assert "| 16K | pulsecol select (S/8 rows) | 2.56 | 0.256 | 0.0040 | 0.0010 | 0.0003 |" in table
+    rows.insert(2, dict(seqlen=16384, kind="column", density=0.3, true_density=0.3,
+                        contender="dlm_ops column gather", ms=0.0456, ratio=0.0046,
+                        ratio_over_density=0.015))
+    table = bench.markdown(rows)  # the cutlass path's gather alone, last
+    assert ("| 16K | 0.300 | 10.00 | 3.30 | 0.330 | 1.10 | 1.0e-03 | yes | 6.60 | 2.20 | 2.00x | "
+            "0.046 |" in table) and table.count("| 16K | 0.300 |") == 1
 
 
 # -- GPU (-m gpu) ---------------------------------------------------------------------------------
