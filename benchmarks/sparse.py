@@ -14,8 +14,8 @@ block-sparse contender; outputs are checked against the torch backend in fp32 on
 the ``cutlass`` backend: the listed K / V gathered per head, then the block-sparse kernel with a
 key length per head), ``dlm_ops column triton`` the same call forced to Triton's kernel, and,
 where the cutlass extension is built, ``dlm_ops column gather`` times that backend's gather and
-plan alone (``gather ms``: one launch of column_gather); no other contender (flex would need a per-token mask_mod over a column table, evaluated inside every
-visited block).
+plan alone (``gather ms``: one launch of column_gather); no other contender (flex would need a
+per-token mask_mod over a column table, evaluated inside every visited block).
 
 Patterns: block-sparse, per (head, query block) a uniformly random set of round(density * nKb) key
 blocks, listed in ascending order (what a table-to-indices conversion produces), selection blocks

@@ -182,8 +182,8 @@ def test_the_column_gather_compiles_for_sm90(tmp_path):
            f"-I{cutlass.csrc_dir()}", str(tu), "-o", str(tmp_path / "gather.o")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    usage = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
-                       r.stderr)
+    usage = re.findall(
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
     assert len(usage) == 4 and all(u == ("0", "0", "0") for u in usage), r.stderr
     cuobjdump = shutil.which("cuobjdump", path=str(Path(found[0]).parent))
     if cuobjdump:

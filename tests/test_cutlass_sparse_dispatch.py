@@ -257,9 +257,10 @@ def test_column_forward_runs_cutlass_over_gathered_keys(b, sq, sk, heads, d, dty
         (g,) = ext.gathers
         assert g["k"] is k and g["v"] is v and g["block_k"] == 128
         assert torch.equal(g["idx"], idx) and torch.equal(g["counts"], cnt)
-        for name in ("kg", "vg", "key_len", "blocks", "shared"):  # the forward reads what it wrote
-            assert call[{"kg": "k", "vg": "v", "blocks": "counts", "shared": "idx"}.get(name, name)] \
-                is g[name]
+        # the forward reads what the gather wrote
+        for fwd_arg, name in (("k", "kg"), ("v", "vg"), ("key_len", "key_len"),
+                              ("counts", "blocks"), ("idx", "shared")):
+            assert call[fwd_arg] is g[name]
         assert (g["order"] is call["order"]) == (gather == "kernel")
         assert (g["order"] is None) == (gather == "kernel, torch order")
     assert call["q"] is q and call["out"] is out and call["lse"] is lse
@@ -498,7 +499,8 @@ def test_gpu_column_gather_reads_zeros_for_rows_outside_the_keys(sparse_ext):
     counts = torch.tensor([[4]], dtype=torch.int32, device="cuda")
     kg, vg = (torch.full((1, 4, 1, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
               for _ in range(2))
-    plan = [torch.empty(s, dtype=torch.int32, device="cuda") for s in ((1, 1), (1, 1, 1), (1,), (1,))]
+    plan = [torch.empty(s, dtype=torch.int32, device="cuda")
+            for s in ((1, 1), (1, 1, 1), (1,), (1,))]
     sparse_ext.column_gather(k, v, idx, counts, kg, vg, *plan, 128)
     for got, src in ((kg, k), (vg, v)):
         assert torch.equal(got[0, [0, 3], 0], src[0, [3, 7], 0])

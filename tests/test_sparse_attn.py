@@ -306,7 +306,8 @@ def test_index_values_check_matches_its_definition(rows, m, limit, data, fault):
     if fault.startswith("count"):
         counts[r] = data.draw(st.sampled_from([-1, -2] if fault == "count low" else [m + 1, m + 3]))
     elif fault.startswith("entry"):
-        idx[r][i] = data.draw(st.sampled_from([-1, -3] if fault == "entry low" else [limit, limit + 2]))
+        low = fault == "entry low"
+        idx[r][i] = data.draw(st.sampled_from([-1, -3] if low else [limit, limit + 2]))
     elif fault == "duplicate":
         idx[r][j] = idx[r][i]
     ti = torch.tensor(idx, dtype=torch.int32)
@@ -317,7 +318,8 @@ def test_index_values_check_matches_its_definition(rows, m, limit, data, fault):
                  rf"\[{min(counts)}, {max(counts)}\]$")
     elif fault.startswith("entry"):
         bad = min(listed) if fault == "entry low" else max(listed)
-        match = rf"ix: the first count entries of every list must lie in \[0, {limit}\), found {bad}$"
+        match = (rf"ix: the first count entries of every list must lie in \[0, {limit}\), "
+                 rf"found {bad}$")
     elif fault == "duplicate":
         match = "must be distinct"
     else:

@@ -35,6 +35,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace dlm::sm90 {
@@ -141,7 +142,8 @@ __global__ void __launch_bounds__(1024) column_gather_kernel(const ColumnGatherA
 template <class Vec>
 cudaError_t launch_with(const ColumnGatherArgs& a) {
   const int row_vecs = a.row_bytes / static_cast<int>(sizeof(Vec));
-  const int per_pass = 2 * row_vecs >= kThreads ? 1 : kThreads / (2 * row_vecs);
+  // blockDim.z <= 64: rows of one vector (R = 16 B) run 128 threads.
+  const int per_pass = 2 * row_vecs >= kThreads ? 1 : std::min(64, kThreads / (2 * row_vecs));
   const int64_t chunks = (a.list_len + int64_t(per_pass) * kUnroll - 1) / (int64_t(per_pass) * kUnroll);
   const dim3 grid(static_cast<unsigned>(chunks), a.heads, a.batch), block(row_vecs, 2, per_pass);
   column_gather_kernel<Vec><<<grid, block, 0, a.stream>>>(a);

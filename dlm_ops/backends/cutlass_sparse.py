@@ -23,9 +23,10 @@ The gather and the kernel's plan (key_len, block counts, shared list, work order
 of the extension's ``column_gather`` (csrc/hopper/column_gather.cuh: 16-byte rows, int32 indices,
 any k / v strides with a unit stride in D); the torch ops ``gather_columns`` and ``column_plan``
 are its reference and run where the extension lacks it (an older build) or k / v have a non-unit
-stride in D. Before the kernel, the torch gather (advanced indexing with int64 index tensors) and
-~25 small plumbing ops measured 0.17-0.38 ms per call on the H200 at S = 16K-32K, ~1 ms at 64K
-(csrc/NOTES.md "Column-sparse forward"); the copy itself moves 4 x B K H D x 2 bytes.
+stride in D. Before that launch, the torch gather (advanced indexing with int64 index tensors)
+and ~25 small plumbing ops cost 0.2-0.6 ms per call on the H200 at S = 16K-32K, up to 1.4 ms at
+64K (csrc/NOTES.md "One gather launch"); the copy itself moves 4 x B K H D x 2 bytes, ~0.1 ms
+at 3.5 TB/s for 32K at density 0.3.
 
 Every backward (block- and column-sparse) and the forwards the kernel does not cover run Triton's
 kernels, counted in ``STATS`` per entry point. The backwards need only the forward's out and lse,
@@ -35,9 +36,10 @@ The build happens at the first call (one WARNING line; 4 kernel units and the bi
 gather kernel in its own). If it fails, the failure is remembered, reported by
 ``unavailable_reason`` (``python -m dlm_ops`` shows it and dispatch picks Triton from then on) and
 warned once. Dispatch picks this backend automatically wherever it can be built;
-``DLM_OPS_CUTLASS=0`` opts out (no build, Triton everywhere) and ``backend="cutlass"`` forces it. CPU tests: tests/test_cutlass_sparse_dispatch.py
-(a fake extension); GPU tests: tests/test_sparse_attn.py (test_gpu_*) and the gather against
-``gather_columns`` in tests/test_cutlass_sparse_dispatch.py (test_gpu_column_gather_*).
+``DLM_OPS_CUTLASS=0`` opts out (no build, Triton everywhere) and ``backend="cutlass"`` forces it.
+CPU tests: tests/test_cutlass_sparse_dispatch.py (a fake extension); GPU tests:
+tests/test_sparse_attn.py (test_gpu_*) and, the gather against ``gather_columns`` bit for bit,
+tests/test_cutlass_sparse_dispatch.py (test_gpu_column_*).
 """
 
 from __future__ import annotations
