@@ -12,9 +12,10 @@ the same block table
 block-sparse contender; outputs are checked against the torch backend in fp32 on a slice
 (``err_ours``, ``err_flex``). Column-sparse: ``dlm_ops column`` is the default dispatch (on sm90
 the ``cutlass`` backend: the listed K / V gathered per head, then the block-sparse kernel with a
-key length per head), ``dlm_ops column triton`` the same call forced to Triton's kernel; no other
-contender (flex would need a per-token mask_mod over a column table, evaluated inside every
-visited block).
+key length per head), ``dlm_ops column triton`` the same call forced to Triton's kernel, and,
+where the cutlass extension is built, ``dlm_ops column gather`` times that backend's gather and
+plan alone (``gather ms``: one launch of column_gather); no other contender (flex would need a
+per-token mask_mod over a column table, evaluated inside every visited block).
 
 Patterns: block-sparse, per (head, query block) a uniformly random set of round(density * nKb) key
 blocks, listed in ascending order (what a table-to-indices conversion produces), selection blocks
@@ -57,6 +58,7 @@ DENSE = "dense cudnn"
 TRITON = "dlm_ops triton"  # block-sparse forced to the Triton kernels (dlm_ops: default dispatch)
 COLUMN = "dlm_ops column"
 COLUMN_TRITON = "dlm_ops column triton"  # column-sparse forced to the Triton kernel
+COLUMN_GATHER = "dlm_ops column gather"  # the cutlass column forward's input preparation alone
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,18 @@ def make_column(case: SparseCase, q, k, v, idx, counts, backend=None):
 
     return lambda: dlm_ops.column_sparse_attn(q, k, v, idx, counts, check_indices=False,
                                               backend=backend)
+
+
+def make_column_gather(case: SparseCase, k, v, idx, counts):
+    """What the cutlass column forward does before its kernel (the gathered K / V and the plan:
+    one launch of the extension's column_gather, cutlass_sparse.column_inputs), or None where the
+    extension is not built here."""
+    from dlm_ops.backends import cutlass_sparse as cs
+
+    if cs.CutlassSparseBackend().unavailable_reason() is not None or cs._extension() is None:
+        return None
+    ext, nqb = cs._extension(), -(-case.seqlen // cs.BLOCK)
+    return lambda: cs.column_inputs(ext, k, v, idx, counts, nqb)
 
 
 def make_selections(seqlen: int, q, k) -> dict:
@@ -247,6 +261,9 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
         columns[d] = column_pattern(case)
         fns[(COLUMN, d)] = make_column(case, q, k, v, *columns[d])
         fns[(COLUMN_TRITON, d)] = make_column(case, q, k, v, *columns[d], backend="triton")
+        gather = make_column_gather(case, k, v, *columns[d])
+        if gather is not None:
+            fns[(COLUMN_GATHER, d)] = gather
         if with_flex:
             try:
                 fns[("flex", d)] = make_flex(case, q, k, v, idx, counts)
@@ -303,7 +320,7 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
                                                      for n in AMORTISE_STEPS}))
         elif d is not None:
             case = patterns[d][0]
-            column = name in (COLUMN, COLUMN_TRITON)
+            column = name in (COLUMN, COLUMN_TRITON, COLUMN_GATHER)
             density = case.columns / seqlen if column else case.true_density
             rows.append(dict(asdict(case), kind="column" if column else "block",
                              true_density=density, contender=name, ms=ms, ratio=ms / dense_ms,
@@ -326,11 +343,11 @@ def _dense_ms(rows: list[dict]) -> dict:
 
 
 def column_table(rows: list[dict]) -> str:
-    """One line per (S, density): the default dispatch, then the forced-Triton contender (``-``
-    in a run without it)."""
+    """One line per (S, density): the default dispatch, then the forced-Triton contender and the
+    cutlass path's gather alone (``-`` in a run without them)."""
     head = ["S", "density (columns)", "dense cuDNN ms", "column ms", "column / dense",
             "/ density", "err vs fp32", f"column / density <= {GOAL}", "triton ms",
-            "triton / density", "triton ms / column ms"]
+            "triton / density", "triton ms / column ms", "gather ms"]
     lines = ["Column-sparse (`column_sparse_attn`, every query of a head attends to its head's "
              "columns):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     dense = _dense_ms(rows)
@@ -338,7 +355,7 @@ def column_table(rows: list[dict]) -> str:
     for s, d in sorted({(r["seqlen"], r["density"]) for r in column}):
         get = lambda name: next((r for r in column if r["contender"] == name
                                  and r["seqlen"] == s and r["density"] == d), None)
-        r, t = get(COLUMN), get(COLUMN_TRITON)
+        r, t, g = get(COLUMN), get(COLUMN_TRITON), get(COLUMN_GATHER)
         f = lambda x, key, fmt: "-" if x is None else format(x[key], fmt)
         lines.append("| " + " | ".join([
             f"{s // 1024}K", f"{(r or t)['true_density']:.3f}", f"{dense[s]:.2f}",
@@ -346,7 +363,7 @@ def column_table(rows: list[dict]) -> str:
             "-" if r is None else f"{r.get('err_ours', float('nan')):.1e}",
             "-" if r is None else ("yes" if r["ratio_over_density"] <= GOAL else "no"),
             f(t, "ms", ".2f"), f(t, "ratio_over_density", ".2f"),
-            "-" if not (r and t) else f"{t['ms'] / r['ms']:.2f}x"]) + " |")
+            "-" if not (r and t) else f"{t['ms'] / r['ms']:.2f}x", f(g, "ms", ".3f")]) + " |")
     return "\n".join(lines)
 
 

@@ -29,11 +29,39 @@ from .test_sparse_attn import block_pattern, random_lists
 
 
 class FakeExtension:
-    """The extension's interface: the kernel's coverage rule, and a forward that records its
-    arguments and writes what the kernel must (the torch backend's out and lse)."""
+    """The extension's interface: the kernel's coverage rule, a forward that records its
+    arguments and writes what the kernel must (the torch backend's out and lse), and the column
+    gather (column_gather.cuh), which checks the binding's preconditions, records its call and
+    writes the torch reference's buffers and plan (its contents are checked against the
+    definition by the tests; the CUDA kernel against the reference by the GPU test below)."""
 
     def __init__(self):
         self.calls = []
+        self.gathers = []
+
+    def column_gather(self, k, v, kv_indices, kv_counts, kg, vg, key_len, block_counts,
+                      shared_list, work_order, block_k):
+        self.gathers.append(dict(k=k, v=v, idx=kv_indices, counts=kv_counts, kg=kg, vg=vg,
+                                 key_len=key_len, blocks=block_counts, shared=shared_list,
+                                 order=work_order, block_k=block_k))
+        b, _, _, d = k.shape
+        _, h, m = kv_indices.shape
+        nqb = block_counts.shape[-1]
+        assert k.stride(-1) == 1 and v.stride(-1) == 1 and v.shape == k.shape and m >= 1
+        for t, shape in ((kv_indices, (b, h, m)), (kv_counts, (b, h)), (key_len, (b, h)),
+                         (block_counts, (b, h, nqb)), (shared_list, (-(-m // block_k),))):
+            assert t.dtype == torch.int32 and t.is_contiguous() and t.shape == shape
+        for t in (kg, vg):
+            assert t.dtype == k.dtype and t.is_contiguous() and t.shape == (b, m, h, d)
+        if work_order is not None:
+            assert work_order.dtype == torch.int32 and work_order.shape == (b * h * nqb,)
+        want_len = kv_counts.clamp(0, m)
+        gk, gv = cs.gather_columns(k, v, kv_indices, want_len)
+        shared, blocks, order = cs.column_plan(want_len, nqb, m)
+        for out, src in ((kg, gk), (vg, gv), (key_len, want_len), (block_counts, blocks),
+                         (shared_list, shared), (work_order, order)):
+            if out is not None:
+                out.copy_(src)
 
     @staticmethod
     def supports(block_q, block_k, d):  # block_sparse_fwd_supports in block_sparse_fwd.cuh
@@ -192,15 +220,20 @@ def test_backwards_run_triton_counted(fake):
        heads=st.sampled_from([(2, 2), (4, 1), (4, 2)]), d=st.sampled_from([64, 128]),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]),
        mode=st.sampled_from(["random", "random", "empty", "all"]),
-       slots=st.sampled_from([1, 127, 128, 129, 260, None]), seed=st.integers(0, 1000))
+       slots=st.sampled_from([1, 127, 128, 129, 260, None]), seed=st.integers(0, 1000),
+       gather=st.sampled_from(["kernel", "kernel, torch order", "torch"]))
 def test_column_forward_runs_cutlass_over_gathered_keys(b, sq, sk, heads, d, dtype, mode, slots,
-                                                        seed):
+                                                        seed, gather):
     """Any Sq / Sk, GQA, K (list slots) around the 128-key tile, counts 0 / K / random, junk past
     the counts: the kernel gets q, per-query-head gathered K / V (B, K, H, D) whose listed slots
     are the listed keys and whose other slots are finite keys of the input, the shared list
     0 .. ceil(K / 128) - 1, block counts ceil(count / 128) per (b, h, query block), key_len =
     counts, a stable heads-longest-first work order, blocks 128 and the scale; what it writes
-    (the fake: the kernel's contract, asserted) meets the accuracy rule against the reference."""
+    (the fake: the kernel's contract, asserted) meets the accuracy rule against the reference.
+    The same whether the extension's column_gather prepares them in one launch (ranking the
+    heads, or with work_order None above RANK_MAX_HEADS and torch's sort) or, in an extension
+    without it, the torch reference does; the gather gets the caller's k / v, int32 lists, fresh
+    buffers and block 128, and the forward reads exactly what it wrote."""
     ext = FakeExtension()
     h, hkv = heads
     m = sk + 2 if slots is None else slots
@@ -210,10 +243,26 @@ def test_column_forward_runs_cutlass_over_gathered_keys(b, sq, sk, heads, d, dty
         mp.setattr(cs, "_extension", lambda: ext)
         mp.setattr(cs, "STATS", dict.fromkeys(cs.STATS, 0))
         mp.setattr(TritonSparseBackend, "column_fwd", lambda self, *a: ("triton", "column_fwd"))
+        if gather == "torch":
+            mp.delattr(FakeExtension, "column_gather")  # an extension built before it
+        if gather == "kernel, torch order":
+            mp.setattr(cs, "RANK_MAX_HEADS", b * h - 1)
         out, lse = cs.CutlassSparseBackend().column_fwd(q, k, v, idx, cnt, 0.3)
         stats = dict(cs.STATS)
     assert stats == dict(cs.STATS, column_fwd=1, column_fwd_fallback=0)
     (call,) = ext.calls
+    if gather == "torch":
+        assert not ext.gathers
+    else:
+        (g,) = ext.gathers
+        assert g["k"] is k and g["v"] is v and g["block_k"] == 128
+        assert torch.equal(g["idx"], idx) and torch.equal(g["counts"], cnt)
+        # the forward reads what the gather wrote
+        for fwd_arg, name in (("k", "kg"), ("v", "vg"), ("key_len", "key_len"),
+                              ("counts", "blocks"), ("idx", "shared")):
+            assert call[fwd_arg] is g[name]
+        assert (g["order"] is call["order"]) == (gather == "kernel")
+        assert (g["order"] is None) == (gather == "kernel, torch order")
     assert call["q"] is q and call["out"] is out and call["lse"] is lse
     assert (call["block_q"], call["block_k"], call["scale"]) == (128, 128, 0.3)
     kg, vg = call["k"], call["v"]
@@ -296,6 +345,19 @@ def test_uncovered_column_forwards_fall_back_to_triton(fake, monkeypatch):
     assert len(fake.calls) == 2
 
 
+def test_column_gather_needs_a_unit_stride_in_d(fake):
+    """k / v with a stride in D (not what the CUDA gather reads) take the torch gather; the
+    forward still runs CUTLASS over the same buffers."""
+    q, _, v = _inputs(1, 130, 200, 4, 2, 64)
+    k = torch.randn(1, 200, 2, 128).to(torch.bfloat16)[..., ::2]  # stride 2 in D
+    idx, cnt = random_lists((1, 4), 200, 50, "random", 4)
+    cs.CutlassSparseBackend().column_fwd(q, k, v, idx, cnt, 0.1)
+    assert not fake.gathers and len(fake.calls) == 1
+    assert torch.equal(fake.calls[0]["k"], cs.gather_columns(k, v, idx, cnt)[0])
+    cs.CutlassSparseBackend().column_fwd(q, k.contiguous(), v, idx, cnt, 0.1)
+    assert len(fake.gathers) == 1 and fake.gathers[0]["k"].is_contiguous()
+
+
 @pytest.fixture
 def buildable(monkeypatch):
     """Dispatch as on an sm90 machine whose toolchain can build the extension."""
@@ -356,3 +418,124 @@ def test_sources_exist_in_csrc():
         pytest.skip("the sm90 block-sparse kernel is not in this checkout yet")
     missing = [s for s in cs.SOURCES if not (root / s).is_file()]
     assert not missing, f"missing from csrc/: {missing}"
+
+
+# -- on the H200 (-m gpu): the CUDA gather against the torch reference ----------------------------
+
+
+@pytest.fixture(scope="module")
+def sparse_ext():
+    """The built dlm_sparse_sm90 extension; skipped where the toolchain cannot build it, a failed
+    build fails."""
+    reason = cutlass.unavailable_reason()
+    if reason:
+        pytest.skip(f"the CUTLASS extension cannot be built here: {reason}")
+    ext = cs._extension()
+    assert ext is not None, cs._BUILD_ERROR
+    return ext
+
+
+def _gpu_kv(b, sk, hkv, d, dtype, layout, seed):
+    """k and v (B, Sk, Hkv, D) in a layout: "contiguous"; "transposed" (made (B, Hkv, Sk, D) and
+    viewed back: key stride D, head stride Sk D); "padded" (rows D + 4 apart: 8-byte strides, the
+    8-byte vector path); "offset" (one element past an aligned base: the 2-byte path)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, device="cuda", generator=g).to(dtype)
+    if layout == "transposed":
+        return tuple(make(b, hkv, sk, d).transpose(1, 2) for _ in range(2))
+    if layout == "padded":
+        return tuple(make(b, sk, hkv, d + 4)[..., :d] for _ in range(2))
+    if layout == "offset":
+        return tuple(make(b * sk * hkv * d + 1)[1:].view(b, sk, hkv, d) for _ in range(2))
+    return make(b, sk, hkv, d), make(b, sk, hkv, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "padded", "offset"])
+@pytest.mark.parametrize("m,nqb", [(300, 3), (1, 2), (128, 0)])
+def test_gpu_column_gather_matches_the_torch_gather_bitwise(sparse_ext, dtype, d, heads, layout,
+                                                            m, nqb):
+    """ext.column_gather against gather_columns and column_plan, bit for bit, into poisoned
+    buffers: counts 0 / 1 / 127 / 128 / 129 / K / random / past K / negative per head (clamped to
+    [0, K]: what an unchecked call may pass), junk past the counts (out of range: never read),
+    GQA and MQA, k / v in four layouts (each vector width), D 64 / 128, bf16 / fp16, K = 1,
+    Sq = 0 (no item); and with work_order None the rest is written alike."""
+    h, hkv = heads
+    b, sk = 2, 700
+    k, v = _gpu_kv(b, sk, hkv, d, dtype, layout, seed=m + d + hkv)
+    g = torch.Generator(device="cuda").manual_seed(m)
+    idx = torch.randint(-5, sk + 5, (b, h, m), device="cuda", generator=g, dtype=torch.int32)
+    counts = torch.tensor([0, 1, 127, 128, 129, m, m + 5, -2, 40, 200, 3, 299, 64, 0, 250, 17],
+                          dtype=torch.int32, device="cuda").view(b, h).clamp(max=m + 5)
+    listed = torch.rand(b, h, sk, device="cuda", generator=g).argsort(-1)[..., :m].int()
+    clamped = counts.clamp(0, m)
+    slot = torch.arange(m, device="cuda")
+    idx = torch.where(slot < clamped.unsqueeze(-1), listed, idx).contiguous()
+    want_k, want_v = cs.gather_columns(k, v, idx, clamped)
+    want_shared, want_blocks, want_order = cs.column_plan(clamped, nqb, m)
+    for with_order in (True, False):
+        kg = torch.full((b, m, h, d), float("nan"), dtype=dtype, device="cuda")
+        vg = torch.full_like(kg, float("nan"))
+        poison = lambda *shape: torch.full(shape, -7, dtype=torch.int32, device="cuda")
+        key_len, blocks, shared = poison(b, h), poison(b, h, nqb), poison(-(-m // 128))
+        order = poison(b * h * nqb) if with_order else None
+        sparse_ext.column_gather(k, v, idx, counts, kg, vg, key_len, blocks, shared, order, 128)
+        assert torch.equal(kg, want_k) and torch.equal(vg, want_v)
+        assert torch.equal(key_len, clamped) and torch.equal(blocks, want_blocks)
+        assert torch.equal(shared, want_shared)
+        if with_order:
+            assert torch.equal(order, want_order)
+
+
+@pytest.mark.gpu
+def test_gpu_column_gather_reads_zeros_for_rows_outside_the_keys(sparse_ext):
+    """An unchecked call listing a key outside [0, Sk): that slot reads zeros (like TMA's fill),
+    never memory past k / v; the other slots as listed."""
+    k, v = _gpu_kv(1, 50, 1, 64, torch.bfloat16, "contiguous", seed=0)
+    idx = torch.tensor([[[3, 50, -1, 7]]], dtype=torch.int32, device="cuda")
+    counts = torch.tensor([[4]], dtype=torch.int32, device="cuda")
+    kg, vg = (torch.full((1, 4, 1, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+              for _ in range(2))
+    plan = [torch.empty(s, dtype=torch.int32, device="cuda")
+            for s in ((1, 1), (1, 1, 1), (1,), (1,))]
+    sparse_ext.column_gather(k, v, idx, counts, kg, vg, *plan, 128)
+    for got, src in ((kg, k), (vg, v)):
+        assert torch.equal(got[0, [0, 3], 0], src[0, [3, 7], 0])
+        assert not (got[0, [1, 2]] != 0).any()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_gpu_column_forward_is_the_same_with_either_gather(sparse_ext, monkeypatch, layout):
+    """The column-sparse forward through the CUDA gather and through the torch one: the same
+    kernel inputs, so the same out and lse bit for bit (the kernel is deterministic), at a head
+    count above RANK_MAX_HEADS too (torch's sort of the work order)."""
+    b, sq, sk, h, hkv, d = 2, 300, 900, 8, 2, 128
+    q = torch.randn(b, sq, h, d, device="cuda").bfloat16()
+    k, v = _gpu_kv(b, sk, hkv, d, torch.bfloat16, layout, seed=1)
+    idx = torch.rand(b, h, sk, device="cuda").argsort(-1)[..., :400].int().contiguous()
+    cnt = torch.randint(0, 401, (b, h), device="cuda").int()
+    backend = cs.CutlassSparseBackend()
+    runs = [backend.column_fwd(q, k, v, idx, cnt, 0.09)]
+    monkeypatch.setattr(cs, "RANK_MAX_HEADS", 1)
+    runs.append(backend.column_fwd(q, k, v, idx, cnt, 0.09))
+    monkeypatch.setattr(cs, "_extension", lambda: _WithoutGather(sparse_ext))
+    runs.append(backend.column_fwd(q, k, v, idx, cnt, 0.09))
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
+class _WithoutGather:
+    """The extension as built before column_gather: everything but that function."""
+
+    def __init__(self, ext):
+        self._ext = ext
+
+    def __getattr__(self, name):
+        if name == "column_gather":
+            raise AttributeError(name)
+        return getattr(self._ext, name)

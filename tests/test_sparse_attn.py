@@ -290,6 +290,54 @@ def test_column_validation(change, match):
         dlm_ops.column_sparse_attn(q, k, v, idx, cnt)
 
 
+@given(rows=st.integers(1, 4), m=st.integers(2, 6), limit=st.integers(2, 8), data=st.data(),
+       fault=st.sampled_from(["none", "count low", "count high", "entry low", "entry high",
+                              "duplicate"]))
+def test_index_values_check_matches_its_definition(rows, m, limit, data, fault):
+    """check_index_values raises iff a count leaves [0, m] (first), a listed entry leaves
+    [0, limit) (then) or two listed entries are equal (last), naming the offending values; junk
+    past the counts passes. Valid lists (row 0 with at least two entries), then one fault."""
+    counts = [data.draw(st.integers(2 if r == 0 else 0, min(m, limit))) for r in range(rows)]
+    idx = [data.draw(st.permutations(range(limit)))[:c]
+           + data.draw(st.lists(st.integers(-3, limit + 3), min_size=m - c, max_size=m - c))
+           for c in counts]
+    r = data.draw(st.sampled_from([r for r in range(rows) if counts[r] >= 2]))
+    i, j = data.draw(st.lists(st.integers(0, counts[r] - 1), min_size=2, max_size=2, unique=True))
+    if fault.startswith("count"):
+        counts[r] = data.draw(st.sampled_from([-1, -2] if fault == "count low" else [m + 1, m + 3]))
+    elif fault.startswith("entry"):
+        low = fault == "entry low"
+        idx[r][i] = data.draw(st.sampled_from([-1, -3] if low else [limit, limit + 2]))
+    elif fault == "duplicate":
+        idx[r][j] = idx[r][i]
+    ti = torch.tensor(idx, dtype=torch.int32)
+    tc = torch.tensor(counts, dtype=torch.int32)
+    listed = [x for row, c in zip(idx, counts) for x in row[:max(c, 0)]]
+    if fault.startswith("count"):
+        match = (rf"cnt must lie in \[0, {m}\] \(ix.shape\[-1\]\), got values in "
+                 rf"\[{min(counts)}, {max(counts)}\]$")
+    elif fault.startswith("entry"):
+        bad = min(listed) if fault == "entry low" else max(listed)
+        match = (rf"ix: the first count entries of every list must lie in \[0, {limit}\), "
+                 rf"found {bad}$")
+    elif fault == "duplicate":
+        match = "must be distinct"
+    else:
+        ops.check_index_values(ti, tc, limit, "ix", "cnt")
+        return
+    with pytest.raises(ValueError, match=match):
+        ops.check_index_values(ti, tc, limit, "ix", "cnt")
+
+
+def test_index_values_check_passes_empty_tables_and_catches_counts_without_slots():
+    no_slot = torch.zeros((3, 0), dtype=torch.int32)
+    ops.check_index_values(no_slot, torch.zeros(3, dtype=torch.int32), 5, "ix", "cnt")
+    with pytest.raises(ValueError, match=r"cnt must lie in \[0, 0\] .*got values in \[0, 1\]"):
+        ops.check_index_values(no_slot, torch.tensor([0, 1, 0], dtype=torch.int32), 5, "ix", "cnt")
+    ops.check_index_values(torch.zeros((2, 0, 4), dtype=torch.int32),
+                           torch.zeros((2, 0), dtype=torch.int32), 5, "ix", "cnt")
+
+
 # -- opcheck and torch.compile --------------------------------------------------------------------
 
 
@@ -499,6 +547,12 @@ def test_benchmark_column_rows_selection_and_quick_preset():
     assert ("| 16K | 0.300 | 10.00 | 3.30 | 0.330 | 1.10 | 1.0e-03 | yes | 6.60 | 2.20 | 2.00x |"
             in table) and table.count("| 16K | 0.300 |") == 1
     assert "| 16K | pulsecol select (S/8 rows) | 2.56 | 0.256 | 0.0040 | 0.0010 | 0.0003 |" in table
+    rows.insert(2, dict(seqlen=16384, kind="column", density=0.3, true_density=0.3,
+                        contender="dlm_ops column gather", ms=0.0456, ratio=0.0046,
+                        ratio_over_density=0.015))
+    table = bench.markdown(rows)  # the cutlass path's gather alone, last
+    assert ("| 16K | 0.300 | 10.00 | 3.30 | 0.330 | 1.10 | 1.0e-03 | yes | 6.60 | 2.20 | 2.00x | "
+            "0.046 |" in table) and table.count("| 16K | 0.300 |") == 1
 
 
 # -- GPU (-m gpu) ---------------------------------------------------------------------------------

@@ -15,23 +15,31 @@ per call, no host sync), so the longest lists start in the first wave.
 
 Column-sparse (``column_fwd``): dense attention over each head's listed keys, so the listed K / V
 rows are gathered per query head into (B, K, H, D) buffers (K = kv_indices.shape[-1], static: no
-host sync; their traffic is ~1 % of the attention's, but on the H200 the gathers and the index
-plumbing measured 0.17-0.38 ms per call at S = 16K-32K, csrc/NOTES.md "Column-sparse forward") and
-the same kernel runs over them with Hkv = H, every query block listing key blocks
+host sync) and the same kernel runs over them with Hkv = H, every query block listing key blocks
 0 .. ceil(count / 128) - 1 (one shared arange) and key_len = kv_counts (the tile of the last
 listed key masks the rest). Same coverage (D 64 / 128, fp16 / bf16, TMA-ready q), K >= 1. The
 buffers are sized by the list width K, not the counts: cut Sk-wide tables to the longest list.
+The gather and the kernel's plan (key_len, block counts, shared list, work order) are ONE launch
+of the extension's ``column_gather`` (csrc/hopper/column_gather.cuh: 16-byte rows, int32 indices,
+any k / v strides with a unit stride in D); the torch ops ``gather_columns`` and ``column_plan``
+are its reference and run where the extension lacks it (an older build) or k / v have a non-unit
+stride in D. Before that launch, the torch gather (advanced indexing with int64 index tensors)
+and ~25 small plumbing ops cost 0.2-0.6 ms per call on the H200 at S = 16K-32K, up to 1.4 ms at
+64K (csrc/NOTES.md "One gather launch"); the copy itself moves 4 x B K H D x 2 bytes, ~0.1 ms
+at 3.5 TB/s for 32K at density 0.3.
 
 Every backward (block- and column-sparse) and the forwards the kernel does not cover run Triton's
 kernels, counted in ``STATS`` per entry point. The backwards need only the forward's out and lse,
 which the CUTLASS forwards write in the public layouts.
 
-The build happens at the first call (one WARNING line; 4 kernel units and the binding). If it
-fails, the failure is remembered, reported by ``unavailable_reason`` (``python -m dlm_ops`` shows
-it and dispatch picks Triton from then on) and warned once. Dispatch picks this backend
-automatically wherever it can be built; ``DLM_OPS_CUTLASS=0`` opts out (no build, Triton
-everywhere) and ``backend="cutlass"`` forces it. CPU tests: tests/test_cutlass_sparse_dispatch.py
-(a fake extension); GPU tests: tests/test_sparse_attn.py (test_gpu_cutlass_*).
+The build happens at the first call (one WARNING line; 4 kernel units and the bindings, the
+gather kernel in its own). If it fails, the failure is remembered, reported by
+``unavailable_reason`` (``python -m dlm_ops`` shows it and dispatch picks Triton from then on) and
+warned once. Dispatch picks this backend automatically wherever it can be built;
+``DLM_OPS_CUTLASS=0`` opts out (no build, Triton everywhere) and ``backend="cutlass"`` forces it.
+CPU tests: tests/test_cutlass_sparse_dispatch.py (a fake extension); GPU tests:
+tests/test_sparse_attn.py (test_gpu_*) and, the gather against ``gather_columns`` bit for bit,
+tests/test_cutlass_sparse_dispatch.py (test_gpu_column_*).
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ from . import cutlass, register
 from .base import GQA, Capabilities, new_output
 from .sparse_triton import TritonSparseBackend
 
-SOURCES = ["bindings/sparse_sm90.cpp", "bindings/sparse_fwd_sm90.cu"] + [
+SOURCES = ["bindings/sparse_sm90.cpp", "bindings/sparse_fwd_sm90.cu",
+           "bindings/column_gather_sm90.cu"] + [
     f"hopper/block_sparse_fwd_{t}_d{d}.cu" for t in ("bf16", "fp16") for d in (64, 128)]
 # CUTLASS forwards run, and calls handed to Triton, per entry point; the backwards have no CUTLASS
 # kernel: they are all fallbacks.
@@ -90,17 +99,55 @@ def gather_columns(k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, counts: 
 
 def column_plan(counts: torch.Tensor, num_q_blocks: int, num_keys: int):
     """What the kernel needs besides the gathered keys: the shared list 0 .. ceil(K / 128) - 1,
-    the per-item block counts ceil(count / 128) (B, H, nQb), and the work order, heads with the
-    most blocks first (stable; all nQb items of a head share a count, so this is work_order of the
-    per-item counts, sorted over B * H heads instead of B * H * nQb items). int32, no host sync."""
+    the per-item block counts ceil(count / 128) (B, H, nQb), and the work order (column_order).
+    int32, no host sync."""
     dev = counts.device
     shared = torch.arange(-(-num_keys // BLOCK), dtype=torch.int32, device=dev)
     per_head = (counts + (BLOCK - 1)) // BLOCK  # (B, H)
     blocks = per_head.unsqueeze(-1).expand(*per_head.shape, num_q_blocks).contiguous()
+    return shared, blocks, column_order(per_head, num_q_blocks)
+
+
+def column_order(per_head: torch.Tensor, num_q_blocks: int) -> torch.Tensor:
+    """The work order of the column-sparse items, heads with the most blocks first (stable; all
+    nQb items of a head share a count, so this is work_order of the per-item counts, sorted over
+    B * H heads instead of B * H * nQb items). per_head: (B, H) block counts; int32, no sync."""
     heads = work_order(per_head).long()
-    order = (heads.unsqueeze(-1) * num_q_blocks
-             + torch.arange(num_q_blocks, device=dev)).reshape(-1).to(torch.int32)
-    return shared, blocks, order
+    return (heads.unsqueeze(-1) * num_q_blocks
+            + torch.arange(num_q_blocks, device=per_head.device)).reshape(-1).to(torch.int32)
+
+
+# Up to this many heads (B * H) the gather kernel also ranks the heads for the work order; its cost
+# grows as (B * H)^2 (each head's CTA reads every count: 16 M L2 hits at 4096), so above it
+# column_order sorts with torch (~10 small launches).
+RANK_MAX_HEADS = 4096
+
+
+def column_inputs(ext, k, v, idx, counts, num_q_blocks: int):
+    """What the kernel reads in a column-sparse forward, (kg, vg, key_len, shared, blocks, order):
+    the gathered K / V (B, K, H, D) (gather_columns), key_len = counts clamped to [0, K] (so an
+    unchecked call cannot make the kernel read past the list or the keys) and column_plan's
+    tables. One launch of the extension's column_gather, or the torch reference where the
+    extension lacks it or k / v have a non-unit stride in D. No host sync either way."""
+    b, h, m = idx.shape
+    gather = getattr(ext, "column_gather", None)
+    if gather is None or k.stride(-1) != 1 or v.stride(-1) != 1:
+        key_len = counts.clamp(0, m).contiguous()  # int32 (B, H)
+        kg, vg = gather_columns(k, v, idx, key_len)
+        return (kg, vg, key_len, *column_plan(key_len, num_q_blocks, m))
+    dev, i32 = idx.device, torch.int32
+    kg = new_output(k, (b, m, h, k.shape[-1]))
+    vg = new_output(v, kg.shape)
+    key_len = torch.empty((b, h), dtype=i32, device=dev)
+    blocks = torch.empty((b, h, num_q_blocks), dtype=i32, device=dev)
+    shared = torch.empty((-(-m // BLOCK),), dtype=i32, device=dev)
+    ranked = b * h <= RANK_MAX_HEADS
+    order = torch.empty((b * h * num_q_blocks,), dtype=i32, device=dev) if ranked else None
+    gather(k, v, idx.contiguous(), counts.contiguous(), kg, vg, key_len, blocks, shared, order,
+           BLOCK)
+    if not ranked:
+        order = column_order((key_len + (BLOCK - 1)) // BLOCK, num_q_blocks)
+    return kg, vg, key_len, shared, blocks, order
 
 
 class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
@@ -151,11 +198,8 @@ class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
             STATS["column_fwd_fallback"] += 1
             return super().column_fwd(q, k, v, idx, counts, scale)
         b, sq, h, _ = q.shape
-        # In [0, K] even when the caller skipped the index check: the kernel then never reads
-        # past the shared list (ceil(K / 128) entries) nor past the gathered keys.
-        key_len = counts.clamp(0, idx.shape[-1]).contiguous()  # int32 (B, H)
-        kg, vg = gather_columns(k, v, idx, key_len)
-        shared, blocks, order = column_plan(key_len, -(-sq // BLOCK), idx.shape[-1])
+        kg, vg, key_len, shared, blocks, order = column_inputs(ext, k, v, idx, counts,
+                                                               -(-sq // BLOCK))
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, sq), torch.float32)
         ext.fwd(q, kg, vg, out, lse, shared, blocks, order, BLOCK, BLOCK, scale, key_len=key_len)

@@ -4,7 +4,8 @@
 // NaN-poisoned outputs; per-(batch, head) key lengths key_len incl. 0, 1, 127, 128, 129 and Sk,
 // with own lists and with one shared list as the column-sparse forward passes it), then CUDA-event timing at the benchmark's shapes (B = 1, H = 32/8, D = 128,
 // S = 16K / 32K / 64K, densities 0.1 / 0.3 / 0.5 / 1.0; per (head, query block) a uniformly random
-// ascending set of round(density * nKb) key blocks, as benchmarks/sparse.py builds them). Build
+// ascending set of round(density * nKb) key blocks, as benchmarks/sparse.py builds them; the
+// column-sparse form also with its gather, hopper/column_gather.cuh, alone and before it). Build
 // (nvcc >= 12.3, CUTLASS headers from the nvidia-cutlass wheel) and run on an H100/H200:
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr \
 //     -I<cutlass_library/source/include> -Icsrc/include -Icsrc \
@@ -27,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include "hopper/block_sparse_fwd.cuh"
+#include "hopper/column_gather.cuh"
 
 #define CK(...) do { cudaError_t err_ = (__VA_ARGS__); if (err_ != cudaSuccess) { printf("CUDA error %s at %s:%d\n", cudaGetErrorString(err_), __FILE__, __LINE__); exit(1); } } while (0)
 
@@ -314,12 +316,31 @@ Timed time_one(int s, double density, int iters, int sms) {
   return {s, density, ms, tflops, ratio, ms_persistent};
 }
 
-// The column-sparse forward's kernel call at the same shapes (what dlm_ops runs after gathering
-// the listed K / V rows per query head): K = round(density * S) keys for each of the 32 heads,
-// gathered (Hkv = 32), one shared list, key_len = K everywhere. The gather itself is not timed
-// here (benchmarks.sparse times the whole op).
-Timed time_column(int s, double density, int iters) {
-  constexpr int D = 128;
+// The column-sparse forward at the same shapes, as dlm_ops runs it: the gather
+// (hopper/column_gather.cuh: the listed rows of a (1, S, 8, 128) K / V for each of the 32 query
+// heads, K = round(density * S) random ascending keys per head, and the kernel's plan, in one
+// launch) writing this kernel's inputs (Hkv = 32, one shared list, key_len = K everywhere, a work
+// order), then the kernel. Timed: the kernel alone (no work order, as before), the gather alone,
+// and both back to back (benchmarks.sparse times the op through torch). Checked once per shape:
+// the plan, and sampled gathered rows against the source, byte for byte.
+struct ColumnTimed { Timed kernel; float gather_ms, both_ms; };
+
+template <class Launch>
+float time_loop(int iters, Launch launch) {
+  for (int i = 0; i < 3; ++i) launch();
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < iters; ++i) launch();
+  CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaGetLastError());
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  cudaEventDestroy(e0); cudaEventDestroy(e1);
+  return ms / iters;
+}
+
+ColumnTimed time_column(int s, double density, int iters) {
+  constexpr int D = 128, kHkv = 8;
   const int keys = (int)std::lround(density * s);
   const Case c{1, s, keys, 32, 32, "mix", 0, 0, false};
   Pattern p;
@@ -341,10 +362,81 @@ Timed time_column(int s, double density, int iters) {
   const double real_density = (double)keys / s;
   const double tflops = 4.0 * (double)c.H * s * keys * D / (ms * 1e9);
   const double ratio = ms / (dense_cudnn_ms(s) * real_density);
-  printf("time column S=%d density %.2f (%d keys): %.3f ms, %.0f TFLOPS, %.2f x density\n", s, density, keys,
-         ms, tflops, ratio);
+
+  // The gather's source and lists.
+  bf16 *ks, *vs;
+  const size_t nsrc = (size_t)s * kHkv * D;
+  CK(cudaMalloc(&ks, nsrc * sizeof(bf16))); CK(cudaMalloc(&vs, nsrc * sizeof(bf16)));
+  fill_random<<<1024, 256>>>(ks, nsrc, 4);
+  fill_random<<<1024, 256>>>(vs, nsrc, 5);
+  std::mt19937 g(s + keys);
+  std::vector<int32_t> lists((size_t)c.H * keys), perm(s), counts(c.H, keys);
+  for (int h = 0; h < c.H; ++h) {
+    std::iota(perm.begin(), perm.end(), 0);
+    for (int i = 0; i < keys; ++i) std::swap(perm[i], perm[i + g() % (s - i)]);
+    std::sort(perm.begin(), perm.begin() + keys);
+    std::copy(perm.begin(), perm.begin() + keys, lists.begin() + (size_t)h * keys);
+  }
+  int32_t *dlists, *dcounts;
+  CK(cudaMalloc(&dlists, lists.size() * 4)); CK(cudaMalloc(&dcounts, c.H * 4));
+  CK(cudaMemcpy(dlists, lists.data(), lists.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dcounts, counts.data(), c.H * 4, cudaMemcpyHostToDevice));
+  dlm::sm90::ColumnGatherArgs ga{};
+  ga.k = ks, ga.v = vs, ga.kg = b.k, ga.vg = b.v;
+  const int64_t st[3] = {(int64_t)s * kHkv * D * 2, kHkv * D * 2, D * 2};  // bytes
+  std::copy(st, st + 3, ga.k_stride); std::copy(st, st + 3, ga.v_stride);
+  ga.kv_indices = dlists, ga.kv_counts = dcounts;
+  ga.batch = 1, ga.heads = c.H, ga.kv_heads = kHkv, ga.list_len = keys, ga.seqlen_k = s;
+  ga.row_bytes = D * 2;
+  ga.key_len = b.lens, ga.block_counts = b.cnt, ga.shared_list = b.idx, ga.work_order = b.order;
+  ga.num_q_blocks = p.nqb, ga.block_k = kBlock, ga.stream = 0;
+  CK(cudaMemset(b.lens, 0xff, c.H * 4)); CK(cudaMemset(b.cnt, 0xff, p.cnt.size() * 4));
+  CK(cudaMemset(b.idx, 0xff, p.nkb * 4)); CK(cudaMemset(b.order, 0xff, p.cnt.size() * 4));
+  CK(cudaMemset(b.k, 0xff, (size_t)keys * c.H * D * 2)); CK(cudaMemset(b.v, 0xff, (size_t)keys * c.H * D * 2));
+  CK(dlm::sm90::launch_column_gather(ga));
+  CK(cudaDeviceSynchronize());
+  // The plan: key_len K, ceil(K / 128) blocks per item, the shared list, the natural order.
+  std::vector<int32_t> lens(c.H), cnt(p.cnt.size()), shared(p.nkb), order(p.cnt.size());
+  CK(cudaMemcpy(lens.data(), b.lens, c.H * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(cnt.data(), b.cnt, cnt.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(shared.data(), b.idx, shared.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(order.data(), b.order, order.size() * 4, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int h = 0; h < c.H; ++h) bad += lens[h] != keys;
+  for (size_t i = 0; i < cnt.size(); ++i) bad += cnt[i] != p.nkb || order[i] != (int32_t)i;
+  for (int i = 0; i < p.nkb; ++i) bad += shared[i] != i;
+  // Sampled rows: 16 slots per head (the first, the last, random), k and v.
+  std::vector<uint16_t> got(D), want(D);
+  for (int h = 0; h < c.H; ++h)
+    for (int t = 0; t < 16; ++t) {
+      const int j = t == 0 ? 0 : t == 1 ? keys - 1 : (int)(g() % keys);
+      const int row = lists[(size_t)h * keys + j];
+      for (int w = 0; w < 2; ++w) {
+        const bf16* src = (w ? vs : ks) + ((size_t)row * kHkv + h / (c.H / kHkv)) * D;
+        const bf16* dst = (w ? b.v : b.k) + ((size_t)j * c.H + h) * D;
+        CK(cudaMemcpy(want.data(), src, D * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(got.data(), dst, D * 2, cudaMemcpyDeviceToHost));
+        bad += got != want;
+      }
+    }
+  if (bad) {
+    printf("FAILED column gather S=%d K=%d: %d mismatches (plan entries or sampled rows)\n", s, keys, bad);
+    ++g_failed;
+  }
+  const float gather_ms = time_loop(iters, [&] { CK(dlm::sm90::launch_column_gather(ga)); });
+  dlm::sm90::SparseFwdArgs fa = b.args;
+  fa.work_order = b.order;  // what the op passes: the gather's order
+  const float both_ms = time_loop(iters, [&] {
+    CK(dlm::sm90::launch_column_gather(ga));
+    CK(dlm::sm90::launch_block_sparse_fwd<bf16, D>(fa));
+  });
+  CK(cudaFree(ks)); CK(cudaFree(vs)); CK(cudaFree(dlists)); CK(cudaFree(dcounts));
+  const double gb = 4.0 * keys * c.H * D * 2 / 1e9;  // k and v rows, read and written
+  printf("time column S=%d density %.2f (%d keys): kernel %.3f ms, %.0f TFLOPS, %.2f x density; gather %.3f ms "
+         "(%.2f GB, %.2f TB/s); gather + kernel %.3f ms, %.2f x density\n", s, density, keys, ms, tflops, ratio,
+         gather_ms, gb, gb / gather_ms, both_ms, both_ms / (dense_cudnn_ms(s) * real_density));
   fflush(stdout);
-  return {s, density, ms, tflops, ratio, 0};
+  return {{s, density, ms, tflops, ratio, 0}, gather_ms, both_ms};
 }
 
 void timing() {
@@ -360,13 +452,19 @@ void timing() {
   for (auto& x : t)
     printf("| %dK | %.1f | %.3f | %.0f | %.2f | %.2f | %.3f | %.2f |\n", x.s / 1024, x.density, x.ms, x.tflops,
            dense_cudnn_ms(x.s), x.ratio, x.ms_persistent, x.ratio * x.ms_persistent / x.ms);
-  std::vector<Timed> col;
+  std::vector<ColumnTimed> col;
   for (int s : {16384, 32768, 65536})
     for (double d : {0.1, 0.3, 0.5}) col.push_back(time_column(s, d, 20));
-  printf("\nColumn-sparse form (gathered keys, Hkv = H = 32, shared list, key_len; the kernel alone):\n"
-         "| S | density | ms | TFLOPS | ratio |\n|---|---|---|---|---|\n");
-  for (auto& x : col)
-    printf("| %dK | %.1f | %.3f | %.0f | %.2f |\n", x.s / 1024, x.density, x.ms, x.tflops, x.ratio);
+  printf("\nColumn-sparse form (gathered keys, Hkv = H = 32, shared list, key_len): the kernel alone, the gather\n"
+         "(column_gather.cuh: K / V rows of 32 heads from Hkv = 8 and the plan, one launch) alone, both:\n"
+         "| S | density | kernel ms | TFLOPS | ratio | gather ms | TB/s | gather + kernel ms | ratio |\n"
+         "|---|---|---|---|---|---|---|---|---|\n");
+  for (auto& x : col) {
+    const double gb = 4.0 * std::lround(x.kernel.density * x.kernel.s) * 32 * 128 * 2 / 1e9;
+    printf("| %dK | %.1f | %.3f | %.0f | %.2f | %.3f | %.2f | %.3f | %.2f |\n", x.kernel.s / 1024,
+           x.kernel.density, x.kernel.ms, x.kernel.tflops, x.kernel.ratio, x.gather_ms, gb / x.gather_ms, x.both_ms,
+           x.kernel.ratio * x.both_ms / x.kernel.ms);
+  }
 }
 
 int main(int argc, char** argv) {
