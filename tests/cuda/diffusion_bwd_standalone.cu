@@ -881,6 +881,7 @@ int main(int argc, char** argv) {
     if (g_failures) return 1;
     timing_orders<Dk, Dq>();
   }
+  if (mode == "order-time") timing_orders<Dk, Dq>();  // the A/B alone (`order` checks first)
   if (mode == "dkdv3") {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;
     checks<bf16, 128, Dk3, Dq>("bf16 D=128, dK/dV 3 stages", false);
