@@ -1,0 +1,72 @@
+"""Is a training step host-bound? ``python -m benchmarks.host_time [--n 1024] [--calls 50]``.
+
+Per call, for the forward (no grad) and a training step (forward with grad, then backward), batched
+and packed (varlen, the same samples): the CPU time to enqueue ``--calls`` calls before the sync,
+and the wall time once the GPU has finished them. Enqueue close to wall means the GPU waits on the
+host (csrc/NOTES.md "The training step is nearly host-bound"). bf16, H=16, D=128, 16K tokens,
+block_size 16, the default backend. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import dlm_ops
+
+
+def per_call(f, calls: int) -> tuple[float, float]:
+    """(enqueue ms, wall ms) per call of ``f``, after 5 warm-up calls."""
+    for _ in range(5):
+        f()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        f()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return 1e3 * (t1 - t0) / calls, 1e3 * (t2 - t0) / calls
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=1024, help="half length (samples of 2n tokens)")
+    p.add_argument("--calls", type=int, default=50)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.host_time needs a CUDA GPU")
+    h, d, n = 16, 128, a.n
+    b = max(1, 16384 // (2 * n))
+
+    def make(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    q, k, v = (make(b, 2 * n, h, d) for _ in range(3))
+    packed = tuple(t.detach().reshape(b * 2 * n, h, d).requires_grad_() for t in (q, k, v))
+    cu = torch.arange(0, b * 2 * n + 1, 2 * n, dtype=torch.int32, device="cuda")
+    cases = {
+        "batched": ((q, k, v), lambda q, k, v: dlm_ops.diffusion_attn_func(q, k, v, 16)),
+        "varlen": (packed, lambda q, k, v: dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 2 * n, 16)),
+    }
+    print(f"B={b} n={n} H={h} D={d} bf16, {a.calls} calls; ms per call")
+    print("| case | mode | enqueue | wall | enqueue / wall |\n|---|---|---|---|---|")
+    for name, (inputs, run) in cases.items():
+        def fwd():
+            with torch.no_grad():
+                run(*inputs)
+
+        def step():
+            out = run(*inputs)
+            torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+        for mode, f in (("fwd", fwd), ("step", step)):
+            enq, wall = per_call(f, a.calls)
+            print(f"| {name} | {mode} | {enq:.3f} | {wall:.3f} | {enq / wall:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
