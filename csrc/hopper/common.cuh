@@ -35,10 +35,11 @@ constexpr int kBatchedStart = kStartAny;
 // order. chunk < 0: chunks of as many slots as fit in half the device's L2 (the other half for
 // what streams through once); chunk > 0: that many. block <= 0: blocks of entries that give each
 // (block, chunk) group -block waves of CTAs (block 0: kOrderWaves); block > 0: that many entries.
-// Chunks are off by default because no gain is established: session 7's A/Bs (harness `order`
-// mode) measured +5..+15 % at n = 1K and at GQA 32/8 but also -5..-16 % elsewhere, and the same
-// order measured twice in one run differed by up to 15 %, in the direction of measurement order
-// (csrc/NOTES.md "Work order"). The next A/B alternates the variants' order between rounds.
+// Chunks are off by default because no net gain is established (session 7, harness `order` mode,
+// csrc/NOTES.md "Work order"): dK/dV lost 3-13 % with them at every shape, the forward 5 % at
+// n = 8K for +5 % at n = 1K; dQ gained 1-10 % (GQA 32/8: +8-10 % in three runs), not yet
+// confirmed through torch. The first A/Bs timed variants in a fixed order, which alone moved a
+// result by up to 15 %; the harness now alternates the order between rounds.
 constexpr int kOrderWaves = 4;
 inline WorkOrder work_order(int slots, int64_t bytes_per_slot, int chunk = 0, int block = 0) {
   if (chunk == 0 || slots <= 1) return {slots, slots, 1};
