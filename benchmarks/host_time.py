@@ -35,6 +35,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=1024, help="half length (samples of 2n tokens)")
     p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="also profile 10 batched steps (torch.profiler, CPU and CUDA) and print the "
+                        "ROWS ops with the most self CPU time")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.host_time needs a CUDA GPU")
@@ -65,6 +68,15 @@ def main(argv=None) -> int:
         for mode, f in (("fwd", fwd), ("step", step)):
             enq, wall = per_call(f, a.calls)
             print(f"| {name} | {mode} | {enq:.3f} | {wall:.3f} | {enq / wall:.2f} |")
+    if a.profile:
+        inputs, run = cases["batched"]
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(10):
+                out = run(*inputs)
+                torch.autograd.grad(out, inputs, torch.ones_like(out))
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.profile))
     return 0
 
 

@@ -43,3 +43,15 @@ def test_varlen_and_odd_presets():
         assert case.flops("fwd") == 4 * pairs * case.head_dim * case.heads
         assert case.flops("bwd") == 2.5 * case.flops("fwd")
     assert all(case.n % 128 for case in _preset("odd"))
+
+
+def test_host_time_says_it_needs_a_gpu(monkeypatch):
+    """benchmarks.host_time measures CUDA launches: without a GPU it stops with a clear message
+    instead of timing the CPU fallback."""
+    import pytest
+
+    from benchmarks import host_time
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        host_time.main(["--calls", "1"])
