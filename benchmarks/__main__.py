@@ -1,7 +1,7 @@
 """``python -m benchmarks``: contenders interleaved in rounds inside one process (DESIGN.md 5).
 
-Every round times each (contender, mode) once, in turn, so clock and neighbour drift hits all
-alike; the report is the median over rounds, TFLOPS on visible pairs, and ratios against the cuDNN
+Every round times each (contender, mode) once, in turn (each round starting one later in the
+list), so clock and neighbour drift hits all alike; the report is the median over rounds, TFLOPS on visible pairs, and ratios against the cuDNN
 causal-on-halves yardstick and compiled FlexAttention measured in the same process. Results land in
 ``--out`` as JSON rows, a markdown table and a plot.
 """
@@ -102,10 +102,14 @@ def bench_case(case, contenders: dict, modes: list[str], rounds: int,
             print(f"  {name}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
             built.pop(name, None)
     times = {(c, m): [] for c in built for m in modes}
-    for _ in range(rounds):
-        for (c, m), ts in times.items():
+    # Each round starts one measurement later in the list: a fixed order let the GPU's state at a
+    # position (clocks ramping up after an idle setup, or power throttling after a heavy neighbour)
+    # favour one contender, and in session 7's kernel A/Bs that alone moved a result by up to 15 %.
+    order = list(times)
+    for r in range(rounds if order else 0):
+        for c, m in order[r % len(order):] + order[:r % len(order)]:
             setup, fn = built[c][m]
-            ts.append(_time_once(setup, fn, iters[c, m]))
+            times[c, m].append(_time_once(setup, fn, iters[c, m]))
     rows = []
     for (c, m), ts in times.items():
         ms = statistics.median(ts)

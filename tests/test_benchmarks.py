@@ -55,3 +55,26 @@ def test_host_time_says_it_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         host_time.main(["--calls", "1"])
+
+
+def test_rounds_rotate_the_measurement_order(monkeypatch):
+    """A fixed order within rounds let a position's GPU state favour one contender (session 7:
+    up to 15 % in the kernel A/Bs); every (contender, mode) must open some round, and every round
+    still measures each once."""
+    import benchmarks.__main__ as bench
+
+    calls = []
+    monkeypatch.setattr(bench, "_time_once", lambda setup, fn, iters: fn() or 1.0)
+    monkeypatch.setattr(bench, "_calls_per_measurement", lambda setup, fn: 3)
+
+    def contender(name):
+        return lambda case: {m: (None, lambda m=m: calls.append((name, m))) for m in ("fwd", "bwd")}
+
+    names = ["a", "b", "c"]
+    case = Case(1, 128, 2, 2, 64, 16)
+    rows = bench.bench_case(case, {n: contender(n) for n in names}, ["fwd", "bwd"], 6, ("a",))
+    timed = calls[len(calls) - 6 * 6:]  # after the warm-ups: 6 rounds of 6 measurements
+    rounds = [timed[i:i + 6] for i in range(0, 36, 6)]
+    assert all(sorted(r) == sorted((n, m) for n in names for m in ("fwd", "bwd")) for r in rounds)
+    assert {r[0] for r in rounds} == {(n, m) for n in names for m in ("fwd", "bwd")}
+    assert len(rows) == 6 and all(r["ratio_vs_a"] == 1.0 for r in rows)
