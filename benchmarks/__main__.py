@@ -1,9 +1,10 @@
 """``python -m benchmarks``: contenders interleaved in rounds inside one process (DESIGN.md 5).
 
-Every round times each (contender, mode) once, in turn (each round starting one later in the
-list), so clock and neighbour drift hits all alike; the report is the median over rounds, TFLOPS on visible pairs, and ratios against the cuDNN
-causal-on-halves yardstick and compiled FlexAttention measured in the same process. Results land in
-``--out`` as JSON rows, a markdown table and a plot.
+Every round times each (contender, mode) once, in turn, each round starting one later in the list
+(rotated_rounds), so clock and neighbour drift hits all alike; the report is the median over rounds,
+TFLOPS on visible pairs, and ratios against the cuDNN causal-on-halves yardstick and compiled
+FlexAttention measured in the same process. Results land in ``--out`` as JSON rows, a markdown
+table and a plot.
 """
 
 from __future__ import annotations
@@ -86,6 +87,19 @@ def _calls_per_measurement(setup, fn) -> int:
     return max(3, min(500, math.ceil(MEASURE_MS / max(ms, 1e-3))))
 
 
+def rotated_rounds(keys: list, rounds: int, measure) -> dict:
+    """{key: [one measurement per round]}: every round measures every key once, in turn, and
+    starts one key later than the round before. A fixed order let the GPU's state at a position
+    (clocks ramping up after an idle setup, or power throttling after a heavy neighbour) favour
+    one contender: in session 7's kernel A/Bs that alone moved a result by up to 15 %."""
+    times = {key: [] for key in keys}
+    for r in range(rounds if keys else 0):
+        shift = r % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            times[key].append(measure(key))
+    return times
+
+
 def bench_case(case, contenders: dict, modes: list[str], rounds: int,
                refs: tuple[str, ...]) -> list[dict]:
     built, iters = {}, {}
@@ -101,15 +115,8 @@ def bench_case(case, contenders: dict, modes: list[str], rounds: int,
         except Exception as e:  # a contender that cannot run this case is reported, not fatal
             print(f"  {name}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
             built.pop(name, None)
-    times = {(c, m): [] for c in built for m in modes}
-    # Each round starts one measurement later in the list: a fixed order let the GPU's state at a
-    # position (clocks ramping up after an idle setup, or power throttling after a heavy neighbour)
-    # favour one contender, and in session 7's kernel A/Bs that alone moved a result by up to 15 %.
-    order = list(times)
-    for r in range(rounds if order else 0):
-        for c, m in order[r % len(order):] + order[:r % len(order)]:
-            setup, fn = built[c][m]
-            times[c, m].append(_time_once(setup, fn, iters[c, m]))
+    times = rotated_rounds([(c, m) for c in built for m in modes], rounds,
+                           lambda key: _time_once(*built[key[0]][key[1]], iters[key]))
     rows = []
     for (c, m), ts in times.items():
         ms = statistics.median(ts)

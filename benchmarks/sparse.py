@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .__main__ import _calls_per_measurement, _time_once, run_meta, write_results
+from .__main__ import _calls_per_measurement, _time_once, rotated_rounds, run_meta, write_results
 
 SEQLENS = (16384, 32768, 65536)
 DENSITIES = (0.1, 0.2, 0.3, 0.5)
@@ -305,10 +305,7 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
             except Exception as e:
                 print(f"  {name}: skipped ({type(e).__name__}: {str(e)[:160]})")
     calls = {key: _calls_per_measurement(None, fn) for key, fn in fns.items()}
-    times = {key: [] for key in fns}
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            times[key].append(_time_once(None, fn, calls[key]))
+    times = rotated_rounds(list(fns), rounds, lambda key: _time_once(None, fns[key], calls[key]))
     dense_ms = statistics.median(times[(DENSE, None)])
     rows = [dict(asdict(base), kind="dense", density=1.0, contender=DENSE, ms=dense_ms, ratio=1.0,
                  ratio_over_density=1.0)]
