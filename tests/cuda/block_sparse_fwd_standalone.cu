@@ -274,19 +274,38 @@ void checks(const char* name) {
 // ------------------------------------------------------------------------------------- timing
 struct Timed { int s; double density, ms, tflops, ratio, ms_persistent; };
 
-template <class Elem, int D>
-float time_launches(const dlm::sm90::SparseFwdArgs& a, int max_ctas, int iters) {
-  using Cfg = dlm::sm90::SparseFwdConfig<Elem, D>;
-  for (int i = 0; i < 3; ++i) CK(dlm::sm90::launch_block_sparse_fwd_cfg<Cfg>(a, max_ctas));
+// Milliseconds per call of launch() over `iters` back-to-back calls, after 3 warm-up calls.
+template <class Launch>
+float time_loop(int iters, Launch launch) {
+  for (int i = 0; i < 3; ++i) launch();
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   CK(cudaEventRecord(e0));
-  for (int i = 0; i < iters; ++i) CK(dlm::sm90::launch_block_sparse_fwd_cfg<Cfg>(a, max_ctas));
+  for (int i = 0; i < iters; ++i) launch();
   CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaGetLastError());
   float ms = 0;
   cudaEventElapsedTime(&ms, e0, e1);
   cudaEventDestroy(e0); cudaEventDestroy(e1);
   return ms / iters;
+}
+
+template <class Elem, int D>
+float time_launches(const dlm::sm90::SparseFwdArgs& a, int max_ctas, int iters) {
+  using Cfg = dlm::sm90::SparseFwdConfig<Elem, D>;
+  return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<Cfg>(a, max_ctas)); });
+}
+
+// Random inputs (kv_rows rows of K and V), one launch through the public entry point (its argument
+// checks), then the shipped launch timed: what every timed shape does first.
+template <class Elem, int D>
+float fill_and_time(Bufs<Elem, D>& b, const Case& c, const Pattern& p, size_t kv_rows, int iters) {
+  b.alloc(c, p);
+  fill_random<<<1024, 256>>>(b.q, (size_t)c.sq * c.H * D, 1);
+  fill_random<<<1024, 256>>>(b.k, kv_rows * c.Hkv * D, 2);
+  fill_random<<<1024, 256>>>(b.v, kv_rows * c.Hkv * D, 3);
+  CK(cudaGetLastError());
+  CK(dlm::sm90::launch_block_sparse_fwd<Elem, D>(b.args));
+  return time_launches<Elem, D>(b.args, 0, iters);
 }
 
 // One CTA per item (the shipped launch), then a persistent grid of one CTA per SM (the A/B).
@@ -296,14 +315,7 @@ Timed time_one(int s, double density, int iters, int sms) {
   std::mt19937 g(s + (int)(density * 1000));
   const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
   Bufs<Elem, D> b;
-  b.alloc(c, p);
-  fill_random<<<1024, 256>>>(b.q, (size_t)s * c.H * D, 1);
-  fill_random<<<1024, 256>>>(b.k, (size_t)s * c.Hkv * D, 2);
-  fill_random<<<1024, 256>>>(b.v, (size_t)s * c.Hkv * D, 3);
-  CK(cudaGetLastError());
-  // The shipped launch once through the public entry point (its argument checks), then timed.
-  CK(dlm::sm90::launch_block_sparse_fwd<Elem, D>(b.args));
-  const float ms = time_launches<Elem, D>(b.args, 0, iters);
+  const float ms = fill_and_time(b, c, p, s, iters);
   const float ms_persistent = time_launches<Elem, D>(b.args, sms, iters);
   double visited = 0;  // (query, key) pairs of the listed blocks (all full: S is a multiple of 128)
   for (int n : p.cnt) visited += (double)n * kBlock * kBlock;
@@ -325,19 +337,6 @@ Timed time_one(int s, double density, int iters, int sms) {
 // the plan, and sampled gathered rows against the source, byte for byte.
 struct ColumnTimed { Timed kernel; float gather_ms, both_ms; };
 
-template <class Launch>
-float time_loop(int iters, Launch launch) {
-  for (int i = 0; i < 3; ++i) launch();
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-  CK(cudaEventRecord(e0));
-  for (int i = 0; i < iters; ++i) launch();
-  CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaGetLastError());
-  float ms = 0;
-  cudaEventElapsedTime(&ms, e0, e1);
-  cudaEventDestroy(e0); cudaEventDestroy(e1);
-  return ms / iters;
-}
 
 ColumnTimed time_column(int s, double density, int iters) {
   constexpr int D = 128, kHkv = 8;
@@ -352,13 +351,7 @@ ColumnTimed time_column(int s, double density, int iters) {
   p.cnt.assign((size_t)c.H * p.nqb, p.nkb);
   p.lens.assign(c.H, keys);
   Bufs<bf16, D> b;
-  b.alloc(c, p);
-  fill_random<<<1024, 256>>>(b.q, (size_t)s * c.H * D, 1);
-  fill_random<<<1024, 256>>>(b.k, (size_t)keys * c.Hkv * D, 2);
-  fill_random<<<1024, 256>>>(b.v, (size_t)keys * c.Hkv * D, 3);
-  CK(cudaGetLastError());
-  CK(dlm::sm90::launch_block_sparse_fwd<bf16, D>(b.args));
-  const float ms = time_launches<bf16, D>(b.args, 0, iters);
+  const float ms = fill_and_time(b, c, p, keys, iters);
   const double real_density = (double)keys / s;
   const double tflops = 4.0 * (double)c.H * s * keys * D / (ms * 1e9);
   const double ratio = ms / (dense_cudnn_ms(s) * real_density);
