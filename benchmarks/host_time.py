@@ -15,6 +15,7 @@ import time
 import torch
 
 import dlm_ops
+import dlm_ops.ops.diffusion
 
 
 def per_call(f, calls: int) -> tuple[float, float]:
@@ -65,7 +66,17 @@ def main(argv=None) -> int:
             out = run(*inputs)
             torch.autograd.grad(out, inputs, torch.ones_like(out))
 
-        for mode, f in (("fwd", fwd), ("step", step)):
+        def bwd_op():
+            # The backward op alone, called as autograd would (dlse zeros: lse is an unused output).
+            dlm_ops.ops.diffusion.diffusion_attn_bwd(*saved, 16, None, 0.0, False, None)
+
+        modes = [("fwd", fwd), ("step", step)]
+        if name == "batched":
+            with torch.no_grad():
+                out, lse = dlm_ops.diffusion_attn_func(*inputs, 16, return_lse=True)
+            saved = (torch.ones_like(out), *(t.detach() for t in inputs), out, lse, torch.zeros_like(lse))
+            modes.append(("bwd op", bwd_op))
+        for mode, f in modes:
             enq, wall = per_call(f, a.calls)
             print(f"| {name} | {mode} | {enq:.3f} | {wall:.3f} | {enq / wall:.2f} |")
     if a.profile:
@@ -76,7 +87,8 @@ def main(argv=None) -> int:
                 out = run(*inputs)
                 torch.autograd.grad(out, inputs, torch.ones_like(out))
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.profile))
+        for key in ("self_cpu_time_total", "cpu_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=a.profile))
     return 0
 
 
