@@ -26,11 +26,14 @@ namespace dlm::sm90 {
 using namespace cute;
 
 // START_: where tiles may start (kStartTile / kStartAny / kStartVarlen, hopper/common.cuh).
+// QSTAGES_: Q buffers. With two, a CTA that runs several work items (a persistent grid) loads the
+// next item's Q, and then its first K / V, while the consumers still work on this one; with one,
+// the producer waits until the consumers' last S of an item before it loads anything of the next.
 template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true,
-          int START_ = kStartTile>
+          int START_ = kStartTile, int QSTAGES_ = 1>
 struct FwdConfig {
   using Elem = Elem_;
-  static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
+  static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_, QSTAGES = QSTAGES_;
   static constexpr bool kPingPong = PINGPONG_;  // the consumers take turns at the tensor cores
   static constexpr int kStart = START_;
   static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
@@ -40,7 +43,7 @@ struct FwdConfig {
 
   // 128-byte swizzled, K-major (head dim contiguous), the layout TMA writes and wgmma reads.
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
-                                             Shape<Int<BM>, Int<D>>{}));
+                                             Shape<Int<BM>, Int<D>, Int<QSTAGES>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
                                               Shape<Int<BN>, Int<D>, Int<STAGES>>{}));
   // V^T as the B operand of O = P V: (D, BN, STAGES) over the same bytes, D contiguous (MN-major).
@@ -57,7 +60,8 @@ struct FwdConfig {
     alignas(1024) Elem q[cosize_v<SmemLayoutQ>];
     alignas(1024) Elem k[cosize_v<SmemLayoutKV>];
     alignas(1024) Elem v[cosize_v<SmemLayoutKV>];
-    alignas(8) uint64_t q_full, q_empty;  // q_empty: the consumers' last S of a work item is done
+    // q_empty: the consumers' last S of a work item is done (per Q buffer)
+    alignas(8) uint64_t q_full[QSTAGES], q_empty[QSTAGES];
     uint64_t k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
   };
   static constexpr int kTileBytesQ = BM * D * sizeof(Elem);
@@ -67,7 +71,25 @@ struct FwdConfig {
 template <class Cfg>
 auto make_tma_q(typename Cfg::Elem const* p, int s, int h, int b, int64_t ss, int64_t sh, int64_t sb) {
   return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor(p, s, Cfg::D, h, b, ss, sh, sb),
-                       typename Cfg::SmemLayoutQ{});
+                       take<0, 2>(typename Cfg::SmemLayoutQ{}));
+}
+
+// The Q buffer of a CTA's item-th work item and the phase of its two barriers.
+template <class Cfg>
+struct QSlot {
+  int buf, phase;
+  CUTE_HOST_DEVICE explicit QSlot(int item) : buf(item % Cfg::QSTAGES), phase((item / Cfg::QSTAGES) & 1) {}
+};
+
+// The producer's Q load of a CTA's item-th work item (gQ: the item's BM x D box of Q), once the
+// consumers are done with the buffer's previous item.
+template <class Cfg, class Tma, class TmaSlice, class GQ, class SQ>
+CUTE_DEVICE void produce_q(Tma const& tma, TmaSlice const& slice, GQ const& gQ, SQ const& sQ,
+                           typename Cfg::SharedStorage& ss, int item) {
+  const QSlot<Cfg> q(item);
+  cutlass::arch::ClusterBarrier::wait(&ss.q_empty[q.buf], q.phase ^ 1);
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[q.buf], Cfg::kTileBytesQ);
+  copy(tma.with(ss.q_full[q.buf]), slice.partition_S(gQ), slice.partition_D(sQ)(_, _, _, q.buf));
 }
 
 template <class Cfg>
@@ -173,8 +195,10 @@ CUTE_DEVICE void store_o_lse(Params const& p, AccO& acc_o, Coords const& tOcO_rc
 template <class Cfg>
 CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
   if (threadIdx.x == 0) {
-    cutlass::arch::ClusterBarrier::init(&ss.q_full, 1);
-    cutlass::arch::ClusterBarrier::init(&ss.q_empty, 128 * Cfg::kConsumers);
+    for (int i = 0; i < Cfg::QSTAGES; ++i) {
+      cutlass::arch::ClusterBarrier::init(&ss.q_full[i], 1);
+      cutlass::arch::ClusterBarrier::init(&ss.q_empty[i], 128 * Cfg::kConsumers);
+    }
     init_kv_ring<Cfg::STAGES>(ss.k_full, ss.k_empty, ss.v_full, ss.v_empty, 128 * Cfg::kConsumers);
     cutlass::arch::fence_barrier_init();
   }
@@ -213,7 +237,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
   auto thr_s = mma_s.get_thread_slice(tid);
   auto thr_o = mma_o.get_thread_slice(tid);
   Tensor sQc = local_tile(sQ, Shape<Int<Cfg::kConsumerRows>, Int<D>>{}, make_coord(consumer, 0));
-  Tensor tSrQ = thr_s.partition_fragment_A(sQc);  // smem descriptors
+  Tensor tSrQ = thr_s.partition_fragment_A(sQc);  // smem descriptors, (MMA, M, K, QSTAGES)
   Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, N, K, STAGES)
   Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, N=D, K=BN, STAGES)
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<Cfg::kConsumerRows>, Int<D>>{});
@@ -242,7 +266,8 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
     // one's softmax runs while the tensor cores work for the other. Consumer 1 pre-arrives on
     // consumer 0's barrier so that consumer 0 goes first.
     if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
-    Barrier::wait(&ss.q_full, item & 1);
+    const QSlot<Cfg> qs(item);
+    Barrier::wait(&ss.q_full[qs.buf], qs.phase);
 
     for (int j = 0; j < n_tiles; ++j, ++it) {
       const int stage = it % STAGES, phase = (it / STAGES) & 1;
@@ -254,7 +279,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
-      gemm_fresh(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+      gemm_fresh(mma_s, tSrQ(_, _, _, qs.buf), tSrK(_, _, _, stage), acc_s);
       if (j > 0) {
         warpgroup_fence_operand(acc_o);
         warpgroup_arrive();
@@ -289,7 +314,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
     }
     // The consumers' last S of this item has read Q: the producer may load the next item's (one
     // arrival after the loop, not a test in every step).
-    Barrier::arrive(&ss.q_empty);
+    Barrier::arrive(&ss.q_empty[qs.buf]);
     // Consumer 1's last hand-over (and its pre-arrival) leave one phase of barrier 1 open: close it.
     if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
     if (n_tiles > 0) {  // the last tile's O += P V

@@ -210,11 +210,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
         const SparseItem si = sparse_item(p, w);
         const int kvh = si.h / (p.heads / p.kv_heads);
-        // Q of this item once the consumers' last S of the previous one has read the buffer.
-        Barrier::wait(&ss.q_empty, (item & 1) ^ 1);
         Tensor gQ = local_tile(mQ(_, _, si.h, si.b), Shape<Int<BM>, Int<D>>{}, make_coord(si.qb, 0));
-        TxBarrier::arrive_and_expect_tx(&ss.q_full, Cfg::kTileBytesQ);
-        copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
+        produce_q<Cfg>(p.tma_q, tma_q, gQ, sQ, ss, item);
         // Key block kb is key tile kb (block_k == BN): boxes by tile index, a short last one
         // zero-filled by TMA (the zeros still count as transaction bytes).
         Tensor tKgK = tma_k.partition_S(

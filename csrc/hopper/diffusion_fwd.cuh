@@ -145,7 +145,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using Elem = typename Cfg::Elem;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
   using Barrier = cutlass::arch::ClusterBarrier;
-  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
@@ -182,12 +181,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           const int kvh = wi.h / (p.heads / p.kv_heads);
           const TilePlans iplans = ig.mask.fwd_tiles(BM, BN);
           const TileRuns runs = iplans.runs(wi.qt);
-          Barrier::wait(&ss.q_empty, (item & 1) ^ 1);
           Tensor gQ = local_tile(
               domain_offset(make_coord(ig.offset + iplans.tile(wi.qt).lo, 0), mQ(_, _, wi.h, wi.b)),
               Shape<Int<BM>, Int<D>>{}, make_coord(0, 0));
-          TxBarrier::arrive_and_expect_tx(&ss.q_full, Cfg::kTileBytesQ);
-          copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
+          produce_q<Cfg>(p.tma_q, tma_q, gQ, sQ, ss, item);
           produce_kv_runs_at<BN, D, STAGES>(iplans, runs, it, ig.offset, Cfg::kTileBytesKV, p.tma_k,
                                             tma_k, mK(_, _, kvh, wi.b), tKsK, ss.k_full, ss.k_empty,
                                             p.tma_v, tma_v, mV(_, _, kvh, wi.b), tVsV, ss.v_full,
@@ -197,13 +194,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const WorkItem wi = work_item(p, w);
         const int kvh = wi.h / (p.heads / p.kv_heads);
         const TileRuns runs = plans.runs(wi.qt);
-        // Q of this item once the consumers' last S of the previous one has read the buffer: the
-        // load overlaps their last P V and epilogue.
-        Barrier::wait(&ss.q_empty, (item & 1) ^ 1);
         Tensor gQ = local_tile(mQ(_, _, wi.h, wi.b), Shape<Int<BM>, Int<D>>{},
                                make_coord(plans.tile(wi.qt).lo / BM, 0));
-        TxBarrier::arrive_and_expect_tx(&ss.q_full, Cfg::kTileBytesQ);
-        copy(p.tma_q.with(ss.q_full), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
+        produce_q<Cfg>(p.tma_q, tma_q, gQ, sQ, ss, item);
         Tensor tKgK = tma_k.partition_S(
             local_tile(mK(_, _, kvh, wi.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
         Tensor tVgV = tma_v.partition_S(
@@ -225,7 +218,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto thr_s = mma_s.get_thread_slice(tid);
   auto thr_o = mma_o.get_thread_slice(tid);
   Tensor sQc = local_tile(sQ, Shape<Int<Cfg::kConsumerRows>, Int<D>>{}, make_coord(consumer, 0));
-  Tensor tSrQ = thr_s.partition_fragment_A(sQc);  // smem descriptors
+  Tensor tSrQ = thr_s.partition_fragment_A(sQc);  // smem descriptors, (MMA, M, K, QSTAGES)
   Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, N, K, STAGES)
   Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, N=D, K=BN, STAGES)
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<Cfg::kConsumerRows>, Int<D>>{});
@@ -264,7 +257,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // one's softmax runs while the tensor cores work for the other. Consumer 1 pre-arrives on
     // consumer 0's barrier so that consumer 0 goes first.
     if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
-    Barrier::wait(&ss.q_full, item & 1);
+    const QSlot<Cfg> qs(item);
+    Barrier::wait(&ss.q_full[qs.buf], qs.phase);
 
     for (int j = 0; j < n_tiles; ++j, ++it) {
       const int stage = it % STAGES, phase = (it / STAGES) & 1;
@@ -276,7 +270,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
-      gemm_fresh(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+      gemm_fresh(mma_s, tSrQ(_, _, _, qs.buf), tSrK(_, _, _, stage), acc_s);
       if (j > 0) {
         warpgroup_fence_operand(acc_o);
         warpgroup_arrive();
@@ -310,7 +304,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     // The consumers' last S of this item has read Q: the producer may load the next item's (one
     // arrival after the loop, not a test in every step).
-    Barrier::arrive(&ss.q_empty);
+    Barrier::arrive(&ss.q_empty[qs.buf]);
     // Consumer 1's last hand-over (and its pre-arrival) leave one phase of barrier 1 open: close it.
     if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
     if (n_tiles > 0) {  // the last tile's O += P V

@@ -9,7 +9,7 @@
 // (nvcc >= 12.3, CUTLASS headers from the nvidia-cutlass wheel) and run on an H100/H200:
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr \
 //     -I<cutlass_library/source/include> -Icsrc/include -Icsrc \
-//     -o sparse_fwd tests/cuda/block_sparse_fwd_standalone.cu
+//     -o sparse_fwd tests/cuda/block_sparse_fwd_standalone.cu csrc/hopper/block_sparse_fwd_*.cu
 //   ./sparse_fwd          # check + time; exit 1 on a failed check
 //   ./sparse_fwd check    # the checks only
 //   ./sparse_fwd time     # the timing table only
@@ -36,6 +36,15 @@ using bf16 = cutlass::bfloat16_t;
 using fp16 = cutlass::half_t;
 constexpr int kBlock = 128;
 int g_failed = 0;
+
+// The config the checks and the `time` table's launches run: the shipped one, or (-DSPARSE_QSTAGES=2) the
+// same with two Q buffers (hopper/attn_common.cuh FwdConfig), for an A/B of two builds.
+#ifndef SPARSE_QSTAGES
+#define SPARSE_QSTAGES 1
+#endif
+template <class Elem, int D>
+using HarnessCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, SPARSE_QSTAGES>;
+static_assert(SPARSE_QSTAGES != 1 || std::is_same_v<HarnessCfg<bf16, 128>, dlm::sm90::SparseFwdConfig<bf16, 128>>);
 
 // Dense cuDNN SDPA (non-causal) on the H200 at B = 1, H = 32/8, D = 128 (benchmarks/results/
 // h200_sparse_quick.md): the denominator of the goal, time / (dense time x density) <= 1.15.
@@ -179,7 +188,7 @@ void check(const Case& c, const char* name) {
   }
   b.poison(c);
   if (c.ctas > 0)
-    CK(dlm::sm90::launch_block_sparse_fwd_cfg<dlm::sm90::SparseFwdConfig<Elem, D>>(b.args, c.ctas));
+    CK(dlm::sm90::launch_block_sparse_fwd_cfg<HarnessCfg<Elem, D>>(b.args, c.ctas));
   else
     CK(dlm::sm90::launch_block_sparse_fwd<Elem, D>(b.args));
   CK(cudaDeviceSynchronize());
@@ -291,7 +300,7 @@ float time_loop(int iters, Launch launch) {
 
 template <class Elem, int D>
 float time_launches(const dlm::sm90::SparseFwdArgs& a, int max_ctas, int iters) {
-  using Cfg = dlm::sm90::SparseFwdConfig<Elem, D>;
+  using Cfg = HarnessCfg<Elem, D>;
   return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<Cfg>(a, max_ctas)); });
 }
 

@@ -13,6 +13,7 @@
 //   ./fwd_standalone ab            # the shipped config against 3 stages and no ping-pong: checks of
 //                                  # each, then all timed shape by shape on the same inputs, a
 //                                  # comparison table last; exit 1 on a failure
+//   ./fwd_standalone qstages       # two Q buffers against one (checks on persistent grids, timing)
 //   ./fwd_standalone varlen        # odd lengths and varlen (kStartAny / kStartVarlen, csrc/NOTES.md
 //                                  # "Odd lengths and varlen"): checks, then varlen vs batched timing;
 //                                  # exit 1 on a failure
@@ -192,19 +193,32 @@ float time_on(Run r, const Bufs& b, int iters) {
 // A variant: a config, or a config in a given WorkOrder (Ordered<Cfg, chunk, block>).
 template <class Cfg_, int CHUNK, int BLOCK>
 struct Ordered {};
+// ... or a config on a persistent grid of one CTA per SM at every shape (Persistent<Cfg>).
+template <class Cfg_>
+struct Persistent {};
 template <class T>
-struct VariantOf { using Cfg = T; static constexpr int kChunk = 0, kBlock = 0; };
+struct VariantOf { using Cfg = T; static constexpr int kChunk = 0, kBlock = 0; static constexpr bool kPersistent = false; };
 template <class Cfg_, int CHUNK, int BLOCK>
 struct VariantOf<Ordered<Cfg_, CHUNK, BLOCK>> {
   using Cfg = Cfg_;
   static constexpr int kChunk = CHUNK, kBlock = BLOCK;
+  static constexpr bool kPersistent = false;
+};
+template <class Cfg_>
+struct VariantOf<Persistent<Cfg_>> {
+  using Cfg = Cfg_;
+  static constexpr int kChunk = 0, kBlock = 0;
+  static constexpr bool kPersistent = true;
 };
 
 template <class V>
 float time_variant(Run r, const Bufs& b) {
   g_order_chunk = VariantOf<V>::kChunk, g_order_block = VariantOf<V>::kBlock;
+  const int grid = g_max_ctas;
+  if (VariantOf<V>::kPersistent) CK(cudaDeviceGetAttribute(&g_max_ctas, cudaDevAttrMultiProcessorCount, 0));
   const float ms = time_on<typename VariantOf<V>::Cfg>(r, b, 20);
   g_order_chunk = g_order_block = 0;
+  g_max_ctas = grid;
   return ms;
 }
 // Odd rounds run the variants in reverse: a fixed order biased the A/B by up to 15 % (session 7:
@@ -310,7 +324,7 @@ float run_varlen(const std::vector<int>& halves, int H, int Hkv, int bs, bool ch
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
   int smem = sizeof(typename Cfg::SharedStorage);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  dim3 grid(H * E);
+  dim3 grid(g_max_ctas > 0 && g_max_ctas < H * E ? g_max_ctas : H * E);
   if (E) kern<<<grid, Cfg::kThreads, smem>>>(p);
   CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
   if (check) {
@@ -496,6 +510,28 @@ int main(int argc, char** argv) {
     static const char* names[] = {"plain (shipped)", "L2 chunk-major", "L2 chunks, blocks of 4 waves",
                                   "plain again"};
     ab_timing<Variants<Shipped, Ordered<Shipped, -1, 1 << 30>, Ordered<Shipped, -1, 0>, Shipped>>(names);
+    printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
+    return g_failed != 0;
+  }
+  if (v == "qstages") {  // two Q buffers (the next item's Q and first K / V load early) against one
+    using namespace dlm::sm90;
+    using Q1 = FwdConfig<bf16, 128, 128, 128, 2, true, kStartAny, 1>;  // shipped until now
+    using Q2 = FwdConfig<bf16, 128, 128, 128, 2, true, kStartAny, 2>;
+    CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
+    // Checks on grids of 3 CTAs and of one per SM (many items per CTA: both buffers, both
+    // phases), then one CTA per item; varlen and odd lengths on 3 CTAs.
+    for (int ctas : {3, g_backend_grid, 0}) {
+      g_max_ctas = ctas;
+      printf("== grid %d (0: one CTA per item)\n", ctas);
+      ab_checks<Q2>("two Q buffers");
+      ab_checks<FwdConfig<cutlass::half_t, 64, 128, 128, 2, true, kStartAny, 2>>("fp16 D=64 two Q buffers");
+    }
+    g_max_ctas = 3;
+    odd_checks<Q2, FwdConfig<bf16, 128, 128, 128, 2, true, kStartVarlen, 2>>("bf16 D=128 two Q buffers, 3 CTAs");
+    g_max_ctas = 0;
+    static const char* names[] = {"one Q (shipped)", "two Q", "two Q, persistent everywhere",
+                                  "one Q, persistent everywhere", "one Q again"};
+    ab_timing<Variants<Q1, Q2, Persistent<Q2>, Persistent<Q1>, Q1>>(names);
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
     return g_failed != 0;
   }
