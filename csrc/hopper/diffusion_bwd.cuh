@@ -311,7 +311,11 @@ CUTE_DEVICE void store_rows(Acc const& acc, Coords const& coords, float mul, Ele
 }
 
 // ---------------------------------------------------------------------------------- preprocess
-// delta and lse2, one row (b, s, h) per D / 8 threads, 16 bytes of O and dO per thread.
+// delta and lse2 of kPreRows consecutive rows s of one (batch, head) per CTA (grid: row blocks, H,
+// B), D / 8 threads per row, 16 bytes of O and dO per thread. Rows run along s, so a warp's lse /
+// dlse reads and delta / lse2 writes ((B, H, S) arrays) are contiguous, and no thread divides: the
+// first version walked (b, s, h) rows with three 64-bit divisions per thread and scattered 4-byte
+// accesses, and took 53.5 us at B = 8, S = 2K, H = 16, D = 128 (2.5 TB/s of O and dO; session 8).
 template <class Elem>
 struct PreParams {
   const Elem *o, *dout;
@@ -321,34 +325,39 @@ struct PreParams {
   int64_t lse_stride[2], dlse_stride[2];        // (batch, head)
   int batch, seqlen, heads;
 };
+constexpr int kPreThreads = 256;
+template <int D>
+constexpr int kPreRows = kPreThreads / (D / 8);
+// The lanes of the row thread t works on (kLanes consecutive threads, kLanes <= 32 a power of 2).
+template <int kLanes>
+CUTE_DEVICE unsigned row_lanes_mask(unsigned t) {
+  return kLanes == 32 ? 0xffffffffu : ((1u << kLanes) - 1) << (t % 32 / kLanes * kLanes);
+}
 
 template <class Elem, int D>
-__global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PreParams<Elem> p) {
+__global__ void __launch_bounds__(kPreThreads) bwd_preprocess_kernel(const PreParams<Elem> p) {
   constexpr int kLanes = D / 8;  // threads per row
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.seqlen * p.heads;
-  const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
-  const int lane = threadIdx.x % kLanes;
-  const bool live = r < rows;
-  const int h = static_cast<int>(r % p.heads), s = static_cast<int>((r / p.heads) % p.seqlen);
-  const int b = static_cast<int>(r / (static_cast<int64_t>(p.heads) * p.seqlen));
-  float acc = 0.f;
-  if (live) {
+  const int h = blockIdx.y, lane = threadIdx.x % kLanes;
+  const int s = blockIdx.x * kPreRows<D> + threadIdx.x / kLanes;
+  if (s >= p.seqlen) return;  // whole rows leave: the shuffles below stay within live rows
+  for (int b = blockIdx.z; b < p.batch; b += gridDim.z) {  // grid.z is at most 65535
     const uint4 o = *reinterpret_cast<const uint4*>(
         p.o + b * p.o_stride[0] + s * p.o_stride[1] + h * p.o_stride[2] + lane * 8);
     const uint4 g = *reinterpret_cast<const uint4*>(
         p.dout + b * p.do_stride[0] + s * p.do_stride[1] + h * p.do_stride[2] + lane * 8);
     const Elem* oe = reinterpret_cast<const Elem*>(&o);
     const Elem* ge = reinterpret_cast<const Elem*>(&g);
+    float acc = 0.f;
     CUTE_UNROLL
     for (int i = 0; i < 8; ++i) acc += static_cast<float>(oe[i]) * static_cast<float>(ge[i]);
-  }
-  CUTE_UNROLL
-  for (int m = kLanes / 2; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffff, acc, m);
-  if (live && lane == 0) {
-    const int64_t out = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen + s;
-    if (p.dlse) acc -= p.dlse[b * p.dlse_stride[0] + h * p.dlse_stride[1] + s];
-    p.delta[out] = acc;
-    p.lse2[out] = p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + s] * 1.4426950408889634f;
+    CUTE_UNROLL
+    for (int m = kLanes / 2; m > 0; m /= 2) acc += __shfl_xor_sync(row_lanes_mask<kLanes>(threadIdx.x), acc, m);
+    if (lane == 0) {
+      const int64_t out = (static_cast<int64_t>(b) * p.heads + h) * p.seqlen + s;
+      if (p.dlse) acc -= p.dlse[b * p.dlse_stride[0] + h * p.dlse_stride[1] + s];
+      p.delta[out] = acc;
+      p.lse2[out] = p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + s] * 1.4426950408889634f;
+    }
   }
 }
 
@@ -886,8 +895,8 @@ cudaError_t launch_preprocess(const BwdArgs& a) {
                     {a.do_stride[0], a.do_stride[1], a.do_stride[2]},
                     {a.lse_stride[0], a.lse_stride[1]}, {a.dlse_stride[0], a.dlse_stride[1]},
                     a.batch, a.seqlen, a.heads};
-  const int64_t threads = static_cast<int64_t>(a.batch) * a.seqlen * a.heads * (D / 8);
-  bwd_preprocess_kernel<Elem, D><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, a.stream>>>(p);
+  const dim3 grid((a.seqlen + kPreRows<D> - 1) / kPreRows<D>, a.heads, a.batch < 65535 ? a.batch : 65535);
+  bwd_preprocess_kernel<Elem, D><<<grid, kPreThreads, 0, a.stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -286,10 +286,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       warpgroup_fence_operand(acc_s);
       Barrier::arrive(&ss.k_empty[stage]);
 
-      if (!visit.full || visit.end - visit.start < BN)
+      if constexpr (probe_of<Cfg> & kProbeNoSoftmax) {
+        for (int i = 0; i < kRows; ++i) scale_row[i] = 1.f;
+      } else if (!(probe_of<Cfg> & kProbeNoMask) && (!visit.full || visit.end - visit.start < BN)) {
         online_softmax<true>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
-      else
+      } else {
         online_softmax<false>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
+      }
 
       warpgroup_wait<0>();  // P_{j-1} V_{j-1} is in acc_o, and p_elem is free again
       warpgroup_fence_operand(acc_o);
@@ -321,7 +324,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
 
     // Epilogue; rows of the tile past its half (or sample) are not stored.
-    store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, q_tile.hi, row_offset, tid);
+    if (!(probe_of<Cfg> & kProbeNoStore) || (acc_o(0) == 1234.5f && row_sum[0] == 1234.5f))
+      store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, q_tile.hi, row_offset, tid);
   }
 }
 

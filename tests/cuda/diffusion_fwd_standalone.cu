@@ -13,6 +13,7 @@
 //   ./fwd_standalone ab            # the shipped config against 3 stages and no ping-pong: checks of
 //                                  # each, then all timed shape by shape on the same inputs, a
 //                                  # comparison table last; exit 1 on a failure
+//   ./fwd_standalone probe         # timing of knockouts (no O store, no mask, no softmax): what costs
 //   ./fwd_standalone qstages       # two Q buffers against one (checks on persistent grids, timing)
 //   ./fwd_standalone varlen        # odd lengths and varlen (kStartAny / kStartVarlen, csrc/NOTES.md
 //                                  # "Odd lengths and varlen"): checks, then varlen vs batched timing;
@@ -189,6 +190,12 @@ float time_on(Run r, const Bufs& b, int iters) {
   cudaEventDestroy(e0); cudaEventDestroy(e1);
   return ms / iters;
 }
+
+// A config with knockouts (attn_common.cuh probe_of): timing only, its results are wrong.
+template <class Base, int PROBE>
+struct Probe : Base {
+  static constexpr int kProbe = PROBE;
+};
 
 // A variant: a config, or a config in a given WorkOrder (Ordered<Cfg, chunk, block>).
 template <class Cfg_, int CHUNK, int BLOCK>
@@ -534,6 +541,15 @@ int main(int argc, char** argv) {
     ab_timing<Variants<Q1, Q2, Persistent<Q2>, Persistent<Q1>, Q1>>(names);
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
     return g_failed != 0;
+  }
+  if (v == "probe") {  // what parts of the forward cost: knockouts (attn_common.cuh kProbe*), timing only
+    using namespace dlm::sm90;
+    using Full = FwdConfig<bf16, 128, 128, 128, 2, true, kStartAny>;  // the shipped batched config
+    CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
+    static const char* names[] = {"whole kernel", "no O / lse store", "no mask", "no softmax", "whole again"};
+    ab_timing<Variants<Full, Probe<Full, kProbeNoStore>, Probe<Full, kProbeNoMask>,
+                       Probe<Full, kProbeNoSoftmax>, Full>>(names);
+    return 0;
   }
   // One small problem per shipped head dim, e.g. under compute-sanitizer memcheck / racecheck.
   if (v == "small") {
