@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                 out = run(*inputs)
                 torch.autograd.grad(out, inputs, torch.ones_like(out))
             torch.cuda.synchronize()
-        for key in ("self_cpu_time_total", "cpu_time_total"):
+        for key in ("self_cpu_time_total", "cpu_time_total", "self_device_time_total"):
             print(prof.key_averages().table(sort_by=key, row_limit=a.profile))
     return 0
 

@@ -25,15 +25,27 @@ namespace dlm::sm90 {
 
 using namespace cute;
 
+// Shared memory for the O tiles of the TMA-store epilogue (none when N = 0).
+template <class Elem, int N>
+struct OStaging {
+  alignas(1024) Elem o[N];
+};
+template <class Elem>
+struct OStaging<Elem, 0> {};
+
 // START_: where tiles may start (kStartTile / kStartAny / kStartVarlen, hopper/common.cuh).
 // QSTAGES_: Q buffers. With two, a CTA that runs several work items (a persistent grid) loads the
 // next item's Q, and then its first K / V, while the consumers still work on this one; with one,
 // the producer waits until the consumers' last S of an item before it loads anything of the next.
+// SMEM_O_: the epilogue writes O to shared memory and stores it with TMA (store_o_lse_tma), so the
+// consumers start their next work item while the copy drains; otherwise each thread stores its O
+// values to global memory itself (store_o_lse).
 template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true,
-          int START_ = kStartTile, int QSTAGES_ = 1>
+          int START_ = kStartTile, int QSTAGES_ = 1, bool SMEM_O_ = false>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_, QSTAGES = QSTAGES_;
+  static constexpr bool kSmemO = SMEM_O_;
   static constexpr bool kPingPong = PINGPONG_;  // the consumers take turns at the tensor cores
   static constexpr int kStart = START_;
   static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
@@ -56,7 +68,11 @@ struct FwdConfig {
       SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<D>, Int<BN>>,
                                  GMMA::Major::K, GMMA::Major::MN>()));
 
-  struct SharedStorage {
+  // Each consumer's kConsumerRows x D tile of O, staged for the TMA store (kSmemO).
+  using SmemLayoutO = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                             Shape<Int<kConsumerRows>, Int<D>>{}));
+
+  struct SharedStorage : OStaging<Elem, kSmemO ? kConsumers * cosize_v<SmemLayoutO> : 0> {
     alignas(1024) Elem q[cosize_v<SmemLayoutQ>];
     alignas(1024) Elem k[cosize_v<SmemLayoutKV>];
     alignas(1024) Elem v[cosize_v<SmemLayoutKV>];
@@ -82,6 +98,13 @@ template <class Cfg>
 auto make_tma_q(typename Cfg::Elem const* p, int s, int h, int b, int64_t ss, int64_t sh, int64_t sb) {
   return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor(p, s, Cfg::D, h, b, ss, sh, sb),
                        take<0, 2>(typename Cfg::SmemLayoutQ{}));
+}
+
+template <class Cfg>
+auto make_tma_o(typename Cfg::Elem* p, int s, int h, int b, int64_t ss, int64_t sh, int64_t sb) {
+  return make_tma_copy(SM90_TMA_STORE{},
+                       make_tensor(make_gmem_ptr(p), make_shape(s, Cfg::D, h, b), make_stride(ss, _1{}, sh, sb)),
+                       typename Cfg::SmemLayoutO{});
 }
 
 // The Q buffer of a CTA's item-th work item and the phase of its two barriers.
@@ -198,6 +221,56 @@ CUTE_DEVICE void store_o_lse(Params const& p, AccO& acc_o, Coords const& tOcO_rc
         p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row_offset + row] =
             l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     }
+  }
+}
+
+// The TMA-store epilogue (Cfg::kSmemO), for a consumer warpgroup whose kConsumerRows rows all
+// lie before the tile's end (a box would otherwise write rows of the next half or sample:
+// callers take store_o_lse there): O = acc / l into the warpgroup's staging buffer, then one
+// thread stores the tile with TMA and the warpgroup moves on while the copy drains; lse as
+// store_o_lse writes it. The knockout `no O / lse store` (harness `probe`, session 8) made the
+// forward 1.23x faster at n = 1K, 1.04x at 8K: the per-thread 4-byte stores of the register path
+// (8 rows x 16 bytes per warp instruction) held the tensor cores idle at every item's end.
+// Named barriers kOStoreBarrier + consumer (128 threads).
+constexpr int kOStoreBarrier = kTurnBarrier + 2;
+template <class Cfg, class Params, class AccO, class Coords, int kRows>
+CUTE_DEVICE void store_o_lse_tma(Params const& p, typename Cfg::SharedStorage& ss, AccO& acc_o,
+                                 Coords const& tOcO_rc, float (&row_sum)[kRows],
+                                 float (&row_max)[kRows], int b, int h, int row_base,
+                                 int row_offset, int consumer, int tid) {
+  using Elem = typename Cfg::Elem;
+  using SmemLayoutO = typename Cfg::SmemLayoutO;
+  constexpr int D = Cfg::D;
+  Tensor sO = make_tensor(make_smem_ptr(ss.o + consumer * cosize_v<SmemLayoutO>), SmemLayoutO{});
+  typename Cfg::MmaO mma_o;
+  Tensor tOsO = mma_o.get_thread_slice(tid).partition_C(sO);
+  Tensor s_rc = make_tensor(tOsO.data(), acc_rowcol(tOsO.layout()));
+  Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+  // The buffer is free once this warpgroup's previous store has read it (long done, as a rule).
+  if (tid == 0) tma_store_wait<0>();
+  bar_sync(kOStoreBarrier + consumer, 128);
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    const float l = quad_sum(row_sum[i]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o_rc); c += 2) {
+      const Elem pair[2] = {Elem(o_rc(i, c) * inv), Elem(o_rc(i, c + 1) * inv)};
+      st_shared_b32(smem_addr(&s_rc(i, c)), *reinterpret_cast<const uint32_t*>(pair));
+    }
+    if (tid % 4 == 0)
+      p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row_offset + row_base + get<0>(tOcO_rc(i, 0))] =
+          l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+  }
+  tma_store_fence();  // the generic-proxy writes above, visible to the TMA (async proxy)
+  bar_sync(kOStoreBarrier + consumer, 128);
+  if (tid == 0) {
+    Tensor mO = p.tma_o.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
+    Tensor gO = local_tile(domain_offset(make_coord(row_offset + row_base, 0), mO(_, _, h, b)),
+                           Shape<Int<Cfg::kConsumerRows>, Int<D>>{}, make_coord(0, 0));
+    auto slice = p.tma_o.get_slice(0);
+    copy(p.tma_o, slice.partition_S(sO), slice.partition_D(gO));
+    tma_store_arrive();
   }
 }
 

@@ -60,6 +60,21 @@ inline WorkOrder work_order(int slots, int64_t bytes_per_slot, int chunk = 0, in
   return {slots, chunk, block};
 }
 
+// Named barrier `id` over `threads` threads (id 0 is __syncthreads).
+CUTE_DEVICE void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// Register fragments into swizzled shared memory through 32-bit shared addresses: a plain C++
+// store through the tensor's element pointer compiled to generic ST with 64-bit addresses held
+// over the loop (the fused dK/dV/dQ kernel: 404 bytes spilled). The address must come from the
+// element reference: these tensors hold a swizzle_ptr (GMMA layouts carry smem_ptr_flag), which
+// swizzles on dereference, so data() + layout offset is the unswizzled address.
+CUTE_DEVICE void st_shared_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v));
+}
+template <class T>
+CUTE_DEVICE uint32_t smem_addr(T* p) { return cute::cast_smem_ptr_to_uint(p); }
+
 // A (seqlen, D, heads, batch) view of a (B, S, H, D) tensor, the shape TMA descriptors are made of.
 template <class Elem>
 CUTE_HOST_DEVICE auto bshd_tensor(Elem const* ptr, int seqlen, int d, int heads, int batch,

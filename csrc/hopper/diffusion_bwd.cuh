@@ -55,22 +55,9 @@ using namespace cute;
 // Named barriers of the fused dK/dV/dQ kernel (id 0 is __syncthreads): both consumers' dS^T
 // written (256 threads); one consumer's dQ partial staged (128 threads, id kFusedDqBarrier + consumer).
 constexpr int kFusedDsBarrier = 1, kFusedDqBarrier = 2;
-CUTE_DEVICE void bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-// Register fragments into swizzled shared memory through 32-bit shared addresses: a plain C++
-// store through the tensor's element pointer compiled to generic ST with 64-bit addresses held
-// over the loop (404 bytes spilled). The address must come from the element reference: these
-// tensors hold a swizzle_ptr (GMMA layouts carry smem_ptr_flag), which swizzles on dereference,
-// so data() + layout offset is the unswizzled address.
-CUTE_DEVICE void st_shared_b32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v));
-}
 CUTE_DEVICE void st_shared_f32x2(uint32_t addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y));
 }
-template <class T>
-CUTE_DEVICE uint32_t smem_addr(T* p) { return cute::cast_smem_ptr_to_uint(p); }
 
 // f(true_type) or f(false_type): a tile's element loop compiled once with and once without the
 // mask, so the test is made per tile rather than per score (a per-score test compiled to a

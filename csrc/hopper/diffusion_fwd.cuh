@@ -63,7 +63,18 @@ struct FwdParams {
   const int32_t* tile_sample = nullptr;
   const int32_t* cu_seqlens = nullptr;
   WorkOrder order;  // of the (tile_order entry, batch * heads slot) pairs
+  // Cfg::kSmemO: the TMA store of O over (seqlen, D, heads, batch), from with_tma_o.
+  using TmaO = decltype(make_tma_o<Cfg>(nullptr, 1, 1, 1, 1, 1, 1));
+  TmaO tma_o{};
 };
+
+// The parameters with their O store descriptor (Cfg::kSmemO), made from their own o fields.
+template <class Cfg>
+FwdParams<Cfg> with_tma_o(FwdParams<Cfg> p) {
+  if constexpr (Cfg::kSmemO)
+    p.tma_o = make_tma_o<Cfg>(p.o, p.seqlen, p.heads, p.batch, p.o_stride_s, p.o_stride_h, p.o_stride_b);
+  return p;
+}
 
 // The work: item w is (entry e, slot j) of p.order (dlm/geometry.h WorkOrder; by default
 // entry-major, so the most expensive tiles of every head come first): query tile tile_order[e] of
@@ -324,8 +335,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
 
     // Epilogue; rows of the tile past its half (or sample) are not stored.
-    if (!(probe_of<Cfg> & kProbeNoStore) || (acc_o(0) == 1234.5f && row_sum[0] == 1234.5f))
+    bool stored = false;
+    if constexpr (Cfg::kSmemO) {
+      if (row_base + Cfg::kConsumerRows <= q_tile.hi) {
+        store_o_lse_tma<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, row_offset,
+                             consumer, tid);
+        stored = true;
+      }
+    }
+    if (!stored && (!(probe_of<Cfg> & kProbeNoStore) || (acc_o(0) == 1234.5f && row_sum[0] == 1234.5f)))
       store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, q_tile.hi, row_offset, tid);
+  }
+  if constexpr (Cfg::kSmemO) {
+    if (tid == 0) tma_store_wait<0>();  // the last store has read the staging buffer
   }
 }
 
@@ -370,7 +392,7 @@ template <class Cfg>
 cudaError_t launch_fwd_cfg(const FwdArgs& a) {
   using Elem = typename Cfg::Elem;
   auto ptr = [](const void* x) { return static_cast<const Elem*>(x); };
-  const FwdParams<Cfg> p{
+  const FwdParams<Cfg> p = with_tma_o<Cfg>({
       make_tma_q<Cfg>(ptr(a.q), a.seqlen, a.heads, a.batch, a.q_stride[1], a.q_stride[2], a.q_stride[0]),
       make_tma_kv<Cfg>(ptr(a.k), a.seqlen, a.kv_heads, a.batch, a.k_stride[1], a.k_stride[2], a.k_stride[0]),
       make_tma_kv<Cfg>(ptr(a.v), a.seqlen, a.kv_heads, a.batch, a.v_stride[1], a.v_stride[2], a.v_stride[0]),
@@ -378,7 +400,7 @@ cudaError_t launch_fwd_cfg(const FwdArgs& a) {
       a.lse_stride[1], a.lse_stride[0], a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale * 1.4426950408889634f,
       a.tile_order, a.num_tiles, a.tile_sample, a.cu_seqlens,
-      fwd_work_order<Cfg>(a.batch, a.seqlen, a.heads, a.kv_heads, a.order_chunk, a.order_block)};
+      fwd_work_order<Cfg>(a.batch, a.seqlen, a.heads, a.kv_heads, a.order_chunk, a.order_block)});
   auto kernel = diffusion_fwd_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured =  // once per instantiation: the attribute is per function

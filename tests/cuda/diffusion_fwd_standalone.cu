@@ -14,7 +14,8 @@
 //                                  # each, then all timed shape by shape on the same inputs, a
 //                                  # comparison table last; exit 1 on a failure
 //   ./fwd_standalone probe         # timing of knockouts (no O store, no mask, no softmax): what costs
-//   ./fwd_standalone qstages       # two Q buffers against one (checks on persistent grids, timing)
+//   ./fwd_standalone smem-o        # the TMA-store epilogue and two Q buffers against the register
+//                                  # stores: checks on persistent grids, then the A/B
 //   ./fwd_standalone varlen        # odd lengths and varlen (kStartAny / kStartVarlen, csrc/NOTES.md
 //                                  # "Odd lengths and varlen"): checks, then varlen vs batched timing;
 //                                  # exit 1 on a failure
@@ -64,6 +65,7 @@ float run(Run r, bool check, int iters) {
       o, lse, (int64_t)r.H * D, D, (int64_t)S * r.H * D, S, (int64_t)r.H * S, S, r.H, r.Hkv, r.B, mask,
       (float)(1.4426950408889634 / std::sqrt((double)D)), order, T, nullptr, nullptr,
       dlm::sm90::fwd_work_order<Cfg>(r.B, S, r.H, r.Hkv, g_order_chunk, g_order_block)};
+  p = dlm::sm90::with_tma_o<Cfg>(p);
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
   int smem = sizeof(typename Cfg::SharedStorage);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -176,6 +178,7 @@ float time_on(Run r, const Bufs& b, int iters) {
       static_cast<Elem*>(b.o), b.lse, (int64_t)r.H * D, D, (int64_t)S * r.H * D, S, (int64_t)r.H * S, S,
       r.H, r.Hkv, r.B, mask, (float)(1.4426950408889634 / std::sqrt((double)D)), b.order, T, nullptr,
       nullptr, dlm::sm90::fwd_work_order<Cfg>(r.B, S, r.H, r.Hkv, g_order_chunk, g_order_block)};
+  p = dlm::sm90::with_tma_o<Cfg>(p);
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
   const int smem = sizeof(typename Cfg::SharedStorage);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -328,6 +331,7 @@ float run_varlen(const std::vector<int>& halves, int H, int Hkv, int bs, bool ch
       o, lse, (int64_t)H * D, D, (int64_t)S * H * D, S, (int64_t)H * S, S, H, Hkv, 1,
       dlm::SequenceMask{0, 0, bs}, (float)(1.4426950408889634 / std::sqrt((double)D)), d_order, E,
       d_sample, d_cu, dlm::sm90::fwd_work_order<Cfg>(1, S, H, Hkv, g_order_chunk, g_order_block)};
+  p = dlm::sm90::with_tma_o<Cfg>(p);
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
   int smem = sizeof(typename Cfg::SharedStorage);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -520,25 +524,29 @@ int main(int argc, char** argv) {
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
     return g_failed != 0;
   }
-  if (v == "qstages") {  // two Q buffers (the next item's Q and first K / V load early) against one
+  if (v == "smem-o") {  // the TMA-store epilogue (and two Q buffers) against the register stores
     using namespace dlm::sm90;
-    using Q1 = FwdConfig<bf16, 128, 128, 128, 2, true, kStartAny, 1>;  // shipped until now
-    using Q2 = FwdConfig<bf16, 128, 128, 128, 2, true, kStartAny, 2>;
+    using Reg = FwdConfig<bf16, 128, 128, 128, 2, true, kStartAny, 1, false>;  // shipped until now
+    using SmemO = FwdConfig<bf16, 128, 128, 128, 2, true, kStartAny, 1, true>;
+    using SmemO2 = FwdConfig<bf16, 128, 128, 128, 2, true, kStartAny, 2, true>;
     CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
-    // Checks on grids of 3 CTAs and of one per SM (many items per CTA: both buffers, both
-    // phases), then one CTA per item; varlen and odd lengths on 3 CTAs.
+    // Checks on grids of 3 CTAs and of one per SM (many items per CTA: every buffer and phase),
+    // then one CTA per item; odd lengths and varlen (warpgroups cut by a half's or sample's end
+    // take the register path) on 3 CTAs.
     for (int ctas : {3, g_backend_grid, 0}) {
       g_max_ctas = ctas;
       printf("== grid %d (0: one CTA per item)\n", ctas);
-      ab_checks<Q2>("two Q buffers");
-      ab_checks<FwdConfig<cutlass::half_t, 64, 128, 128, 2, true, kStartAny, 2>>("fp16 D=64 two Q buffers");
+      ab_checks<SmemO>("TMA-store epilogue");
+      ab_checks<SmemO2>("TMA-store epilogue, two Q buffers");
+      ab_checks<FwdConfig<cutlass::half_t, 64, 128, 128, 2, true, kStartAny, 2, true>>("fp16 D=64, both");
     }
     g_max_ctas = 3;
-    odd_checks<Q2, FwdConfig<bf16, 128, 128, 128, 2, true, kStartVarlen, 2>>("bf16 D=128 two Q buffers, 3 CTAs");
+    odd_checks<SmemO, FwdConfig<bf16, 128, 128, 128, 2, true, kStartVarlen, 1, true>>("TMA-store epilogue, 3 CTAs");
+    odd_checks<SmemO2, FwdConfig<bf16, 128, 128, 128, 2, true, kStartVarlen, 2, true>>("both, 3 CTAs");
     g_max_ctas = 0;
-    static const char* names[] = {"one Q (shipped)", "two Q", "two Q, persistent everywhere",
-                                  "one Q, persistent everywhere", "one Q again"};
-    ab_timing<Variants<Q1, Q2, Persistent<Q2>, Persistent<Q1>, Q1>>(names);
+    static const char* names[] = {"register stores (shipped)", "TMA-store epilogue", "TMA store + two Q",
+                                  "TMA store + two Q, persistent everywhere", "register stores again"};
+    ab_timing<Variants<Reg, SmemO, SmemO2, Persistent<SmemO2>, Reg>>(names);
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
     return g_failed != 0;
   }
