@@ -228,7 +228,7 @@ CUTE_DEVICE void store_o_lse(Params const& p, AccO& acc_o, Coords const& tOcO_rc
 // lie before the tile's end (a box would otherwise write rows of the next half or sample:
 // callers take store_o_lse there): O = acc / l into the warpgroup's staging buffer, then one
 // thread stores the tile with TMA and the warpgroup moves on while the copy drains; lse as
-// store_o_lse writes it. The knockout `no O / lse store` (harness `probe`, session 8) made the
+// store_o_lse writes it. o_rows: the rows of p.tma_o's (rows, D, heads, batch) tensor. The knockout `no O / lse store` (harness `probe`, session 8) made the
 // forward 1.23x faster at n = 1K, 1.04x at 8K: the per-thread 4-byte stores of the register path
 // (8 rows x 16 bytes per warp instruction) held the tensor cores idle at every item's end.
 // Named barriers kOStoreBarrier + consumer (128 threads).
@@ -237,7 +237,7 @@ template <class Cfg, class Params, class AccO, class Coords, int kRows>
 CUTE_DEVICE void store_o_lse_tma(Params const& p, typename Cfg::SharedStorage& ss, AccO& acc_o,
                                  Coords const& tOcO_rc, float (&row_sum)[kRows],
                                  float (&row_max)[kRows], int b, int h, int row_base,
-                                 int row_offset, int consumer, int tid) {
+                                 int row_offset, int o_rows, int consumer, int tid) {
   using Elem = typename Cfg::Elem;
   using SmemLayoutO = typename Cfg::SmemLayoutO;
   constexpr int D = Cfg::D;
@@ -265,7 +265,7 @@ CUTE_DEVICE void store_o_lse_tma(Params const& p, typename Cfg::SharedStorage& s
   tma_store_fence();  // the generic-proxy writes above, visible to the TMA (async proxy)
   bar_sync(kOStoreBarrier + consumer, 128);
   if (tid == 0) {
-    Tensor mO = p.tma_o.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
+    Tensor mO = p.tma_o.get_tma_tensor(make_shape(o_rows, D, p.heads, p.batch));
     Tensor gO = local_tile(domain_offset(make_coord(row_offset + row_base, 0), mO(_, _, h, b)),
                            Shape<Int<Cfg::kConsumerRows>, Int<D>>{}, make_coord(0, 0));
     auto slice = p.tma_o.get_slice(0);
@@ -296,6 +296,7 @@ CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
 //   kernel.item(w, consumer, tScS_rc): work item w of this consumer warpgroup, a value with
 //     n_tiles (key tiles it visits), b, h, row_base (the warpgroup's first row) and row_offset;
 //   kernel.row_end(item): rows from there on are not stored (store_o_lse);
+//   kernel.o_rows(): the rows of p.tma_o's tensor (Cfg::kSmemO: store_o_lse_tma);
 //   kernel.tile(item, j): what the loop needs of the item's j-th key tile; it takes the element
 //     mask (a template argument, online_softmax_tile says why) iff kernel.may_mask(tile) &&
 //     kernel.masked(item, tile), asked before the barrier waits (the sparse list's global read
@@ -413,8 +414,20 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       Barrier::arrive(&ss.v_empty[last]);
     }
     // Epilogue (no key tile: O = 0, lse = -inf); rows from row_end on are not stored.
-    store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, wi.row_base, kernel.row_end(wi),
-                wi.row_offset, tid);
+    bool stored = false;
+    if constexpr (Cfg::kSmemO) {
+      if (wi.row_base + Cfg::kConsumerRows <= kernel.row_end(wi)) {
+        store_o_lse_tma<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, wi.row_base,
+                             wi.row_offset, kernel.o_rows(), consumer, tid);
+        stored = true;
+      }
+    }
+    if (!stored)
+      store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, wi.row_base, kernel.row_end(wi),
+                  wi.row_offset, tid);
+  }
+  if constexpr (Cfg::kSmemO) {
+    if (tid == 0) tma_store_wait<0>();  // the last store has read the staging buffer
   }
 }
 

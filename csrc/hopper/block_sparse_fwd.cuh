@@ -71,9 +71,9 @@ inline bool block_sparse_fwd_supports(int block_q, int block_k, int d) {
   return block_q == 128 && block_k == 128 && (d == 64 || d == 128);
 }
 
-// The diffusion forward's tiles: 128 x 128, 2 stages, ping-pong.
+// The diffusion forward's tiles: 128 x 128, 2 stages, ping-pong, its TMA-store epilogue.
 template <class Elem, int D>
-using SparseFwdConfig = FwdConfig<Elem, D, 128, 128, 2, true>;
+using SparseFwdConfig = FwdConfig<Elem, D, 128, 128, 2, true, kStartTile, 1, true>;
 
 template <class Cfg>
 struct SparseFwdParams {
@@ -92,6 +92,9 @@ struct SparseFwdParams {
   float scale_log2;           // softmax scale * log2(e)
   const int32_t* key_len;     // (B, H); read by the kKeyLen kernel only (appended: the shipped
                               // kernel's parameter offsets stay as they were)
+  // Cfg::kSmemO: the TMA store of O over (seqlen_q, D, heads, batch).
+  using TmaO = decltype(make_tma_o<Cfg>(nullptr, 1, 1, 1, 1, 1, 1));
+  TmaO tma_o{};
 };
 
 // Work item w: query block qb of (b, h) and its key block list.
@@ -125,6 +128,7 @@ struct SparseConsumerSide {
     return {si.b, si.h, si.qb * Cfg::BM + consumer * Cfg::kConsumerRows, 0, si.count, si.list};
   }
   CUTE_DEVICE int row_end(Item const&) const { return p.seqlen_q; }  // rows past Sq: not stored
+  CUTE_DEVICE int o_rows() const { return p.seqlen_q; }
   // Step j is short iff Sk is not a multiple of BN and it visits the last key block.
   CUTE_DEVICE int tile(Item const&, int j) const { return j; }
   CUTE_DEVICE bool may_mask(int) const { return k_tail != 0; }
@@ -160,6 +164,7 @@ struct KeyLenConsumerSide {
             len % Cfg::BN, (len - 1) / Cfg::BN};
   }
   CUTE_DEVICE int row_end(Item const&) const { return p.seqlen_q; }
+  CUTE_DEVICE int o_rows() const { return p.seqlen_q; }
   CUTE_DEVICE int tile(Item const&, int j) const { return j; }
   CUTE_DEVICE bool may_mask(int) const { return true; }  // the tail is per item: masked() decides
   CUTE_DEVICE bool masked(Item const& item, int j) const {
@@ -271,7 +276,7 @@ cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a, int max_ctas = 0
   auto ptr = [](const void* x) { return static_cast<const Elem*>(x); };
   // Sk = 0 (every list empty): a one-row K / V descriptor that no copy reads.
   const int sk = a.seqlen_k > 0 ? a.seqlen_k : 1;
-  const SparseFwdParams<Cfg> p{
+  SparseFwdParams<Cfg> p{
       make_tma_q<Cfg>(ptr(a.q), a.seqlen_q, a.heads, a.batch, a.q_stride[1], a.q_stride[2], a.q_stride[0]),
       make_tma_kv<Cfg>(ptr(a.k), sk, a.kv_heads, a.batch, a.k_stride[1], a.k_stride[2], a.k_stride[0]),
       make_tma_kv<Cfg>(ptr(a.v), sk, a.kv_heads, a.batch, a.v_stride[1], a.v_stride[2], a.v_stride[0]),
@@ -279,6 +284,9 @@ cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a, int max_ctas = 0
       a.lse_stride[1], a.lse_stride[0], a.seqlen_q, sk, a.heads, a.kv_heads, a.batch,
       a.num_q_blocks, a.shared_list ? 0 : a.max_blocks, a.kv_block_indices, a.kv_block_counts,
       a.work_order, a.scale * 1.4426950408889634f, a.key_len};
+  if constexpr (Cfg::kSmemO)
+    p.tma_o = make_tma_o<Cfg>(static_cast<Elem*>(a.o), a.seqlen_q, a.heads, a.batch, a.o_stride[1],
+                              a.o_stride[2], a.o_stride[0]);
   const int ctas = max_ctas > 0 && max_ctas < items ? max_ctas : items;
   return a.key_len ? run_block_sparse_fwd<Cfg, true>(p, ctas, a.stream)
                    : run_block_sparse_fwd<Cfg, false>(p, ctas, a.stream);

@@ -37,14 +37,15 @@ using fp16 = cutlass::half_t;
 constexpr int kBlock = 128;
 int g_failed = 0;
 
-// The config the checks and the `time` table's launches run: the shipped one, or (-DSPARSE_QSTAGES=2) the
-// same with two Q buffers (hopper/attn_common.cuh FwdConfig), for an A/B of two builds.
-#ifndef SPARSE_QSTAGES
-#define SPARSE_QSTAGES 1
+// The config the checks and the `time` table's launches run: the shipped one, or (-DSPARSE_SMEM_O=0)
+// the same with the register-store epilogue (hopper/attn_common.cuh FwdConfig), for an A/B of two
+// builds.
+#ifndef SPARSE_SMEM_O
+#define SPARSE_SMEM_O 1
 #endif
 template <class Elem, int D>
-using HarnessCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, SPARSE_QSTAGES>;
-static_assert(SPARSE_QSTAGES != 1 || std::is_same_v<HarnessCfg<bf16, 128>, dlm::sm90::SparseFwdConfig<bf16, 128>>);
+using HarnessCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 1, SPARSE_SMEM_O>;
+static_assert(!SPARSE_SMEM_O || std::is_same_v<HarnessCfg<bf16, 128>, dlm::sm90::SparseFwdConfig<bf16, 128>>);
 
 // Dense cuDNN SDPA (non-causal) on the H200 at B = 1, H = 32/8, D = 128 (benchmarks/results/
 // h200_sparse_quick.md): the denominator of the goal, time / (dense time x density) <= 1.15.
