@@ -11,7 +11,9 @@
 // memory). Each consumer issues S_i = Q K_i^T and then O += P_{i-1} V_{i-1} together and computes
 // the softmax of S_i while that P V runs (FlashAttention-3's in-warpgroup overlap); the two
 // consumers take turns at issuing (ping-pong), so one's softmax also overlaps the other's
-// matmuls. The producer gives most of its registers to them (setmaxnreg 24 / 240).
+// matmuls. The producer gives most of its registers to them (setmaxnreg 24 / 240). At D <= 128
+// each consumer writes its rows of O into shared memory and one thread stores them with TMA
+// (store_o_lse_tma), so that a CTA walking several work items starts the next one at once.
 //
 // What it leaves to the Triton kernel (dlm_ops/backends/cutlass_diffusion.py checks): softcap,
 // head dims other than 64, 128, 256, dtypes other than bf16/fp16, rows not 16-byte aligned for TMA.
@@ -20,7 +22,7 @@
 // mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy 0). Tiles that
 // run past a half's end are masked by column, so the next half's rows they load get probability 0.
 //
-// Versions, predictions and measurements: csrc/NOTES.md (this is v5).
+// Versions, predictions and measurements: csrc/NOTES.md (this is v6).
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2 (s2 = q.k * scale * log2 e), lse
 // stored in natural log, (B, H, S) fp32.

@@ -91,7 +91,8 @@ BACKWARD_HEAD_DIMS = (64, 128)
 # against one CTA per tile: +7.5% at n = 1K, +1.7% at 2K, -0.6% at 4K, -3.7% at 8K, +7% for GQA
 # 32/8 at 2K: short halves give items of few key tiles, whose prologue and epilogue the persistent
 # loop overlaps; long ones balance worse under its static round-robin than under the hardware's
-# CTA scheduler.
+# CTA scheduler. Forward v6 (TMA-store epilogue, session 8), persistent everywhere against this
+# rule: 1.00x at n <= 2K (the same grid), +1.5 % at 4K, -2 % at 8K (harness smem-o): kept.
 PERSISTENT_MAX_HALF = 2048
 
 
