@@ -92,7 +92,7 @@ BACKWARD_HEAD_DIMS = (64, 128)
 # 32/8 at 2K: short halves give items of few key tiles, whose prologue and epilogue the persistent
 # loop overlaps; long ones balance worse under its static round-robin than under the hardware's
 # CTA scheduler. Forward v6 (TMA-store epilogue, session 8), persistent everywhere against this
-# rule: 1.00x at n <= 2K (the same grid), +1.5 % at 4K, -2 % at 8K (harness smem-o): kept.
+# rule: 1.00x at n <= 2K (the same grid), +1.5 % at 4K, -3 % at 8K (harness smem-o): kept.
 PERSISTENT_MAX_HALF = 2048
 
 
