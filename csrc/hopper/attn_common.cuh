@@ -84,16 +84,6 @@ struct FwdConfig {
   static constexpr int kTileBytesKV = BN * D * sizeof(Elem);
 };
 
-// Knockouts for the standalone harness's `probe` mode (tests/cuda/diffusion_fwd_standalone.cu): a
-// config type that declares `static constexpr int kProbe` skips parts of the diffusion forward, so
-// that timing it against the whole kernel shows what those parts cost. Its results are wrong; no
-// shipped config declares one.
-enum : int { kProbeNoStore = 1, kProbeNoMask = 2, kProbeNoSoftmax = 4 };
-template <class Cfg, class = void>
-inline constexpr int probe_of = 0;
-template <class Cfg>
-inline constexpr int probe_of<Cfg, std::void_t<decltype(Cfg::kProbe)>> = Cfg::kProbe;
-
 template <class Cfg>
 auto make_tma_q(typename Cfg::Elem const* p, int s, int h, int b, int64_t ss, int64_t sh, int64_t sb) {
   return make_tma_copy(SM90_TMA_LOAD{}, bshd_tensor(p, s, Cfg::D, h, b, ss, sh, sb),

@@ -8,6 +8,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "dlm/geometry.h"
 
@@ -58,6 +59,23 @@ inline WorkOrder work_order(int slots, int64_t bytes_per_slot, int chunk = 0, in
     block = (waves * sms + chunk - 1) / chunk;
   }
   return {slots, chunk, block};
+}
+
+// Knockouts for the standalone harnesses' `probe` modes (tests/cuda): a config type that declares
+// `static constexpr int kProbe` skips parts of a kernel (the diffusion forward: the O / lse store,
+// the mask, the softmax; the backward kernels: the gradient stores), so that timing it against
+// the whole kernel shows what those parts cost. Its results are wrong; no shipped config declares
+// one.
+enum : int { kProbeNoStore = 1, kProbeNoMask = 2, kProbeNoSoftmax = 4 };
+template <class Cfg, class = void>
+inline constexpr int probe_of = 0;
+template <class Cfg>
+inline constexpr int probe_of<Cfg, std::void_t<decltype(Cfg::kProbe)>> = Cfg::kProbe;
+// Whether a probe-free config stores (always) or a kNoStore probe does (never, in practice: the
+// test on the accumulator keeps the stored values' computation alive).
+template <class Cfg, class Acc>
+CUTE_DEVICE bool probe_stores(Acc const& acc) {
+  return !(probe_of<Cfg> & kProbeNoStore) || acc(0) == 1234.5f;
 }
 
 // Named barrier `id` over `threads` threads (id 0 is __syncthreads).

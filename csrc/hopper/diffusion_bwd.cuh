@@ -671,8 +671,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Keys of the tile past its half (or sample) are not stored (row_end = k_tile.hi).
   Elem* dk = p.grad_a + b * p.a_stride_b + kvh * p.a_stride_h + offset * p.a_stride_s;
   Elem* dv = p.grad_b + b * p.b_stride_b + kvh * p.b_stride_h + offset * p.b_stride_s;
-  store_rows(acc_dk, tKcK, p.scale, dk, p.a_stride_s, key_base, k_tile.hi);
-  store_rows(acc_dv, tKcK, 1.f, dv, p.b_stride_s, key_base, k_tile.hi);
+  if (probe_stores<Cfg>(acc_dk)) store_rows(acc_dk, tKcK, p.scale, dk, p.a_stride_s, key_base, k_tile.hi);
+  if (probe_stores<Cfg>(acc_dv)) store_rows(acc_dv, tKcK, 1.f, dv, p.b_stride_s, key_base, k_tile.hi);
 }
 
 // ------------------------------------------------------------------------------------------ dQ
@@ -834,7 +834,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor tQcQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));
   // Rows of the tile past its half (or sample) are not stored (row_end = q_tile.hi).
   Elem* dq = p.grad_a + b * p.a_stride_b + h * p.a_stride_h + offset * p.a_stride_s;
-  store_rows(acc_dq, tQcQ, p.scale, dq, p.a_stride_s, row_base, q_tile.hi);
+  if (probe_stores<Cfg>(acc_dq)) store_rows(acc_dq, tQcQ, p.scale, dq, p.a_stride_s, row_base, q_tile.hi);
 }
 
 // ------------------------------------------------------------------------------------- launch

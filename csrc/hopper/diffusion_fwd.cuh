@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         stored = true;
       }
     }
-    if (!stored && (!(probe_of<Cfg> & kProbeNoStore) || (acc_o(0) == 1234.5f && row_sum[0] == 1234.5f)))
+    if (!stored && (probe_stores<Cfg>(acc_o) || row_sum[0] == 1234.5f))  // (keeps row_sum alive too)
       store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, q_tile.hi, row_offset, tid);
   }
   if constexpr (Cfg::kSmemO) {

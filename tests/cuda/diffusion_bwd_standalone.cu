@@ -11,6 +11,7 @@
 //   ./bwd_standalone dkdv3      # checks + timing of dK/dV with a 3-stage ring (the shipped loop)
 //   ./bwd_standalone dq64       # checks + timing of dQ over 64-key tiles
 //   ./bwd_standalone small      # two small checks, for compute-sanitizer (memcheck, racecheck)
+//   ./bwd_standalone probe      # timing of each gradient kernel without its stores (what they cost)
 //   ./bwd_standalone varlen     # odd lengths (kStartAny) and varlen (kStartVarlen), forward and
 //                               # backward: checks of every output element's poison and sampled
 //                               # rows against fp64, then varlen vs batched timing at 16K tokens
@@ -468,6 +469,45 @@ void timing_orders() {
   }
 }
 
+// A config with knockouts (common.cuh probe_of): timing only, its results are wrong.
+template <class Base, int PROBE>
+struct Probe : Base {
+  static constexpr int kProbe = PROBE;
+};
+
+// What the gradient stores cost: each kernel against itself without them (kProbeNoStore), the
+// shipped batched configs, same inputs, alternating order (ABBA, 4 rounds), bf16 D = 128.
+void timing_probe() {
+  using namespace dlm::sm90;
+  using Dk = DkDvShipped<bf16, 128, kBatchedStart>;
+  using Dq = DqShipped<bf16, 128, kBatchedStart>;
+  printf("== timing, knockouts (bf16, D=128, 16K tokens; TFLOPS of dK/dV's 4 matmuls and of dQ's 3; ratio to "
+         "the whole kernel)\n");
+  for (const Run& r : kTimingRuns) {
+    Problem<bf16> P(r, 128);
+    P.to_device();
+    Bwd<bf16, 128, Dk, Dq> whole(P);
+    Bwd<bf16, 128, Probe<Dk, kProbeNoStore>, Probe<Dq, kProbeNoStore>> nostore(P);
+    float t[2][2] = {{1e9f, 1e9f}, {1e9f, 1e9f}};  // [whole, no store][dK/dV, dQ]
+    for (int round = 0; round < 4; ++round)
+      for (int j = 0; j < 2; ++j) {
+        const int v = round & 1 ? 1 - j : j;
+        if (v == 0) {
+          t[0][0] = std::min(t[0][0], time_ms([&] { whole.dkdv(); }, 20));
+          t[0][1] = std::min(t[0][1], time_ms([&] { whole.dq(); }, 20));
+        } else {
+          t[1][0] = std::min(t[1][0], time_ms([&] { nostore.dkdv(); }, 20));
+          t[1][1] = std::min(t[1][1], time_ms([&] { nostore.dq(); }, 20));
+        }
+      }
+    CK(cudaGetLastError());
+    const double matmul = 2.0 * (double)P.mask.num_pairs() * 128 * r.H * r.B / 1e9;
+    printf("B=%d n=%d H=%d/%d bs=%d: dK/dV %4.0f, no store %4.0f (%.3fx); dQ %4.0f, no store %4.0f (%.3fx)\n",
+           r.B, r.n, r.H, r.Hkv, r.bs, 4 * matmul / t[0][0], 4 * matmul / t[1][0], t[0][0] / t[1][0],
+           3 * matmul / t[0][1], 3 * matmul / t[1][1], t[0][1] / t[1][1]);
+  }
+}
+
 // The reference alone on one small problem, written out for tests against torch autograd:
 // header (B, S, H, Hkv, D, n_noisy, bs) as 7 int32, then q, k, v, dO, dq, dk, dv as float64.
 void refdump(const char* path) {
@@ -882,6 +922,7 @@ int main(int argc, char** argv) {
     timing_orders<Dk, Dq>();
   }
   if (mode == "order-time") timing_orders<Dk, Dq>();  // the A/B alone (`order` checks first)
+  if (mode == "probe") timing_probe();  // what the dK / dV and dQ stores cost (timing only)
   if (mode == "dkdv3") {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;
     checks<bf16, 128, Dk3, Dq>("bf16 D=128, dK/dV 3 stages", false);
