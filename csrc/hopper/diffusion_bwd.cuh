@@ -126,10 +126,13 @@ struct NoFusedDq {  // what the unfused configs hold in the fused pieces' places
 };
 
 template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, int START_ = kStartTile,
-          bool FUSED_DQ_ = false>
+          bool FUSED_DQ_ = false, bool TMA_STORE_ = false>
 struct DkDvConfig {
   using Elem = Elem_;
   static constexpr int kStart = START_;
+  // TMA_STORE_: the epilogue stages dK / dV in the warpgroup's own (now dead) rows of K / V in
+  // shared memory and stores them with TMA (store_rows_tma) instead of 4-byte register stores.
+  static constexpr bool kTmaStore = TMA_STORE_;
   // FUSED_DQ_: the kernel also computes dQ (one more matmul per tile, fp32 reduce-adds; the dQ
   // kernel does not run; not deterministic). Correct but measured 0.79-0.90x of the two kernels on
   // the H200, so only the harness runs it (launch_bwd_fused; csrc/NOTES.md "Fused dQ").
@@ -149,6 +152,7 @@ struct DkDvConfig {
   // D = 64 would give each warpgroup a 32-column slice of K^T, half a 128-byte swizzle row, which
   // a wgmma descriptor cannot address.
   static_assert(!kFusedDq || D == 128, "the fused dQ splits D = 128 between the consumers");
+  static_assert(!(kFusedDq && kTmaStore), "the fused dQ reads every row of K until the end");
   using Fused = std::conditional_t<kFusedDq, FusedDqParts<Elem, D, BM, BN, kConsumers>, NoFusedDq>;
 
   using SmemLayoutQ = SwizzledTiles<Elem, BM, D, STAGES>;    // Q and dO: (BM, D, STAGES)
@@ -179,10 +183,12 @@ struct DkDvConfig {
   static constexpr int kRowBytes = (BM + kRowPad) * sizeof(float);  // one tile's lse2 or delta
 };
 
-template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, int START_ = kStartTile>
-struct DqConfig {  // START_: as DkDvConfig's
+template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, int START_ = kStartTile,
+          bool TMA_STORE_ = false>
+struct DqConfig {  // START_, TMA_STORE_: as DkDvConfig's (dQ staged in the warpgroup's rows of Q)
   using Elem = Elem_;
   static constexpr int kStart = START_;
+  static constexpr bool kTmaStore = TMA_STORE_;
   static constexpr bool kFusedDq = false;
   using Fused = NoFusedDq;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
@@ -223,6 +229,18 @@ auto make_tma_rows(Elem const* p, int s, int h, int b, int64_t ss, int64_t sh, i
 }
 template <class Elem, int ROWS, int D>
 using TmaRows = decltype(make_tma_rows<Elem, ROWS, D>(nullptr, 1, 1, 1, 1, 1, 1));
+// TMA stores of a gradient (B, S, H, D): boxes of kGradStoreRows x 64, one 128-byte swizzle atom
+// column of a consumer's staged rows (a 64-row slice of a 128-row K-major tile is contiguous per
+// atom column, not as a whole).
+constexpr int kGradStoreRows = 64;
+template <class Elem>
+auto make_tma_store_rows(Elem* p, int s, int d, int h, int b, int64_t ss, int64_t sh, int64_t sb) {
+  return make_tma_copy(SM90_TMA_STORE{},
+                       make_tensor(make_gmem_ptr(p), make_shape(s, d, h, b), make_stride(ss, _1{}, sh, sb)),
+                       SwizzledTile<Elem, kGradStoreRows, 64>{});
+}
+template <class Elem>
+using TmaStoreRows = decltype(make_tma_store_rows<Elem>(nullptr, 1, 1, 1, 1, 1, 1, 1));
 
 // Everything both gradient kernels read: Q, K, V and dO through TMA, lse2 / delta from the
 // preprocess, the mask, and the walk order of their work tiles.
@@ -250,6 +268,8 @@ struct BwdParams {
   WorkOrder order{};
   // Fused dK/dV/dQ only: reduce-adds into the (B, S, H, D) fp32 dQ accumulator.
   typename Cfg::Fused::TmaDq tma_dq{};
+  // Cfg::kTmaStore only: stores of grad_a and grad_b (dQ kernel: grad_a alone).
+  TmaStoreRows<Elem> tma_store_a{}, tma_store_b{};
 };
 
 // Floats past the end of the lse2 / delta scratch (B * H * S) that the odd-length / varlen dK/dV
@@ -296,6 +316,42 @@ CUTE_DEVICE void store_rows(Acc const& acc, Coords const& coords, float mul, Ele
     }
   }
 }
+
+// The TMA-store epilogue of a consumer warpgroup (Cfg::kTmaStore): stage_rows writes its 64 x D
+// accumulator (times `mul`) as Elem into `stage`, its own 64-row slice of a K-major swizzled tile
+// that no wgmma reads any more (partitioned like the accumulator: conflict-free 32-bit stores);
+// after tma_store_fence and a warpgroup barrier, one thread issues store_rows_tma: the slice's
+// 64 x 64 atom columns to rows [row, row + 64) of head h, batch b of the (rows, D, heads, batch)
+// tensor `tma` stores. The caller takes this path only for warpgroups whose 64 rows all lie
+// before the tile's end (a box would write rows of the next half or sample). Why: the forward's
+// register stores of O cost it up to 19 % (csrc/NOTES.md, forward v6); the gradient kernels
+// store the same way.
+template <class Elem, class Acc, class Stage, class ThrMma>
+CUTE_DEVICE void stage_rows(Acc const& acc, float mul, Stage const& stage, ThrMma const& thr) {
+  Tensor st = thr.partition_C(stage);
+  Tensor s_rc = make_tensor(st.data(), acc_rowcol(st.layout()));
+  Tensor a_rc = make_tensor(acc.data(), acc_rowcol(acc.layout()));
+  CUTE_UNROLL
+  for (int i = 0; i < size<0>(a_rc); ++i)
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(a_rc); j += 2) {
+      alignas(4) Elem pair[2] = {Elem(a_rc(i, j) * mul), Elem(a_rc(i, j + 1) * mul)};
+      st_shared_b32(smem_addr(&s_rc(i, j)), *reinterpret_cast<uint32_t*>(pair));
+    }
+}
+template <int D, class Tma, class Stage>
+CUTE_DEVICE void store_rows_tma(Tma const& tma, Stage const& stage, int rows, int heads, int batch,
+                                int row, int h, int b) {
+  Tensor m = tma.get_tma_tensor(make_shape(rows, D, heads, batch));
+  Tensor g = domain_offset(make_coord(row, 0), m(_, _, h, b));
+  auto slice = tma.get_slice(0);
+  CUTE_UNROLL
+  for (int k = 0; k < D / 64; ++k)
+    copy(tma, slice.partition_S(local_tile(stage, Shape<Int<kGradStoreRows>, _64>{}, make_coord(0, k))),
+         slice.partition_D(local_tile(g, Shape<Int<kGradStoreRows>, _64>{}, make_coord(0, k))));
+}
+// Named barriers of the TMA-store epilogue: kGradStoreBarrier + consumer (128 threads).
+constexpr int kGradStoreBarrier = 4;
 
 // ---------------------------------------------------------------------------------- preprocess
 // delta and lse2 of kPreRows consecutive rows s of one (batch, head) per CTA (grid: row blocks, H,
@@ -671,6 +727,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Keys of the tile past its half (or sample) are not stored (row_end = k_tile.hi).
   Elem* dk = p.grad_a + b * p.a_stride_b + kvh * p.a_stride_h + offset * p.a_stride_s;
   Elem* dv = p.grad_b + b * p.b_stride_b + kvh * p.b_stride_h + offset * p.b_stride_s;
+  if constexpr (Cfg::kTmaStore) {
+    if (key_base + kRowsW <= k_tile.hi) {  // all 64 keys of this warpgroup stored: through TMA
+      stage_rows<Elem>(acc_dk, p.scale, sKc, thr_kv);
+      stage_rows<Elem>(acc_dv, 1.f, sVc, thr_kv);
+      tma_store_fence();
+      bar_sync(kGradStoreBarrier + consumer, 128);
+      if (tid == 0) {
+        store_rows_tma<D>(p.tma_store_a, sKc, p.seqlen, p.kv_heads, p.batch, offset + key_base, kvh, b);
+        store_rows_tma<D>(p.tma_store_b, sVc, p.seqlen, p.kv_heads, p.batch, offset + key_base, kvh, b);
+        tma_store_arrive();
+        tma_store_wait<0>();  // the staging rows must outlive the copy's read (the CTA exits next)
+      }
+      return;
+    }
+  }
   if (probe_stores<Cfg>(acc_dk)) store_rows(acc_dk, tKcK, p.scale, dk, p.a_stride_s, key_base, k_tile.hi);
   if (probe_stores<Cfg>(acc_dv)) store_rows(acc_dv, tKcK, 1.f, dv, p.b_stride_s, key_base, k_tile.hi);
 }
@@ -834,6 +905,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor tQcQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));
   // Rows of the tile past its half (or sample) are not stored (row_end = q_tile.hi).
   Elem* dq = p.grad_a + b * p.a_stride_b + h * p.a_stride_h + offset * p.a_stride_s;
+  if constexpr (Cfg::kTmaStore) {
+    if (row_base + kRowsW <= q_tile.hi) {  // all 64 rows of this warpgroup stored: through TMA
+      stage_rows<Elem>(acc_dq, p.scale, sQc, thr_dq);
+      tma_store_fence();
+      bar_sync(kGradStoreBarrier + consumer, 128);
+      if (tid == 0) {
+        store_rows_tma<D>(p.tma_store_a, sQc, p.seqlen, p.heads, p.batch, offset + row_base, h, b);
+        tma_store_arrive();
+        tma_store_wait<0>();  // the staging rows must outlive the copy's read (the CTA exits next)
+      }
+      return;
+    }
+  }
   if (probe_stores<Cfg>(acc_dq)) store_rows(acc_dq, tQcQ, p.scale, dq, p.a_stride_s, row_base, q_tile.hi);
 }
 
@@ -905,6 +989,12 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
       // A (batch, kv head) slot re-reads Q and dO of the group's query heads at every key tile.
       work_order(a.batch * a.kv_heads, int64_t{2} * a.seqlen * D * sizeof(Elem) * (a.heads / a.kv_heads),
                  a.order_chunk, a.order_block)};
+  if constexpr (Cfg::kTmaStore) {
+    p.tma_store_a = make_tma_store_rows(static_cast<Elem*>(a.dk), a.seqlen, D, a.kv_heads, a.batch,
+                                        a.dk_stride[1], a.dk_stride[2], a.dk_stride[0]);
+    p.tma_store_b = make_tma_store_rows(static_cast<Elem*>(a.dv), a.seqlen, D, a.kv_heads, a.batch,
+                                        a.dv_stride[1], a.dv_stride[2], a.dv_stride[0]);
+  }
   if constexpr (Cfg::kFusedDq) {
     p.tma_dq = make_tma_copy(
         SM90_TMA_REDUCE_ADD{},
@@ -925,7 +1015,7 @@ cudaError_t launch_dq(const BwdArgs& a) {
   using Elem = typename Cfg::Elem;
   constexpr int D = Cfg::D;
   auto ptr = [](const void* x) { return static_cast<const Elem*>(x); };
-  const DqParams<Cfg> p{
+  DqParams<Cfg> p{
       make_tma_rows<Elem, Cfg::BM, D>(ptr(a.q), a.seqlen, a.heads, a.batch, a.q_stride[1], a.q_stride[2], a.q_stride[0]),
       make_tma_rows<Elem, Cfg::BM, D>(ptr(a.dout), a.seqlen, a.heads, a.batch, a.do_stride[1], a.do_stride[2], a.do_stride[0]),
       make_tma_rows<Elem, Cfg::BN, D>(ptr(a.k), a.seqlen, a.kv_heads, a.batch, a.k_stride[1], a.k_stride[2], a.k_stride[0]),
@@ -938,6 +1028,9 @@ cudaError_t launch_dq(const BwdArgs& a) {
       // A (batch, head) slot re-reads its kv head's K and V (shared by the group: adjacent slots).
       work_order(a.batch * a.heads, int64_t{2} * a.seqlen * D * sizeof(Elem) * a.kv_heads / a.heads,
                  a.order_chunk, a.order_block)};
+  if constexpr (Cfg::kTmaStore)
+    p.tma_store_a = make_tma_store_rows(static_cast<Elem*>(a.dq), a.seqlen, D, a.heads, a.batch,
+                                        a.dq_stride[1], a.dq_stride[2], a.dq_stride[0]);
   auto kernel = diffusion_bwd_dq_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);

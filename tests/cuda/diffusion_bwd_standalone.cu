@@ -12,6 +12,7 @@
 //   ./bwd_standalone dq64       # checks + timing of dQ over 64-key tiles
 //   ./bwd_standalone small      # two small checks, for compute-sanitizer (memcheck, racecheck)
 //   ./bwd_standalone probe      # timing of each gradient kernel without its stores (what they cost)
+//   ./bwd_standalone tma-store  # the TMA-store epilogues (default off): checks, then the A/B
 //   ./bwd_standalone varlen     # odd lengths (kStartAny) and varlen (kStartVarlen), forward and
 //                               # backward: checks of every output element's poison and sampled
 //                               # rows against fp64, then varlen vs batched timing at 16K tokens
@@ -508,6 +509,40 @@ void timing_probe() {
   }
 }
 
+// The TMA-store epilogues of both gradient kernels against the shipped register stores: each
+// kernel and the whole backward, same inputs, alternating order (ABBA, 4 rounds), bf16 D = 128.
+void timing_tma_store() {
+  using namespace dlm::sm90;
+  using Dk = DkDvShipped<bf16, 128, kBatchedStart>;
+  using Dq = DqShipped<bf16, 128, kBatchedStart>;
+  using DkT = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kBatchedStart, false, true>;
+  using DqT = DqConfig<bf16, 128, kDqBlockM, kDqBlockN, kDqStages, kBatchedStart, true>;
+  printf("== timing, TMA-store epilogues (bf16, D=128, 16K tokens; TFLOPS of the backward's 5 matmuls, of "
+         "dK/dV's 4 and of dQ's 3; ratio to the register stores)\n");
+  for (const Run& r : kTimingRuns) {
+    Problem<bf16> P(r, 128);
+    P.to_device();
+    Bwd<bf16, 128, Dk, Dq> reg(P);
+    Bwd<bf16, 128, DkT, DqT> tma(P);
+    float t[2][3] = {{1e9f, 1e9f, 1e9f}, {1e9f, 1e9f, 1e9f}};  // [registers, TMA][bwd, dK/dV, dQ]
+    auto run = [&](auto& bwd, float* x) {
+      x[0] = std::min(x[0], time_ms([&] { bwd.all(); }, 20));
+      x[1] = std::min(x[1], time_ms([&] { bwd.dkdv(); }, 20));
+      x[2] = std::min(x[2], time_ms([&] { bwd.dq(); }, 20));
+    };
+    for (int round = 0; round < 4; ++round)
+      for (int j = 0; j < 2; ++j) {
+        if ((round & 1 ? 1 - j : j) == 0) run(reg, t[0]); else run(tma, t[1]);
+      }
+    CK(cudaGetLastError());
+    const double matmul = 2.0 * (double)P.mask.num_pairs() * 128 * r.H * r.B / 1e9;
+    printf("B=%d n=%d H=%d/%d bs=%d: bwd %4.0f -> %4.0f (%.3fx); dK/dV %4.0f -> %4.0f (%.3fx); dQ %4.0f -> %4.0f "
+           "(%.3fx)\n", r.B, r.n, r.H, r.Hkv, r.bs, 5 * matmul / t[0][0], 5 * matmul / t[1][0], t[0][0] / t[1][0],
+           4 * matmul / t[0][1], 4 * matmul / t[1][1], t[0][1] / t[1][1], 3 * matmul / t[0][2],
+           3 * matmul / t[1][2], t[0][2] / t[1][2]);
+  }
+}
+
 // The reference alone on one small problem, written out for tests against torch autograd:
 // header (B, S, H, Hkv, D, n_noisy, bs) as 7 int32, then q, k, v, dO, dq, dk, dv as float64.
 void refdump(const char* path) {
@@ -579,11 +614,11 @@ void make_entries(const std::vector<dlm::SequenceMask>& masks, bool varlen, F pl
   e.upload();
 }
 
-template <class Elem, int D, int START, bool FUSED = false>
+template <class Elem, int D, int START, bool FUSED = false, bool TMA_STORE = false>
 struct VarRun {
   using FwdCfg = dlm::sm90::FwdConfig<Elem, D, 128, dlm::sm90::fwd_block_n(D), 2, true, START>;
-  using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, 128, 2, START, FUSED>;
-  using DqCfg = dlm::sm90::DqConfig<Elem, D, 128, 128, 2, START>;
+  using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, 128, 2, START, FUSED, TMA_STORE>;
+  using DqCfg = dlm::sm90::DqConfig<Elem, D, 128, 128, 2, START, TMA_STORE>;
   VarSpec v;
   std::vector<int32_t> off;                // sequence offsets (+ total)
   std::vector<dlm::SequenceMask> masks;
@@ -753,7 +788,7 @@ struct VarRun {
   }
 };
 
-template <class Elem, int D, bool FUSED = false>
+template <class Elem, int D, bool FUSED = false, bool TMA_STORE = false>
 void odd_varlen_checks(const char* name) {
   using namespace dlm::sm90;
   auto batched = [](int B, int n, int H, int Hkv, int bs, bool causal = false, int stride = 1) {
@@ -770,7 +805,7 @@ void odd_varlen_checks(const char* name) {
                            batched(3, 70, 2, 2, 100), batched(1, 250, 2, 1, 128, false, 2),
                            batched(4, 33, 2, 1, 40), batched(1, 200, 2, 1, 150, false, 2),
                            batched(1, 129, 2, 2, 100, false, 2)})
-    VarRun<Elem, D, kStartAny, FUSED>(s).check(name);
+    VarRun<Elem, D, kStartAny, FUSED, TMA_STORE>(s).check(name);
   std::vector<int> many(30);
   uint32_t st = 12345;
   for (auto& x : many) st = st * 1664525u + 1013904223u, x = (st >> 8) % 5 == 0 ? 0 : (int)((st >> 12) % 150);
@@ -780,7 +815,7 @@ void odd_varlen_checks(const char* name) {
                            VarSpec{true, {500}, 2, 1, 300, false, 5},
                            VarSpec{true, {200, 70, 0, 33, 160, 129, 250, 180, 1}, 2, 1, 100, false, 2},
                            VarSpec{true, many, 2, 1, 5, false, 2}})
-    VarRun<Elem, D, kStartVarlen, FUSED>(s).check(name);
+    VarRun<Elem, D, kStartVarlen, FUSED, TMA_STORE>(s).check(name);
 }
 
 // Forward and backward at 16K tokens (bf16 D=128 H=16 bs=16): the shipped batched kernels (Bwd),
@@ -923,6 +958,18 @@ int main(int argc, char** argv) {
   }
   if (mode == "order-time") timing_orders<Dk, Dq>();  // the A/B alone (`order` checks first)
   if (mode == "probe") timing_probe();  // what the dK / dV and dQ stores cost (timing only)
+  if (mode == "tma-store") {  // the TMA-store epilogues: checks (batched, odd, varlen), then the A/B
+    using DkT = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false, true>;
+    using DqT = DqConfig<bf16, 128, kDqBlockM, kDqBlockN, kDqStages, kStartTile, true>;
+    checks<bf16, 128, DkT, DqT>("bf16 D=128 TMA store", true);
+    checks<fp16, 64, DkDvConfig<fp16, 64, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false, true>,
+           DqConfig<fp16, 64, kDqBlockM, kDqBlockN, kDqStages, kStartTile, true>>("fp16 D=64 TMA store", true);
+    odd_varlen_checks<bf16, 128, false, true>("bf16 D=128 TMA store");
+    odd_varlen_checks<fp16, 64, false, true>("fp16 D=64 TMA store");
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_tma_store();
+  }
   if (mode == "dkdv3") {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;
     checks<bf16, 128, Dk3, Dq>("bf16 D=128, dK/dV 3 stages", false);
