@@ -71,6 +71,11 @@ template <class Cfg, class = void>
 inline constexpr int probe_of = 0;
 template <class Cfg>
 inline constexpr int probe_of<Cfg, std::void_t<decltype(Cfg::kProbe)>> = Cfg::kProbe;
+// The harnesses' knockout configs: Base with the parts in PROBE skipped.
+template <class Base, int PROBE>
+struct Probe : Base {
+  static constexpr int kProbe = PROBE;
+};
 // Whether a probe-free config stores (always) or a kNoStore probe does (never, in practice: the
 // test on the accumulator keeps the stored values' computation alive).
 template <class Cfg, class Acc>

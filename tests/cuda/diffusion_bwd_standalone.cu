@@ -470,61 +470,18 @@ void timing_orders() {
   }
 }
 
-// A config with knockouts (common.cuh probe_of): timing only, its results are wrong.
-template <class Base, int PROBE>
-struct Probe : Base {
-  static constexpr int kProbe = PROBE;
-};
-
-// What the gradient stores cost: each kernel against itself without them (kProbeNoStore), the
-// shipped batched configs, same inputs, alternating order (ABBA, 4 rounds), bf16 D = 128.
-void timing_probe() {
-  using namespace dlm::sm90;
-  using Dk = DkDvShipped<bf16, 128, kBatchedStart>;
-  using Dq = DqShipped<bf16, 128, kBatchedStart>;
-  printf("== timing, knockouts (bf16, D=128, 16K tokens; TFLOPS of dK/dV's 4 matmuls and of dQ's 3; ratio to "
-         "the whole kernel)\n");
+// Two backwards on the same inputs, alternating order (ABBA, 4 rounds): the whole backward, the
+// dK/dV kernel and the dQ kernel of each, bf16 D = 128, 16K tokens; TFLOPS and the ratio of B to A.
+template <class DkA, class DqA, class DkB, class DqB>
+void timing_ab(const char* what, const char* a_name, const char* b_name) {
+  printf("== timing, %s (bf16, D=128, 16K tokens; TFLOPS of the backward's 5 matmuls, of dK/dV's 4 and of dQ's "
+         "3: %s -> %s (ratio))\n", what, a_name, b_name);
   for (const Run& r : kTimingRuns) {
     Problem<bf16> P(r, 128);
     P.to_device();
-    Bwd<bf16, 128, Dk, Dq> whole(P);
-    Bwd<bf16, 128, Probe<Dk, kProbeNoStore>, Probe<Dq, kProbeNoStore>> nostore(P);
-    float t[2][2] = {{1e9f, 1e9f}, {1e9f, 1e9f}};  // [whole, no store][dK/dV, dQ]
-    for (int round = 0; round < 4; ++round)
-      for (int j = 0; j < 2; ++j) {
-        const int v = round & 1 ? 1 - j : j;
-        if (v == 0) {
-          t[0][0] = std::min(t[0][0], time_ms([&] { whole.dkdv(); }, 20));
-          t[0][1] = std::min(t[0][1], time_ms([&] { whole.dq(); }, 20));
-        } else {
-          t[1][0] = std::min(t[1][0], time_ms([&] { nostore.dkdv(); }, 20));
-          t[1][1] = std::min(t[1][1], time_ms([&] { nostore.dq(); }, 20));
-        }
-      }
-    CK(cudaGetLastError());
-    const double matmul = 2.0 * (double)P.mask.num_pairs() * 128 * r.H * r.B / 1e9;
-    printf("B=%d n=%d H=%d/%d bs=%d: dK/dV %4.0f, no store %4.0f (%.3fx); dQ %4.0f, no store %4.0f (%.3fx)\n",
-           r.B, r.n, r.H, r.Hkv, r.bs, 4 * matmul / t[0][0], 4 * matmul / t[1][0], t[0][0] / t[1][0],
-           3 * matmul / t[0][1], 3 * matmul / t[1][1], t[0][1] / t[1][1]);
-  }
-}
-
-// The TMA-store epilogues of both gradient kernels against the shipped register stores: each
-// kernel and the whole backward, same inputs, alternating order (ABBA, 4 rounds), bf16 D = 128.
-void timing_tma_store() {
-  using namespace dlm::sm90;
-  using Dk = DkDvShipped<bf16, 128, kBatchedStart>;
-  using Dq = DqShipped<bf16, 128, kBatchedStart>;
-  using DkT = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kBatchedStart, false, true>;
-  using DqT = DqConfig<bf16, 128, kDqBlockM, kDqBlockN, kDqStages, kBatchedStart, true>;
-  printf("== timing, TMA-store epilogues (bf16, D=128, 16K tokens; TFLOPS of the backward's 5 matmuls, of "
-         "dK/dV's 4 and of dQ's 3; ratio to the register stores)\n");
-  for (const Run& r : kTimingRuns) {
-    Problem<bf16> P(r, 128);
-    P.to_device();
-    Bwd<bf16, 128, Dk, Dq> reg(P);
-    Bwd<bf16, 128, DkT, DqT> tma(P);
-    float t[2][3] = {{1e9f, 1e9f, 1e9f}, {1e9f, 1e9f, 1e9f}};  // [registers, TMA][bwd, dK/dV, dQ]
+    Bwd<bf16, 128, DkA, DqA> va(P);
+    Bwd<bf16, 128, DkB, DqB> vb(P);
+    float t[2][3] = {{1e9f, 1e9f, 1e9f}, {1e9f, 1e9f, 1e9f}};  // [A, B][bwd, dK/dV, dQ]
     auto run = [&](auto& bwd, float* x) {
       x[0] = std::min(x[0], time_ms([&] { bwd.all(); }, 20));
       x[1] = std::min(x[1], time_ms([&] { bwd.dkdv(); }, 20));
@@ -532,7 +489,7 @@ void timing_tma_store() {
     };
     for (int round = 0; round < 4; ++round)
       for (int j = 0; j < 2; ++j) {
-        if ((round & 1 ? 1 - j : j) == 0) run(reg, t[0]); else run(tma, t[1]);
+        if ((round & 1 ? 1 - j : j) == 0) run(va, t[0]); else run(vb, t[1]);
       }
     CK(cudaGetLastError());
     const double matmul = 2.0 * (double)P.mask.num_pairs() * 128 * r.H * r.B / 1e9;
@@ -957,7 +914,11 @@ int main(int argc, char** argv) {
     timing_orders<Dk, Dq>();
   }
   if (mode == "order-time") timing_orders<Dk, Dq>();  // the A/B alone (`order` checks first)
-  if (mode == "probe") timing_probe();  // what the dK / dV and dQ stores cost (timing only)
+  using DkShip = DkDvShipped<bf16, 128, kBatchedStart>;
+  using DqShip = DqShipped<bf16, 128, kBatchedStart>;
+  if (mode == "probe")  // what the dK / dV and dQ stores cost (timing only; the knockout's results are wrong)
+    timing_ab<DkShip, DqShip, Probe<DkShip, kProbeNoStore>, Probe<DqShip, kProbeNoStore>>(
+        "knockouts", "whole kernels", "no gradient stores");
   if (mode == "tma-store") {  // the TMA-store epilogues: checks (batched, odd, varlen), then the A/B
     using DkT = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false, true>;
     using DqT = DqConfig<bf16, 128, kDqBlockM, kDqBlockN, kDqStages, kStartTile, true>;
@@ -968,7 +929,9 @@ int main(int argc, char** argv) {
     odd_varlen_checks<fp16, 64, false, true>("fp16 D=64 TMA store");
     printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
     if (g_failures) return 1;
-    timing_tma_store();
+    timing_ab<DkShip, DqShip, DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kBatchedStart, false, true>,
+              DqConfig<bf16, 128, kDqBlockM, kDqBlockN, kDqStages, kBatchedStart, true>>(
+        "TMA-store epilogues", "register stores (shipped)", "TMA stores");
   }
   if (mode == "dkdv3") {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;

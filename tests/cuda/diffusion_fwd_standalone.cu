@@ -194,12 +194,6 @@ float time_on(Run r, const Bufs& b, int iters) {
   return ms / iters;
 }
 
-// A config with knockouts (attn_common.cuh probe_of): timing only, its results are wrong.
-template <class Base, int PROBE>
-struct Probe : Base {
-  static constexpr int kProbe = PROBE;
-};
-
 // A variant: a config, or a config in a given WorkOrder (Ordered<Cfg, chunk, block>).
 template <class Cfg_, int CHUNK, int BLOCK>
 struct Ordered {};
