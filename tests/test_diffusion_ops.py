@@ -177,6 +177,37 @@ def test_lse_only_backward():
         torch.testing.assert_close(g, torch.zeros_like(g) if r is None else r, atol=1e-10, rtol=0)
 
 
+def test_an_unused_lse_reaches_the_backward_as_none(monkeypatch):
+    """A training step that ignores lse hands the backends dlse=None (no zeros to fill and read),
+    batched and packed; a used lse still brings its gradient."""
+    seen = []
+    for name in ("bwd", "varlen_bwd"):
+        original = getattr(TorchTiledBackend, name)
+
+        def spy(self, dout, q, k, v, out, lse, dlse, *rest, _original=original):
+            seen.append(dlse)
+            return _original(self, dout, q, k, v, out, lse, dlse, *rest)
+
+        monkeypatch.setattr(TorchTiledBackend, name, spy)
+
+    def dlse_seen(loss, inputs):
+        seen.clear()
+        torch.autograd.grad(loss, inputs)
+        return list(seen)
+
+    q, k, v = make_qkv((1, 20, 2, 16), (1, 20, 2, 16), torch.float64, seed=3)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    out = dlm_ops.diffusion_attn_func(*inputs, 3, backend="torch")
+    assert dlse_seen(out.sum(), inputs) == [None]
+    packed = [t.detach().flatten(0, 1).requires_grad_() for t in (q, k, v)]
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32)
+    out = dlm_ops.diffusion_attn_varlen_func(*packed, cu, 12, 3, backend="torch")
+    assert all(d is None for d in dlse_seen(out.sum(), packed))
+    out, lse = dlm_ops.diffusion_attn_func(*inputs, 3, return_lse=True, backend="torch")
+    (dlse,) = dlse_seen(out.sum() + lse.sum(), inputs)
+    torch.testing.assert_close(dlse, torch.ones_like(lse))
+
+
 def test_forced_backend_and_unsupported_config():
     q, k, v = make_qkv((1, 8, 2, 16), (1, 8, 2, 16), torch.float32, seed=0)
     assert torch.equal(dlm_ops.diffusion_attn_func(q, k, v, 2, backend="torch"),

@@ -49,6 +49,13 @@ def _problem(q: Tensor, k: Tensor, softcap: float, deterministic: bool, varlen: 
     return Problem(q.device.type, q.dtype, q.shape[-1], frozenset(features))
 
 
+def _no_zero_grads(ctx) -> None:
+    """An output without a gradient reaches the backward as None, not as zeros: lse, which a
+    training step rarely uses, would otherwise cost a fill kernel and a read in the backward's
+    preprocess at every step (the backends take dlse=None as zero; a None dout is zeroed there)."""
+    ctx.set_materialize_grads(False)
+
+
 def _check_batched(q, k, v, block_size, softmax_scale, softcap, even: bool) -> None:
     check_qkv(q, k, v, BATCHED_LAYOUT)
     check_options(block_size, softmax_scale, softcap)
@@ -90,6 +97,7 @@ def _register_batched(prefix: str, make_mask: Callable[[int, int], SequenceMask]
     def setup_context(ctx, inputs, output):
         q, k, v, block_size, softmax_scale, softcap, deterministic, backend = inputs
         out, lse = output
+        _no_zero_grads(ctx)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.block_size, ctx.softmax_scale, ctx.softcap = block_size, softmax_scale, softcap
         ctx.deterministic, ctx.backend = deterministic, backend
@@ -202,6 +210,7 @@ def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap, deterministic, backend = \
         inputs
     out, lse = output
+    _no_zero_grads(ctx)
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
     ctx.max_seqlen, ctx.block_size, ctx.softmax_scale = max_seqlen, block_size, softmax_scale
     ctx.softcap, ctx.deterministic, ctx.backend = softcap, deterministic, backend
