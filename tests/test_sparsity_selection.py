@@ -390,6 +390,33 @@ def test_cache_is_batch_aware():
         SparseDCache(num_steps=4, skip=0.5, rho=0.3, block_size=8, refresh_steps=(4,))
 
 
+@pytest.mark.parametrize("make", [
+    lambda: SparseDCache(num_steps=6, skip=0.0, rho=0.3, block_size=16, prompt_len=24, refresh_steps=(4,)),
+    lambda: PulseColCache(num_steps=6, skip=0.0, keep=0.5, refresh_steps=(4,)),
+])
+def test_cache_checks_a_pattern_once_per_selection_and_shape(make, monkeypatch):
+    """The index check (a host sync per call) runs at a pattern's first sparse step and again only
+    when a length changes, not at every reuse step; the outputs stay the op's."""
+    import dlm_ops.ops.sparse as sparse_ops
+
+    checks = []
+    real = sparse_ops.check_index_values
+    monkeypatch.setattr(sparse_ops, "check_index_values", lambda *a: checks.append(a) or real(*a))
+    q, k, v = _qkv(s=80)
+    cache = make()
+    for step in range(4):  # select, reuse x 3
+        cache.attend(0, step, q, k, v)
+    assert len(checks) == 1
+    cache.attend(0, 4, q, k, v)  # refresh: a new pattern, checked
+    assert len(checks) == 2
+    k2, v2 = k[:, :64], v[:, :64]  # fewer keys: the held pattern is checked again
+    try:
+        cache.attend(0, 5, q, k2, v2)
+    except ValueError as e:  # (when it lists a key past the 64th, as it may)
+        assert "must lie in" in str(e)
+    assert len(checks) == 3
+
+
 def test_cache_calls_block_sparse_attn():
     q, k, v = _qkv(s=80)  # 5 blocks of 16 (the op's smallest block), prompt ends mid-block
     cache = SparseDCache(num_steps=2, skip=0.0, rho=0.3, block_size=16, prompt_len=24)

@@ -23,6 +23,12 @@ selected on) and each remaining sample keeps its own pattern. ``history`` record
 as (layer, step, decision) and ``memory_bytes()`` the bytes of the patterns held. The sparse ops
 are imported at call time (``dlm_ops.block_sparse_attn`` / ``column_sparse_attn``);
 ``sparse_attention=`` substitutes any callable with the same signature (tests, other kernels).
+
+The ops check index values with a host sync (0.3-0.7 ms per call on the H200 at S = 16K-32K,
+``check_indices``). A held pattern is checked at its first sparse step and again only when the
+key or query length changes (a reuse step with the same shapes cannot make it invalid: the cache
+holds the tensors, and ``samples=`` only picks rows of them); with ``sparse_attention=`` the
+callable is called as given, without ``check_indices``.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class StepCache:
         self.sparse_attention = sparse_attention
         self.patterns: dict = {}  # layer -> tuple of int32 tensors, leading dims (B, H)
         self.history: list[tuple] = []
+        self._checked: dict = {}  # layer -> (Sq, Sk) its pattern's values were checked for
 
     def decide(self, layer, step: int) -> str:
         """What ``attend`` does at (layer, step): "full", "select" or "reuse"."""
@@ -80,10 +87,14 @@ class StepCache:
         if decision == SELECT:
             with torch.no_grad():
                 self.patterns[layer] = tuple(self._select(q, k))
+            self._checked.pop(layer, None)
             pattern = self.patterns[layer]
         else:
             pattern = self._for_batch(self.patterns[layer], q.shape[0], samples)
-        return self._sparse(q, k, v, *pattern)
+        lengths = (q.shape[1], k.shape[1])
+        out = self._sparse(q, k, v, *pattern, **self._check_kwargs(self._checked.get(layer) != lengths))
+        self._checked[layer] = lengths
+        return out[0] if isinstance(out, tuple) else out
 
     def memory_bytes(self) -> int:
         """Bytes of the patterns held (index and count tensors, every layer)."""
@@ -93,6 +104,11 @@ class StepCache:
         """Forget every pattern (a new generation starts)."""
         self.patterns.clear()
         self.history.clear()
+        self._checked.clear()
+
+    def _check_kwargs(self, check: bool) -> dict:
+        """The op's ``check_indices`` (this package's ops only: a substitute is called as given)."""
+        return {} if self.sparse_attention is not None else {"check_indices": check}
 
     @staticmethod
     def _for_batch(pattern, batch: int, samples):
@@ -130,7 +146,8 @@ class StepCache:
     def _select(self, q, k):
         raise NotImplementedError
 
-    def _sparse(self, q, k, v, *pattern):
+    def _sparse(self, q, k, v, *pattern, **check):
+        """The sparse op's output (or (out, lse)) with the held pattern; ``check``: _check_kwargs."""
         raise NotImplementedError
 
 
@@ -143,10 +160,9 @@ class _BlockCache(StepCache):
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         self.block_size = block_size
 
-    def _sparse(self, q, k, v, indices, counts):
-        out = self._op()(q, k, v, indices, counts, block_size_q=self.block_size,
-                         block_size_k=self.block_size, softmax_scale=self.softmax_scale)
-        return out[0] if isinstance(out, tuple) else out
+    def _sparse(self, q, k, v, indices, counts, **check):
+        return self._op()(q, k, v, indices, counts, block_size_q=self.block_size,
+                          block_size_k=self.block_size, softmax_scale=self.softmax_scale, **check)
 
 
 class SparseDCache(_BlockCache):
@@ -203,9 +219,8 @@ class PulseColCache(StepCache):
         return pulsecol_select(q, k, keep=self.keep, sample_rows=self.sample_rows,
                                softmax_scale=self.softmax_scale)
 
-    def _sparse(self, q, k, v, indices, counts):
-        out = self._op()(q, k, v, indices, counts, softmax_scale=self.softmax_scale)
-        return out[0] if isinstance(out, tuple) else out
+    def _sparse(self, q, k, v, indices, counts, **check):
+        return self._op()(q, k, v, indices, counts, softmax_scale=self.softmax_scale, **check)
 
 
 def pulse_steps(num_steps: int, skip: float, pulses: int) -> tuple[int, ...]:
