@@ -218,10 +218,12 @@ CUTE_DEVICE void store_o_lse(Params const& p, AccO& acc_o, Coords const& tOcO_rc
 // lie before the tile's end (a box would otherwise write rows of the next half or sample:
 // callers take store_o_lse there): O = acc / l into the warpgroup's staging buffer, then one
 // thread stores the tile with TMA and the warpgroup moves on while the copy drains; lse as
-// store_o_lse writes it. o_rows: the rows of p.tma_o's (rows, D, heads, batch) tensor. The knockout `no O / lse store` (harness `probe`, session 8) made the
-// forward 1.23x faster at n = 1K, 1.04x at 8K: the per-thread 4-byte stores of the register path
-// (8 rows x 16 bytes per warp instruction) held the tensor cores idle at every item's end.
-// Named barriers kOStoreBarrier + consumer (128 threads).
+// store_o_lse writes it. o_rows: the rows of p.tma_o's (rows, D, heads, batch) tensor. Why: the
+// knockout `no O / lse store` (harness `probe`, session 8) made the forward 1.23x faster at
+// n = 1K, 1.04x at 8K; the per-thread 4-byte stores of the register path (8 rows x 16 bytes per
+// warp instruction) held the tensor cores idle at every item's end. This path measured +11 % at
+// 1K, +2.5 % at 8K (csrc/NOTES.md, forward v6). Named barriers kOStoreBarrier + consumer (128
+// threads).
 constexpr int kOStoreBarrier = kTurnBarrier + 2;
 template <class Cfg, class Params, class AccO, class Coords, int kRows>
 CUTE_DEVICE void store_o_lse_tma(Params const& p, typename Cfg::SharedStorage& ss, AccO& acc_o,
