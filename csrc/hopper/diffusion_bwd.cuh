@@ -722,7 +722,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (tid == 0) tma_store_wait<0>();  // the last reduce-add has read its staging buffer
   }
 
-  // Epilogue: dK = scale * sum dS^T Q and dV straight from registers; rows are keys.
+  // Epilogue: dK = scale * sum dS^T Q and dV, through shared memory and TMA (Cfg::kTmaStore,
+  // warpgroups whose 64 keys are all in the tile) or straight from registers; rows are keys.
   Tensor tKcK = thr_kv.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));
   // Keys of the tile past its half (or sample) are not stored (row_end = k_tile.hi).
   Elem* dk = p.grad_a + b * p.a_stride_b + kvh * p.a_stride_h + offset * p.a_stride_s;
