@@ -266,6 +266,32 @@ CUTE_DEVICE void store_o_lse_tma(Params const& p, typename Cfg::SharedStorage& s
   }
 }
 
+// The forwards' epilogue of one work item: store_o_lse_tma where Cfg::kSmemO and all of the
+// warpgroup's rows lie before row_end, store_o_lse otherwise (a kProbeNoStore knockout stores
+// nothing; the test on row_sum keeps its sums alive). store_o_drain after the last item: the
+// last TMA store must have read the staging buffer before the CTA exits.
+template <class Cfg, class Params, class AccO, class Coords, int kRows>
+CUTE_DEVICE void store_item(Params const& p, typename Cfg::SharedStorage& ss, AccO& acc_o,
+                            Coords const& tOcO_rc, float (&row_sum)[kRows], float (&row_max)[kRows],
+                            int b, int h, int row_base, int row_end, int row_offset, int o_rows,
+                            int consumer, int tid) {
+  if constexpr (Cfg::kSmemO) {
+    if (row_base + Cfg::kConsumerRows <= row_end) {
+      store_o_lse_tma<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, b, h, row_base, row_offset,
+                           o_rows, consumer, tid);
+      return;
+    }
+  }
+  if (probe_stores<Cfg>(acc_o) || row_sum[0] == 1234.5f)
+    store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, b, h, row_base, row_end, row_offset, tid);
+}
+template <class Cfg>
+CUTE_DEVICE void store_o_drain(int tid) {
+  if constexpr (Cfg::kSmemO) {
+    if (tid == 0) tma_store_wait<0>();
+  }
+}
+
 // Barrier set-up of the forwards: Q full / empty and the K / V ring, then the CTA's sync.
 template <class Cfg>
 CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
@@ -406,21 +432,10 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       Barrier::arrive(&ss.v_empty[last]);
     }
     // Epilogue (no key tile: O = 0, lse = -inf); rows from row_end on are not stored.
-    bool stored = false;
-    if constexpr (Cfg::kSmemO) {
-      if (wi.row_base + Cfg::kConsumerRows <= kernel.row_end(wi)) {
-        store_o_lse_tma<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, wi.row_base,
-                             wi.row_offset, kernel.o_rows(), consumer, tid);
-        stored = true;
-      }
-    }
-    if (!stored)
-      store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, wi.row_base, kernel.row_end(wi),
-                  wi.row_offset, tid);
+    store_item<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, wi.row_base,
+                    kernel.row_end(wi), wi.row_offset, kernel.o_rows(), consumer, tid);
   }
-  if constexpr (Cfg::kSmemO) {
-    if (tid == 0) tma_store_wait<0>();  // the last store has read the staging buffer
-  }
+  store_o_drain<Cfg>(tid);
 }
 
 }  // namespace dlm::sm90

@@ -337,20 +337,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
 
     // Epilogue; rows of the tile past its half (or sample) are not stored.
-    bool stored = false;
-    if constexpr (Cfg::kSmemO) {
-      if (row_base + Cfg::kConsumerRows <= q_tile.hi) {
-        store_o_lse_tma<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, row_offset,
-                             p.seqlen, consumer, tid);
-        stored = true;
-      }
-    }
-    if (!stored && (probe_stores<Cfg>(acc_o) || row_sum[0] == 1234.5f))  // (keeps row_sum alive too)
-      store_o_lse(p, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, q_tile.hi, row_offset, tid);
+    store_item<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, q_tile.hi,
+                    row_offset, p.seqlen, consumer, tid);
   }
-  if constexpr (Cfg::kSmemO) {
-    if (tid == 0) tma_store_wait<0>();  // the last store has read the staging buffer
-  }
+  store_o_drain<Cfg>(tid);
 }
 
 // ------------------------------------------------------------------------------------- launch
