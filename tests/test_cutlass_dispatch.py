@@ -65,11 +65,12 @@ class FakeExtension:
         out.zero_(), lse.zero_()
 
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
-            n_noisy, block_size, scale, dkdv_sample=None, dq_sample=None, cu_seqlens=None):
+            n_noisy, block_size, scale, dkdv_sample=None, dq_sample=None, cu_seqlens=None,
+            persistent_dkdv=False):
         self.calls.append(("bwd", dict(q=q, lse=lse, dlse=dlse, lse2=lse2, delta=delta,
                                        dkdv_order=dkdv_order, dq_order=dq_order,
                                        dkdv_sample=dkdv_sample, dq_sample=dq_sample,
-                                       cu_seqlens=cu_seqlens)))
+                                       cu_seqlens=cu_seqlens, persistent_dkdv=persistent_dkdv)))
         for g in (dq, dk, dv):
             g.zero_()
 
@@ -141,6 +142,12 @@ def test_batched_halves_of_any_length_run_cutlass(nn, nc, bs, d, any_length):
         assert call["n_noisy"] == nn and call["tile_sample"] is None and call["cu_seqlens"] is None
         assert call["order"].tolist() == _order(SequenceMask(nn, nc, bs).fwd_tiles(128, 64 if d > 128 else 128))
         assert not fwd[0].isnan().any() and not fwd[1].isnan().any()
+        # the persistent rules: the forward at D <= 128 always (D = 256 up to PERSISTENT_MAX_HALF),
+        # the dK/dV kernel at D = 128 up to PERSISTENT_DKDV_MAX_HALF
+        assert call["max_ctas"] == (132 if d <= 128 or max(nn, nc) <= cd.PERSISTENT_MAX_HALF else 0)
+    if bwd[0] != "triton" and nn + nc:
+        call = dict(ext.calls)["bwd"]
+        assert call["persistent_dkdv"] == (d == 128 and max(nn, nc) <= cd.PERSISTENT_DKDV_MAX_HALF)
 
 
 def test_softcap_head_dims_alignment_and_failed_builds_fall_back(fake, monkeypatch):
@@ -207,8 +214,10 @@ def test_varlen_runs_cutlass_with_its_tables(fake, halves, hkv):
     cu = list(mask.cu_seqlens)
     assert f["q"].shape == (1, *q.shape) and f["lse"].shape == (1, 4, q.shape[0])
     assert f["cu_seqlens"].tolist() == cu and b["cu_seqlens"].tolist() == cu
-    # persistent grid (the SM count) when every half is at most PERSISTENT_MAX_HALF, as batched
-    assert f["max_ctas"] == (132 if max(halves, default=0) <= cd.PERSISTENT_MAX_HALF else 0)
+    # the persistent rules as batched, by the longest sample's half: the forward at D = 128 always,
+    # the dK/dV kernel up to PERSISTENT_DKDV_MAX_HALF
+    assert f["max_ctas"] == 132
+    assert b["persistent_dkdv"] == (max(halves, default=0) <= cd.PERSISTENT_DKDV_MAX_HALF)
     assert (f["order"].tolist(), f["tile_sample"].tolist()) == entries(cu, 16, lambda m: m.fwd_tiles(128, 128))
     assert (b["dkdv_order"].tolist(), b["dkdv_sample"].tolist()) == entries(cu, 16, lambda m: m.bwd_tiles(64, 128))
     assert (b["dq_order"].tolist(), b["dq_sample"].tolist()) == entries(cu, 16, lambda m: m.fwd_tiles(128, 128))

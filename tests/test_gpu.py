@@ -371,6 +371,52 @@ def test_cutlass_varlen(monkeypatch, dtype, halves, block_size, d, heads):
 
 
 @_SM90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout,n,block_size,heads", [
+    ("bd3", 1024, 4, (8, 8)),     # 256 key tiles: a persistent CTA walks two (both K / V buffers)
+    ("bd3", 300, 16, (8, 2)),     # odd halves, GQA: warpgroups cut by a half's end store from registers
+    ("causal", 77, 1, (4, 2)),
+    ("varlen", 0, 16, (4, 2)),    # packed samples incl. empty ones
+])
+def test_cutlass_persistent_dkdv_is_bitwise_the_per_tile_kernel(monkeypatch, dtype, layout, n,
+                                                                 block_size, heads):
+    """The two dK/dV kernels at D = 128 (the persistent one up to PERSISTENT_DKDV_MAX_HALF, one CTA
+    per key tile above) compute every item in the same order: bitwise equal gradients. The other
+    tests run halves of at most 1024, so this is also where the per-tile kernel runs at D = 128."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    h, hkv = heads
+    halves = [0, 100, 37, 0, 256, 1, 300]
+    if layout == "varlen":
+        cu_list = [0]
+        for m in halves:
+            cu_list.append(cu_list[-1] + 2 * m)
+        cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+        q, k, v = (t[0] for t in _qkv(1, cu_list[-1], h, hkv, 128, dtype, seed=7))
+
+        def attn(q, k, v):
+            return dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 2 * max(halves), block_size)
+    else:
+        s = 2 * n + (layout == "causal")
+        q, k, v = _qkv(2, s, h, hkv, 128, dtype, seed=n)
+        attn = (lambda q, k, v: dlm_ops.block_causal_attn_func(q, k, v, block_size)
+                if layout == "causal" else dlm_ops.diffusion_attn_func(q, k, v, block_size))
+    dout = torch.randn_like(q)
+
+    def grads(max_half):
+        monkeypatch.setattr(cd, "PERSISTENT_DKDV_MAX_HALF", max_half)
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        before = cd.STATS["varlen_bwd" if layout == "varlen" else "bwd"]
+        g = torch.autograd.grad(attn(*x), x, dout)
+        assert cd.STATS["varlen_bwd" if layout == "varlen" else "bwd"] == before + 1  # CUTLASS ran
+        return g
+
+    persistent, per_tile = grads(1 << 30), grads(0)
+    for name, a, b in zip(("dq", "dk", "dv"), persistent, per_tile):
+        assert torch.equal(a, b), name
+
+
+@_SM90
 @pytest.mark.parametrize("cu_list", [[0], [0, 0, 0], [0, 0, 8, 8]])
 def test_cutlass_varlen_empty_packings(cu_list):
     """No tokens at all, only zero-length samples, or a tiny sample among empty ones: no launch

@@ -59,12 +59,14 @@ struct LaunchBwd {
 // odd-length / varlen dK/dV kernel reads up to kVarlenScratchPad of them; csrc/NOTES.md). Packed
 // samples (varlen): B = 1, S = total tokens, the orders and samples from varlen_bwd_tile_orders and
 // cu_seqlens the (num_samples + 1,) int32 offsets on the device; n_noisy is then unused.
+// persistent_dkdv: the persistent dK/dV kernel (D = 128; other head dims run the one-CTA-per-tile
+// kernel regardless).
 void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
          torch::Tensor lse, std::optional<torch::Tensor> dlse, torch::Tensor dq, torch::Tensor dk,
          torch::Tensor dv, torch::Tensor lse2, torch::Tensor delta, torch::Tensor dkdv_order,
          torch::Tensor dq_order, int64_t n_noisy, int64_t block_size, double scale,
          std::optional<torch::Tensor> dkdv_sample, std::optional<torch::Tensor> dq_sample,
-         std::optional<torch::Tensor> cu_seqlens) {
+         std::optional<torch::Tensor> cu_seqlens, bool persistent_dkdv) {
   const bool varlen = cu_seqlens.has_value();
   const auto dev = q.device();
   for (const auto& t : {dout, k, v, out, lse, dq, dk, dv, lse2, delta, dkdv_order, dq_order})
@@ -121,6 +123,7 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   a.dkdv_order = dkdv_order.data_ptr<int32_t>(), a.dkdv_tiles = dkdv_order.size(0);
   a.dq_order = dq_order.data_ptr<int32_t>(), a.dq_tiles = dq_order.size(0);
   a.stream = c10::cuda::getCurrentCUDAStream();
+  a.persistent_dkdv = persistent_dkdv;  // honoured where the head dim has the kernel (D = 128)
   if (varlen) {
     a.dkdv_sample = dkdv_sample->data_ptr<int32_t>(), a.dq_sample = dq_sample->data_ptr<int32_t>();
     a.cu_seqlens = cu_seqlens->data_ptr<int32_t>();
@@ -143,7 +146,7 @@ void add_bwd(pybind11::module_& m) {
         pybind11::arg("dkdv_order"), pybind11::arg("dq_order"), pybind11::arg("n_noisy"),
         pybind11::arg("block_size"), pybind11::arg("scale"),
         pybind11::arg("dkdv_sample") = pybind11::none(), pybind11::arg("dq_sample") = pybind11::none(),
-        pybind11::arg("cu_seqlens") = pybind11::none());
+        pybind11::arg("cu_seqlens") = pybind11::none(), pybind11::arg("persistent_dkdv") = false);
   m.attr("scratch_pad") = dlm::sm90::kVarlenScratchPad;  // floats past lse2 / delta, zeroed
 }
 }  // namespace dlm_bindings

@@ -355,7 +355,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
   const Side<Cfg, Params> kernel{p, side_args...};
 
   int it = 0;  // the producer's ring position, kept in step
-  for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
+  for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
     const auto wi = kernel.item(w, consumer, tScS_rc);
     float row_max[kRows], row_sum[kRows], scale_row[kRows];
     for (int i = 0; i < kRows; ++i) {

@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
       Tensor tVsV = tma_v.partition_D(sV);
       int it = 0;  // K/V visits so far, over every work item of this CTA: the ring position
-      for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
+      for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
         const SparseItem si = sparse_item(p, w);
         const int kvh = si.h / (p.heads / p.kv_heads);
         Tensor gQ = local_tile(mQ(_, _, si.h, si.b), Shape<Int<BM>, Int<D>>{}, make_coord(si.qb, 0));

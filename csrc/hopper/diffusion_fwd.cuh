@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
       Tensor tVsV = tma_v.partition_D(sV);
       int it = 0;  // K/V visits so far, over every work item of this CTA: the ring position
-      for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
+      for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
         if constexpr (Cfg::kStart != kStartTile) {
           // Tiles start anywhere: the TMA boxes are placed by element coordinates (rows past the
           // tensor's end read as zeros; rows past the half or sample are masked by the consumers).
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kRows = 2;  // rows per thread (r = 0, 1: lane/4 and lane/4 + 8)
 
   int it = 0;  // the producer's ring position, kept in step
-  for (int w = blockIdx.x, item = 0; w < num_items; w += gridDim.x, ++item) {
+  for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
     // kStartTile: the kernel's plans and mask; otherwise the item's own (sample-relative rows).
     const ItemGeom ig = item_geom<Cfg>(p, w);
     const WorkItem wi = ig.wi;

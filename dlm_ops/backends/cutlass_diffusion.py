@@ -21,7 +21,9 @@ Work tables (the CTA schedules, most expensive tile first) are built in C++ from
 and cached here: batched per (halves, block_size[, head dim], device), varlen per (cu_seqlens,
 block_size, head dim, device), the host tuple of VarlenMask (no device sync), each entry one
 host-to-device copy of the offsets and every kernel's (tile, sample) table. The forward's grid is
-persistent where halves are short (PERSISTENT_MAX_HALF; varlen: the longest sample's half).
+persistent (one CTA per SM) at D <= 128 and, at D = 256, where halves are short
+(PERSISTENT_MAX_HALF; varlen: the longest sample's half); the backward's dK/dV kernel is the
+persistent one at D = 128 where halves are at most PERSISTENT_DKDV_MAX_HALF long.
 
 The build happens at the first call (one WARNING line; 23 translation units compiled in parallel
 by ninja: 107 s on the H200 machine's 16 cores).
@@ -86,14 +88,25 @@ FORWARD_HEAD_DIMS = (128, 256)
 BACKWARD_HEAD_DIMS = (64, 128)
 
 # The forward's grid: one CTA per SM walking its work items (the next item's Q and K/V load while
-# this one's last P V and stores run) when both halves are at most PERSISTENT_MAX_HALF long, else
-# one CTA per query tile. Forward v5 on the H200 (standalone, bf16 D=128, 16K tokens), persistent
-# against one CTA per tile: +7.5% at n = 1K, +1.7% at 2K, -0.6% at 4K, -3.7% at 8K, +7% for GQA
-# 32/8 at 2K: short halves give items of few key tiles, whose prologue and epilogue the persistent
-# loop overlaps; long ones balance worse under its static round-robin than under the hardware's
-# CTA scheduler. Forward v6 (TMA-store epilogue, session 8), persistent everywhere against this
-# rule: 1.00x at n <= 2K (the same grid), +1.5 % at 4K, -3 % at 8K (harness smem-o): kept.
+# this one's last P V and stores run), or one CTA per query tile. Forward v5 on the H200
+# (standalone, bf16 D=128, 16K tokens), persistent against one CTA per tile: +7.5% at n = 1K,
+# +1.7% at 2K, -0.6% at 4K, -3.7% at 8K, +7% for GQA 32/8 at 2K: long halves balanced worse under
+# the persistent round-robin than under the hardware's CTA scheduler, hence persistent only up to
+# PERSISTENT_MAX_HALF. The round-robin gave CTA 0 the dearest item of every round (items come most
+# expensive first); since session 9 the CTAs walk them in a snake (hopper/common.cuh snake_item),
+# and persistent everywhere beats that rule at D = 128 (harness `snake`: +7 % at n = 4K, +3.4 % at
+# 8K, block size 16 and 4; 1.00x at n <= 2K, the same grid). D = 256 (128 x 64 tiles, no
+# TMA-store epilogue) was not measured with the snake: it keeps the rule.
 PERSISTENT_MAX_HALF = 2048
+PERSISTENT_HEAD_DIMS = (64, 128)  # persistent at every length
+
+# The backward's dK/dV kernel: the persistent one (two K / V buffers, TMA-store epilogue, snake
+# walk; DkDvPersistent in diffusion_bwd.cuh, D = 128 only) when every half is at most this long,
+# else one CTA per key tile. Harness `persistent` (session 9, bf16 D = 128, 16K tokens), the whole
+# backward against one CTA per tile: 1.07x / 1.10x at n = 1K (block 16 / 4), 1.03x at 2K, 0.91x at
+# 4K, 0.93x at 8K, 0.90x for GQA 32/8 at 2K.
+PERSISTENT_DKDV_MAX_HALF = 1024
+PERSISTENT_DKDV_HEAD_DIMS = (128,)
 
 
 @lru_cache(maxsize=16)
@@ -101,10 +114,16 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _max_ctas(longest_half: int, device: torch.device) -> int:
+def _max_ctas(longest_half: int, head_dim: int, device: torch.device) -> int:
     """The forward's grid bound for halves up to ``longest_half`` long: the SM count (persistent)
     or 0 (one CTA per work item)."""
-    return _sm_count(device) if longest_half <= PERSISTENT_MAX_HALF else 0
+    persistent = head_dim in PERSISTENT_HEAD_DIMS or longest_half <= PERSISTENT_MAX_HALF
+    return _sm_count(device) if persistent else 0
+
+
+def _persistent_dkdv(longest_half: int, head_dim: int) -> bool:
+    """Whether the backward runs the persistent dK/dV kernel for halves up to ``longest_half``."""
+    return head_dim in PERSISTENT_DKDV_HEAD_DIMS and longest_half <= PERSISTENT_DKDV_MAX_HALF
 
 
 @lru_cache(maxsize=64)
@@ -117,7 +136,7 @@ class VarlenTables(NamedTuple):
     """Device tables of one packed batch: the offsets and, per kernel, (tile order, tile sample)."""
 
     cu_seqlens: torch.Tensor
-    longest_half: int  # of any sample: the forward's persistent-grid rule (PERSISTENT_MAX_HALF)
+    longest_half: int  # of any sample: the persistent-grid rules (PERSISTENT_*MAX_HALF)
     fwd: tuple[torch.Tensor, torch.Tensor]
     dkdv: tuple[torch.Tensor, torch.Tensor]
     dq: tuple[torch.Tensor, torch.Tensor]
@@ -195,7 +214,8 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, s), torch.float32)
         order = _tile_order(mask.n_noisy, mask.n_clean, mask.block_size, q.shape[-1], str(q.device))
-        ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale, _max_ctas(max(mask.n_noisy, mask.n_clean), q.device))
+        ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale,
+                _max_ctas(max(mask.n_noisy, mask.n_clean), q.shape[-1], q.device))
         STATS["fwd"] += 1
         return out, lse
 
@@ -209,16 +229,16 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         lse = new_output(q, (h, total), torch.float32)
         t = _varlen_tables(mask.cu_seqlens, mask.block_size, d, str(q.device))
         ext.fwd(q[None], k[None], v[None], out[None], lse[None], t.fwd[0], 0, mask.block_size, scale,
-                _max_ctas(t.longest_half, q.device),
+                _max_ctas(t.longest_half, d, q.device),
                 tile_sample=t.fwd[1], cu_seqlens=t.cu_seqlens)
         STATS["varlen_fwd"] += 1
         return out, lse
 
     @staticmethod
     def _run_bwd(ext, dout, q, k, v, out, lse, dlse, n_noisy, block_size, scale, dkdv, dq_tables,
-                 cu_seqlens=None):
+                 longest_half, cu_seqlens=None):
         """The three backward kernels on (B, S, H, D) views; dkdv / dq_tables: (order, sample or
-        None)."""
+        None); longest_half: of any sample (the persistent dK/dV rule)."""
         b, s, h, _ = q.shape
         if b * s * h == 0:
             # No token (an empty varlen packing; autograd still calls the backward): nothing to
@@ -231,7 +251,8 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         lse2, delta = _scratch(ext, b * h * s, q.device)
         ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv[0], dq_tables[0],
                 n_noisy, block_size, scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1],
-                cu_seqlens=cu_seqlens)
+                cu_seqlens=cu_seqlens,
+                persistent_dkdv=_persistent_dkdv(longest_half, q.shape[-1]))
         return dq, dk, dv
 
     def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
@@ -242,7 +263,8 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         dkdv_order, dq_order = _bwd_tile_orders(mask.n_noisy, mask.n_clean, mask.block_size,
                                                 str(q.device))
         grads = self._run_bwd(ext, dout, q, k, v, out, lse, dlse, mask.n_noisy, mask.block_size,
-                              scale, (dkdv_order, None), (dq_order, None))
+                              scale, (dkdv_order, None), (dq_order, None),
+                              max(mask.n_noisy, mask.n_clean))
         STATS["bwd"] += 1
         return grads
 
@@ -257,7 +279,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         q4, k4, v4, dout4, out4 = views
         grads = self._run_bwd(ext, dout4, q4, k4, v4, out4, lse[None],
                               None if dlse is None else dlse[None], 0, mask.block_size, scale,
-                              t.dkdv, t.dq, t.cu_seqlens)
+                              t.dkdv, t.dq, t.longest_half, t.cu_seqlens)
         STATS["varlen_bwd"] += 1
         return tuple(g[0] for g in grads)
 

@@ -13,6 +13,7 @@
 //   ./bwd_standalone small      # two small checks, for compute-sanitizer (memcheck, racecheck)
 //   ./bwd_standalone probe      # timing of each gradient kernel without its stores (what they cost)
 //   ./bwd_standalone tma-store  # the TMA-store epilogues (default off): checks, then the A/B
+//   ./bwd_standalone persistent # the persistent dK/dV kernel (two K / V buffers): checks, then A/Bs
 //   ./bwd_standalone varlen     # odd lengths (kStartAny) and varlen (kStartVarlen), forward and
 //                               # backward: checks of every output element's poison and sampled
 //                               # rows against fp64, then varlen vs batched timing at 16K tokens
@@ -487,7 +488,7 @@ void timing_ab(const char* what, const char* a_name, const char* b_name) {
       x[1] = std::min(x[1], time_ms([&] { bwd.dkdv(); }, 20));
       x[2] = std::min(x[2], time_ms([&] { bwd.dq(); }, 20));
     };
-    for (int round = 0; round < 4; ++round)
+    for (int round = 0; round < 6; ++round)
       for (int j = 0; j < 2; ++j) {
         if ((round & 1 ? 1 - j : j) == 0) run(va, t[0]); else run(vb, t[1]);
       }
@@ -571,10 +572,10 @@ void make_entries(const std::vector<dlm::SequenceMask>& masks, bool varlen, F pl
   e.upload();
 }
 
-template <class Elem, int D, int START, bool FUSED = false, bool TMA_STORE = false>
+template <class Elem, int D, int START, bool FUSED = false, bool TMA_STORE = false, bool PERSISTENT = false>
 struct VarRun {
   using FwdCfg = dlm::sm90::FwdConfig<Elem, D, 128, dlm::sm90::fwd_block_n(D), 2, true, START>;
-  using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, 128, 2, START, FUSED, TMA_STORE>;
+  using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, 128, 2, START, FUSED, TMA_STORE, PERSISTENT>;
   using DqCfg = dlm::sm90::DqConfig<Elem, D, 128, 128, 2, START, TMA_STORE>;
   VarSpec v;
   std::vector<int32_t> off;                // sequence offsets (+ total)
@@ -745,7 +746,7 @@ struct VarRun {
   }
 };
 
-template <class Elem, int D, bool FUSED = false, bool TMA_STORE = false>
+template <class Elem, int D, bool FUSED = false, bool TMA_STORE = false, bool PERSISTENT = false>
 void odd_varlen_checks(const char* name) {
   using namespace dlm::sm90;
   auto batched = [](int B, int n, int H, int Hkv, int bs, bool causal = false, int stride = 1) {
@@ -762,7 +763,7 @@ void odd_varlen_checks(const char* name) {
                            batched(3, 70, 2, 2, 100), batched(1, 250, 2, 1, 128, false, 2),
                            batched(4, 33, 2, 1, 40), batched(1, 200, 2, 1, 150, false, 2),
                            batched(1, 129, 2, 2, 100, false, 2)})
-    VarRun<Elem, D, kStartAny, FUSED, TMA_STORE>(s).check(name);
+    VarRun<Elem, D, kStartAny, FUSED, TMA_STORE, PERSISTENT>(s).check(name);
   std::vector<int> many(30);
   uint32_t st = 12345;
   for (auto& x : many) st = st * 1664525u + 1013904223u, x = (st >> 8) % 5 == 0 ? 0 : (int)((st >> 12) % 150);
@@ -772,7 +773,7 @@ void odd_varlen_checks(const char* name) {
                            VarSpec{true, {500}, 2, 1, 300, false, 5},
                            VarSpec{true, {200, 70, 0, 33, 160, 129, 250, 180, 1}, 2, 1, 100, false, 2},
                            VarSpec{true, many, 2, 1, 5, false, 2}})
-    VarRun<Elem, D, kStartVarlen, FUSED, TMA_STORE>(s).check(name);
+    VarRun<Elem, D, kStartVarlen, FUSED, TMA_STORE, PERSISTENT>(s).check(name);
 }
 
 // Forward and backward at 16K tokens (bf16 D=128 H=16 bs=16): the shipped batched kernels (Bwd),
@@ -932,6 +933,20 @@ int main(int argc, char** argv) {
     timing_ab<DkShip, DqShip, DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kBatchedStart, false, true>,
               DqConfig<bf16, 128, kDqBlockM, kDqBlockN, kDqStages, kBatchedStart, true>>(
         "TMA-store epilogues", "register stores (shipped)", "TMA stores");
+  }
+  if (mode == "persistent") {  // the persistent dK/dV kernel (TMA stores): checks, then two A/Bs
+    using DkP = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false, true, true>;
+    checks<bf16, 128, DkP, Dq>("bf16 D=128 persistent dK/dV", true);
+    checks<fp16, 64, DkDvConfig<fp16, 64, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false, true, true>,
+           DqConfig<fp16, 64, kDqBlockM, kDqBlockN, kDqStages>>("fp16 D=64 persistent dK/dV", true);
+    odd_varlen_checks<bf16, 128, false, true, true>("bf16 D=128 persistent dK/dV");
+    odd_varlen_checks<fp16, 64, false, true, true>("fp16 D=64 persistent dK/dV");
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    using DkT = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kBatchedStart, false, true>;
+    using DkTP = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kBatchedStart, false, true, true>;
+    timing_ab<DkT, DqShip, DkTP, DqShip>("persistent dK/dV", "TMA-store dK/dV", "persistent TMA-store dK/dV");
+    timing_ab<DkShip, DqShip, DkTP, DqShip>("persistent dK/dV", "shipped", "persistent TMA-store dK/dV");
   }
   if (mode == "dkdv3") {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;

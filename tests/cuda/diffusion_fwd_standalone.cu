@@ -9,6 +9,7 @@
 //   ./fwd_standalone shipped       # the four shipped instantiations (checks; bf16 D=128 timed)
 //   ./fwd_standalone plain2        # or plain3, bn64, nopp: the variants of NOTES.md
 //   ./fwd_standalone persist       # a persistent grid (one CTA per SM): checks, then timing
+//   ./fwd_standalone snake         # the shipped grid rule against persistent everywhere (snake walk)
 //   ./fwd_standalone d256          # head dim 256 (128 x 64 tiles): checks, then timing
 //   ./fwd_standalone ab            # the shipped config against 3 stages and no ping-pong: checks of
 //                                  # each, then all timed shape by shape on the same inputs, a
@@ -543,6 +544,25 @@ int main(int argc, char** argv) {
     ab_timing<Variants<Reg, SmemO, SmemO2, Persistent<SmemO2>, Reg>>(names);
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
     return g_failed != 0;
+  }
+  if (v == "snake") {  // persistent grids walk their items in a snake (common.cuh snake_item): checks, then
+    using namespace dlm::sm90;   // the backend's grid rule (persistent for n <= 2048) against persistent everywhere
+    using Ship = FwdShipped<bf16, 128, kBatchedStart>;
+    CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
+    for (int ctas : {3, g_backend_grid, 0}) {
+      g_max_ctas = ctas;
+      printf("== grid %d (0: one CTA per item)\n", ctas);
+      ab_checks<Ship>("shipped bf16 D=128");
+      ab_checks<FwdShipped<cutlass::half_t, 64, kBatchedStart>>("shipped fp16 D=64");
+    }
+    g_max_ctas = 3;
+    odd_checks<Ship, FwdShipped<bf16, 128, kStartVarlen>>("shipped, 3 CTAs");
+    g_max_ctas = 0;
+    printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
+    if (g_failed) return 1;
+    static const char* names[] = {"backend's grid", "persistent everywhere (snake)", "backend's grid again"};
+    ab_timing<Variants<Ship, Persistent<Ship>, Ship>>(names);
+    return 0;
   }
   if (v == "probe") {  // what parts of the forward cost: knockouts (attn_common.cuh kProbe*), timing only
     using namespace dlm::sm90;
