@@ -3,7 +3,9 @@
 //
 //   preprocess  one pass over O and dO: delta = rowsum(dO * O) - dlse and lse2 = lse * log2 e,
 //               fp32, (B, H, S) contiguous scratch (plain CUDA, memory bound).
-//   dK/dV       one CTA per (batch, kv head, key tile of BN = 128 keys). Warpgroup 0 produces: one
+//   dK/dV       one CTA per (batch, kv head, key tile of BN = 128 keys), or (DkDvPersistent, halves
+//               up to 1024 at D = 128) one per SM walking those items with two K / V buffers and a
+//               TMA-store epilogue (DkDvConfig PERSISTENT_ / TMA_STORE_). Warpgroup 0 produces: one
 //               thread loads K and V once, then for each query head of the kv head's group and
 //               each query tile of BM = 64 rows that sees the key tile (dlm/geometry.h bwd_tiles:
 //               at most two runs) it issues TMA copies of Q and dO plus bulk copies of that tile's
@@ -458,8 +460,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int group = p.heads / p.kv_heads;
   const int warp_group = threadIdx.x / 128;
 
-  // Work item w: (entry, batch * kv head slot) of p.order; the CTA's own (one per CTA), or every
-  // gridDim.x-th from blockIdx.x (Cfg::kPersistent). Item `item` of a CTA uses K / V buffer
+  // Work item w: (entry, batch * kv head slot) of p.order; the CTA's own (one per CTA), or those
+  // of snake_item's walk (Cfg::kPersistent). The CTA's item-th item uses K / V buffer
   // item % kKvBufs for the (item / kKvBufs)-th time: its barriers' phase parity.
   [[maybe_unused]] const int num_items = p.entries * p.batch * p.kv_heads;
   struct Item {
@@ -665,8 +667,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           const Visit visit = plans.visit(kt, qt);
           // K / V smem descriptors of this item's buffer: buffer 0's (constants) with the start
           // address moved by the buffer's offset (16-byte units, the descriptor's low field). The
-          // offset is opaque per tile: descriptors built per item and held across the tile loop
-          // took ~40 registers (spills), built per tile from the buffer index ~15 % of the loop.
+          // offset is opaque per tile, else the compiler builds every k-block's descriptor once per
+          // item and holds them across the tile loop: ~40 registers, 160 bytes of spills (build 1,
+          // csrc/NOTES.md session 9); built per tile from the buffer index they took tens of
+          // instructions per tile.
           const uint32_t kv_shift = Cfg::kPersistent ? opaque(buf) * uint32_t(Cfg::kTileBytesKV / 16) : 0u;
           Tensor tSrK = make_tensor(tSrK0.data() + kv_shift, tSrK0.layout());
           Tensor tSrV = make_tensor(tSrV0.data() + kv_shift, tSrV0.layout());
@@ -813,8 +817,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // Epilogue: dK = scale * sum dS^T Q and dV, through shared memory and TMA (Cfg::kTmaStore,
     // warpgroups whose 64 keys are all in the tile) or straight from registers; rows are keys.
     // Persistent: the thread's epilogue addresses derive from an opaque copy of tid, so they are
-    // computed here, not hoisted out of the item loop and held across the tile loop (~40 registers
-    // of spills in the tile loop otherwise).
+    // computed here and stay out of the tile loop's live registers.
     auto thr_epi = mma_kv.get_thread_slice(Cfg::kPersistent ? opaque(tid) : tid);
     Tensor tKcK = thr_epi.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));
     // Keys of the tile past its half (or sample) are not stored (row_end = k_tile.hi).

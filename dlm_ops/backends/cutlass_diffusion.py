@@ -21,7 +21,7 @@ Work tables (the CTA schedules, most expensive tile first) are built in C++ from
 and cached here: batched per (halves, block_size[, head dim], device), varlen per (cu_seqlens,
 block_size, head dim, device), the host tuple of VarlenMask (no device sync), each entry one
 host-to-device copy of the offsets and every kernel's (tile, sample) table. The forward's grid is
-persistent (one CTA per SM) at D <= 128 and, at D = 256, where halves are short
+persistent (one CTA per SM) at D = 128 and, at other head dims, where halves are short
 (PERSISTENT_MAX_HALF; varlen: the longest sample's half); the backward's dK/dV kernel is the
 persistent one at D = 128 where halves are at most PERSISTENT_DKDV_MAX_HALF long.
 
@@ -95,10 +95,10 @@ BACKWARD_HEAD_DIMS = (64, 128)
 # PERSISTENT_MAX_HALF. The round-robin gave CTA 0 the dearest item of every round (items come most
 # expensive first); since session 9 the CTAs walk them in a snake (hopper/common.cuh snake_item),
 # and persistent everywhere beats that rule at D = 128 (harness `snake`: +7 % at n = 4K, +3.4 % at
-# 8K, block size 16 and 4; 1.00x at n <= 2K, the same grid). D = 256 (128 x 64 tiles, no
-# TMA-store epilogue) was not measured with the snake: it keeps the rule.
+# 8K, block size 16 and 4; 1.00x at n <= 2K, the same grid). D = 64 (the CUTLASS forward runs
+# there only when forced) and D = 256 were not measured with the snake: they keep the rule.
 PERSISTENT_MAX_HALF = 2048
-PERSISTENT_HEAD_DIMS = (64, 128)  # persistent at every length
+PERSISTENT_HEAD_DIMS = (128,)  # persistent at every length
 
 # The backward's dK/dV kernel: the persistent one (two K / V buffers, TMA-store epilogue, snake
 # walk; DkDvPersistent in diffusion_bwd.cuh, D = 128 only) when every half is at most this long,
