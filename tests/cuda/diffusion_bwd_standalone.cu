@@ -14,6 +14,7 @@
 //   ./bwd_standalone probe      # timing of each gradient kernel without its stores (what they cost)
 //   ./bwd_standalone tma-store  # the TMA-store epilogues (default off): checks, then the A/B
 //   ./bwd_standalone persistent # the persistent dK/dV kernel (two K / V buffers): checks, then A/Bs
+//   ./bwd_standalone persistent64 # its A/B at D = 64 (bf16)
 //   ./bwd_standalone varlen     # odd lengths (kStartAny) and varlen (kStartVarlen), forward and
 //                               # backward: checks of every output element's poison and sampled
 //                               # rows against fp64, then varlen vs batched timing at 16K tokens
@@ -473,15 +474,18 @@ void timing_orders() {
 
 // Two backwards on the same inputs, alternating order (ABBA, 4 rounds): the whole backward, the
 // dK/dV kernel and the dQ kernel of each, bf16 D = 128, 16K tokens; TFLOPS and the ratio of B to A.
+// The configs' dtype and head dim (DkA's), on kTimingRuns' shapes.
 template <class DkA, class DqA, class DkB, class DqB>
 void timing_ab(const char* what, const char* a_name, const char* b_name) {
-  printf("== timing, %s (bf16, D=128, 16K tokens; TFLOPS of the backward's 5 matmuls, of dK/dV's 4 and of dQ's "
-         "3: %s -> %s (ratio))\n", what, a_name, b_name);
+  using Elem = typename DkA::Elem;
+  constexpr int D = DkA::D;
+  printf("== timing, %s (%s, D=%d, 16K tokens; TFLOPS of the backward's 5 matmuls, of dK/dV's 4 and of dQ's "
+         "3: %s -> %s (ratio))\n", what, std::is_same_v<Elem, bf16> ? "bf16" : "fp16", D, a_name, b_name);
   for (const Run& r : kTimingRuns) {
-    Problem<bf16> P(r, 128);
+    Problem<Elem> P(r, D);
     P.to_device();
-    Bwd<bf16, 128, DkA, DqA> va(P);
-    Bwd<bf16, 128, DkB, DqB> vb(P);
+    Bwd<Elem, D, DkA, DqA> va(P);
+    Bwd<Elem, D, DkB, DqB> vb(P);
     float t[2][3] = {{1e9f, 1e9f, 1e9f}, {1e9f, 1e9f, 1e9f}};  // [A, B][bwd, dK/dV, dQ]
     auto run = [&](auto& bwd, float* x) {
       x[0] = std::min(x[0], time_ms([&] { bwd.all(); }, 20));
@@ -493,7 +497,7 @@ void timing_ab(const char* what, const char* a_name, const char* b_name) {
         if ((round & 1 ? 1 - j : j) == 0) run(va, t[0]); else run(vb, t[1]);
       }
     CK(cudaGetLastError());
-    const double matmul = 2.0 * (double)P.mask.num_pairs() * 128 * r.H * r.B / 1e9;
+    const double matmul = 2.0 * (double)P.mask.num_pairs() * D * r.H * r.B / 1e9;
     printf("B=%d n=%d H=%d/%d bs=%d: bwd %4.0f -> %4.0f (%.3fx); dK/dV %4.0f -> %4.0f (%.3fx); dQ %4.0f -> %4.0f "
            "(%.3fx)\n", r.B, r.n, r.H, r.Hkv, r.bs, 5 * matmul / t[0][0], 5 * matmul / t[1][0], t[0][0] / t[1][0],
            4 * matmul / t[0][1], 4 * matmul / t[1][1], t[0][1] / t[1][1], 3 * matmul / t[0][2],
@@ -947,6 +951,12 @@ int main(int argc, char** argv) {
     using DkTP = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kBatchedStart, false, true, true>;
     timing_ab<DkT, DqShip, DkTP, DqShip>("persistent dK/dV", "TMA-store dK/dV", "persistent TMA-store dK/dV");
     timing_ab<DkShip, DqShip, DkTP, DqShip>("persistent dK/dV", "shipped", "persistent TMA-store dK/dV");
+  }
+  if (mode == "persistent64") {  // the persistent dK/dV kernel at D = 64 (checked in `persistent`): A/B
+    using Dk64 = DkDvShipped<bf16, 64, kBatchedStart>;
+    using Dq64 = DqShipped<bf16, 64, kBatchedStart>;
+    timing_ab<Dk64, Dq64, DkDvPersistent<bf16, 64, kBatchedStart>, Dq64>("persistent dK/dV", "shipped",
+                                                                        "persistent TMA-store dK/dV");
   }
   if (mode == "dkdv3") {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;

@@ -10,6 +10,7 @@
 //   ./fwd_standalone plain2        # or plain3, bn64, nopp: the variants of NOTES.md
 //   ./fwd_standalone persist       # a persistent grid (one CTA per SM): checks, then timing
 //   ./fwd_standalone snake         # the shipped grid rule against persistent everywhere (snake walk)
+//   ./fwd_standalone snake64 / snake256  # the same at D = 64 / 256 (bf16)
 //   ./fwd_standalone d256          # head dim 256 (128 x 64 tiles): checks, then timing
 //   ./fwd_standalone ab            # the shipped config against 3 stages and no ping-pong: checks of
 //                                  # each, then all timed shape by shape on the same inputs, a
@@ -242,12 +243,12 @@ struct Variants {
 };
 int g_backend_grid = 0;  // ab_timing: the backend's grid (persistent, the SM count, for n <= 2048)
 
-template <class V>
+template <class V, int D = 128>  // D: the variants' head dim (bf16)
 void ab_timing(const char* const* names) {
   const std::vector<Run> shapes = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
                                    {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4},  {4, 2048, 16, 16, 4},
                                    {2, 4096, 16, 16, 4},  {1, 8192, 16, 16, 4},  {4, 2048, 32, 8, 16}};
-  const size_t nq = (size_t)4 * 4096 * 32 * 128;  // the largest q (GQA 32/8); k, v are smaller
+  const size_t nq = (size_t)4 * 4096 * 32 * D;  // the largest q (GQA 32/8); k, v are smaller
   Bufs b;
   CK(cudaMalloc(&b.q, nq * 2)); CK(cudaMalloc(&b.k, nq * 2)); CK(cudaMalloc(&b.v, nq * 2));
   CK(cudaMalloc(&b.o, nq * 2)); CK(cudaMalloc(&b.lse, (size_t)4 * 32 * 4096 * 4)); CK(cudaMalloc(&b.order, 1 << 16));
@@ -261,7 +262,7 @@ void ab_timing(const char* const* names) {
     for (int round = 0; round < 4; ++round) V::time_all(shapes[s], b, ms[s].data(), round);
   }
   g_max_ctas = 0;
-  printf("\n== forward A/B, bf16 D=128, %s; TFLOPS on visible pairs (ratio to %s)\n",
+  printf("\n== forward A/B, bf16 D=%d, %s; TFLOPS on visible pairs (ratio to %s)\n", D,
          g_backend_grid ? "the backend's grid (persistent for n <= 2048)" : "one CTA per work item", names[0]);
   printf("| B | n | H/Hkv | bs |");
   for (int i = 0; i < V::kCount; ++i) printf(" %s |", names[i]);
@@ -270,7 +271,7 @@ void ab_timing(const char* const* names) {
   printf("\n");
   for (size_t s = 0; s < shapes.size(); ++s) {
     const Run& r = shapes[s];
-    const double flop = 4.0 * (double)dlm::block_diffusion(2 * r.n, r.bs).num_pairs() * 128 * r.H * r.B;
+    const double flop = 4.0 * (double)dlm::block_diffusion(2 * r.n, r.bs).num_pairs() * D * r.H * r.B;
     printf("| %d | %d | %d/%d | %d |", r.B, r.n, r.H, r.Hkv, r.bs);
     for (int i = 0; i < V::kCount; ++i)
       printf(" %.0f (%.3f) |", flop / ms[s][i] / 1e9, ms[s][0] / ms[s][i]);
@@ -563,6 +564,24 @@ int main(int argc, char** argv) {
     static const char* names[] = {"backend's grid", "persistent everywhere (snake)", "backend's grid again"};
     ab_timing<Variants<Ship, Persistent<Ship>, Ship>>(names);
     return 0;
+  }
+  if (v == "snake64" || v == "snake256") {  // the same A/B at D = 64 / 256 (bf16), after their checks
+    using namespace dlm::sm90;
+    CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
+    static const char* names[] = {"backend's grid", "persistent everywhere (snake)", "backend's grid again"};
+    auto run_d = [&](auto d_tag) {
+      constexpr int D = decltype(d_tag)::value;
+      using Ship = FwdShipped<bf16, D, kBatchedStart>;
+      for (int ctas : {3, g_backend_grid}) {
+        g_max_ctas = ctas;
+        ab_checks<Ship>(D == 64 ? "shipped bf16 D=64" : "shipped bf16 D=256");
+      }
+      g_max_ctas = 0;
+      printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
+      if (!g_failed) ab_timing<Variants<Ship, Persistent<Ship>, Ship>, D>(names);
+    };
+    if (v == "snake64") run_d(std::integral_constant<int, 64>{}); else run_d(std::integral_constant<int, 256>{});
+    return g_failed != 0;
   }
   if (v == "probe") {  // what parts of the forward cost: knockouts (attn_common.cuh kProbe*), timing only
     using namespace dlm::sm90;
