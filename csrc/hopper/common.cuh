@@ -47,7 +47,8 @@ constexpr int kOrderWaves = 4;
 // round j hands out indices [j G, (j + 1) G) to CTAs 0 .. G - 1 when j is even and G - 1 .. 0 when
 // it is odd (a snake), and indices only grow, so a CTA stops at its first index past the end. The
 // kernels walk their items most expensive first; a plain stride (w, w + G, ...) gave CTA 0 the
-// dearest item of every round, up to ~1.5x the mean work at n = 4K (session 9). One CTA per item
+// dearest item of every round (by the cost profile, up to ~1.5x the mean work at n = 4K; measured:
+// the persistent forward +7 % at n = 4K with the snake, csrc/NOTES.md session 9). One CTA per item
 // (G = items): item 0 is blockIdx.x and item 1 is past the end.
 CUTE_DEVICE int snake_item(int item) {
   const int G = gridDim.x, k = blockIdx.x;

@@ -26,7 +26,7 @@ persistent (one CTA per SM) at D = 128 and, at other head dims, where halves are
 persistent one at D = 128 where halves are at most PERSISTENT_DKDV_MAX_HALF long.
 
 The build happens at the first call (one WARNING line; 23 translation units compiled in parallel
-by ninja: 107 s on the H200 machine's 16 cores).
+by ninja: 121 s on the H200 machine's 16 cores since the persistent dK/dV kernels, 107 s before).
 If it fails, the failure is remembered, reported by ``unavailable_reason`` (so ``python -m
 dlm_ops`` shows it and dispatch picks Triton from then on) and warned once. Dispatch picks this
 backend automatically wherever it can be built; ``DLM_OPS_CUTLASS=0`` opts out (no build, Triton
