@@ -15,6 +15,7 @@
 //   ./bwd_standalone tma-store  # the TMA-store epilogues (default off): checks, then the A/B
 //   ./bwd_standalone persistent # the persistent dK/dV kernel (two K / V buffers): checks, then A/Bs
 //   ./bwd_standalone persistent64 # its A/B at D = 64 (bf16)
+//   ./bwd_standalone kernel-order # the whole backward with dQ before dK/dV (shipped and persistent)
 //   ./bwd_standalone varlen     # odd lengths (kStartAny) and varlen (kStartVarlen), forward and
 //                               # backward: checks of every output element's poison and sampled
 //                               # rows against fp64, then varlen vs batched timing at 16K tokens
@@ -273,6 +274,9 @@ struct Bwd {
       pre(), dkdv(), dq();
     }
   }
+  // The same kernels with dQ before dK/dV (both need only the preprocess): csrc/NOTES.md session 9
+  // saw the whole backward slow down at n >= 4K when the dK/dV kernel got faster.
+  void all_dq_first() { pre(), dq(), dkdv(); }
   // An A/B for csrc/NOTES.md: dQ on a second stream beside dK/dV (both need only the
   // preprocess), so one kernel's tail of long CTAs overlaps the other's work.
   cudaStream_t side = nullptr;
@@ -474,6 +478,29 @@ void timing_orders() {
 
 // Two backwards on the same inputs, alternating order (ABBA, 4 rounds): the whole backward, the
 // dK/dV kernel and the dQ kernel of each, bf16 D = 128, 16K tokens; TFLOPS and the ratio of B to A.
+// The whole backward in its two kernel orders (dK/dV then dQ, as shipped; dQ then dK/dV), and each
+// kernel alone after the other (what the order changes), interleaved as timing_ab.
+template <class Dk, class Dq>
+void timing_kernel_order(const char* what) {
+  printf("== timing, kernel order, %s (bf16, D=128, 16K tokens; TFLOPS of the backward's 5 matmuls: "
+         "dK/dV then dQ -> dQ then dK/dV (ratio))\n", what);
+  for (const Run& r : kTimingRuns) {
+    Problem<bf16> P(r, 128);
+    P.to_device();
+    Bwd<bf16, 128, Dk, Dq> bwd(P);
+    float t[2] = {1e9f, 1e9f};
+    for (int round = 0; round < 6; ++round)
+      for (int j = 0; j < 2; ++j) {
+        if ((round & 1 ? 1 - j : j) == 0) t[0] = std::min(t[0], time_ms([&] { bwd.all(); }, 20));
+        else t[1] = std::min(t[1], time_ms([&] { bwd.all_dq_first(); }, 20));
+      }
+    CK(cudaGetLastError());
+    const double matmul = 2.0 * (double)P.mask.num_pairs() * 128 * r.H * r.B / 1e9;
+    printf("B=%d n=%d H=%d/%d bs=%d: bwd %4.0f -> %4.0f (%.3fx)\n", r.B, r.n, r.H, r.Hkv, r.bs,
+           5 * matmul / t[0], 5 * matmul / t[1], t[0] / t[1]);
+  }
+}
+
 // The configs' dtype and head dim (DkA's), on kTimingRuns' shapes.
 template <class DkA, class DqA, class DkB, class DqB>
 void timing_ab(const char* what, const char* a_name, const char* b_name) {
@@ -951,6 +978,10 @@ int main(int argc, char** argv) {
     using DkTP = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kBatchedStart, false, true, true>;
     timing_ab<DkT, DqShip, DkTP, DqShip>("persistent dK/dV", "TMA-store dK/dV", "persistent TMA-store dK/dV");
     timing_ab<DkShip, DqShip, DkTP, DqShip>("persistent dK/dV", "shipped", "persistent TMA-store dK/dV");
+  }
+  if (mode == "kernel-order") {  // dQ before dK/dV: the shipped configs, then the persistent dK/dV
+    timing_kernel_order<DkShip, DqShip>("shipped");
+    timing_kernel_order<DkDvPersistent<bf16, 128, kBatchedStart>, DqShip>("persistent dK/dV");
   }
   if (mode == "persistent64") {  // the persistent dK/dV kernel at D = 64 (checked in `persistent`): A/B
     using Dk64 = DkDvShipped<bf16, 64, kBatchedStart>;
