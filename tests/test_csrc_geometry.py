@@ -26,6 +26,7 @@ SIGNATURES = {
     "dlm_varlen_num_pairs": [I32, _INT, _INT, I64],
     "dlm_varlen_plan": [I32, _INT, _INT, _INT, _INT, _INT, I64, I32, I64, I32],
     "dlm_work_order": [_INT, _INT, _INT, _INT, I32],
+    "dlm_snake_walk": [_INT, _INT, _INT, I32],
 }
 
 
@@ -182,3 +183,37 @@ def test_work_order_walks_every_item_once_in_its_documented_order(lib, entries, 
     assert got == _work_order_expected(entries, slots, chunk, min(block, entries))
     if chunk == slots:
         assert got == [(e, j) for e in range(entries) for j in range(slots)]
+
+
+@given(st.integers(0, 3000), st.integers(1, 300))
+def test_snake_walk_gives_every_item_to_one_cta_in_rounds(lib, items, ctas):
+    """The persistent kernels' walk (dlm/geometry.h snake_index): every work index exactly once, each
+    CTA's indices increasing, round j covering [j ctas, (j + 1) ctas) forwards or backwards."""
+    width = -(-items // ctas) + 1
+    out = torch.full((ctas * width,), -2, dtype=torch.int32)
+    _call(lib.dlm_snake_walk, items, ctas, width, _p(out))
+    walks = [[w for w in row if w >= 0] for row in out.view(ctas, width).tolist()]
+    assert sorted(w for walk in walks for w in walk) == list(range(items))
+    for c, walk in enumerate(walks):
+        assert walk == sorted(walk)
+        for j, w in enumerate(walk):
+            assert w == j * ctas + (ctas - 1 - c if j % 2 else c)
+    if ctas >= items:  # one CTA per item: the CTA's own index, nothing after it
+        assert walks == [[c] if c < items else [] for c in range(ctas)]
+
+
+def test_snake_walk_balances_most_expensive_first_work(lib):
+    """The dK/dV kernel's items at n = 4K, block 16 (64 key tiles most expensive first x 32
+    (batch, head) slots, each costing its tile's visible pairs) on 132 CTAs: the snake keeps every
+    CTA within 1 % of the mean work, where a plain stride (cta, cta + 132, ...) gave one 1.12x
+    (csrc/NOTES.md session 9)."""
+    areas = sorted((t.area for t in SequenceMask(4096, 4096, 16).bwd_tiles(64, 128)), reverse=True)
+    slots, ctas = 32, 132
+    cost = [areas[w // slots] for w in range(len(areas) * slots)]
+    items, width = len(cost), -(-len(cost) // ctas) + 1
+    out = torch.empty((ctas * width,), dtype=torch.int32)
+    _call(lib.dlm_snake_walk, items, ctas, width, _p(out))
+    snake = [sum(cost[w] for w in row if w >= 0) for row in out.view(ctas, width).tolist()]
+    stride = [sum(cost[w] for w in range(c, items, ctas)) for c in range(ctas)]
+    mean = sum(cost) / ctas
+    assert max(snake) / mean < 1.01 and max(stride) / mean > 1.1

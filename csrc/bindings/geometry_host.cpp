@@ -118,4 +118,19 @@ int dlm_work_order(int entries, int slots, int chunk, int block, int32_t* out) {
   return 0;
 }
 
+// out[c * max_items + i] = the work index of CTA c's i-th item (snake_index), -1 past its walk's
+// end (the first index >= items); max_items >= ceil(items / ctas) + 1.
+int dlm_snake_walk(int items, int ctas, int max_items, int32_t* out) {
+  if (items < 0 || ctas < 1 || max_items < 1) return -1;
+  for (int c = 0; c < ctas; ++c) {
+    int i = 0;
+    for (int w = dlm::snake_index(0, ctas, c); w < items; w = dlm::snake_index(++i, ctas, c)) {
+      if (i >= max_items) return -1;
+      out[c * max_items + i] = w;
+    }
+    for (; i < max_items; ++i) out[c * max_items + i] = -1;
+  }
+  return 0;
+}
+
 }  // extern "C"

@@ -43,17 +43,9 @@ constexpr int kBatchedStart = kStartAny;
 // result by up to 15 %; the harness now alternates the order between rounds.
 constexpr int kOrderWaves = 4;
 
-// The work index of a CTA's item-th work item (item = 0, 1, ...) on a grid of G = gridDim.x CTAs:
-// round j hands out indices [j G, (j + 1) G) to CTAs 0 .. G - 1 when j is even and G - 1 .. 0 when
-// it is odd (a snake), and indices only grow, so a CTA stops at its first index past the end. The
-// kernels walk their items most expensive first; a plain stride (w, w + G, ...) gave CTA 0 the
-// dearest item of every round (by the cost profile, up to ~1.5x the mean work at n = 4K; measured:
-// the persistent forward +7 % at n = 4K with the snake, csrc/NOTES.md session 9). One CTA per item
-// (G = items): item 0 is blockIdx.x and item 1 is past the end.
-CUTE_DEVICE int snake_item(int item) {
-  const int G = gridDim.x, k = blockIdx.x;
-  return item * G + (item & 1 ? G - 1 - k : k);
-}
+// This CTA's item-th work index on the launch's grid: dlm/geometry.h snake_index (why a snake, and
+// what it measured: there and csrc/NOTES.md session 9).
+CUTE_DEVICE int snake_item(int item) { return dlm::snake_index(item, gridDim.x, blockIdx.x); }
 inline WorkOrder work_order(int slots, int64_t bytes_per_slot, int chunk = 0, int block = 0) {
   if (chunk == 0 || slots <= 1) return {slots, slots, 1};
   int device = 0, sms = 0, l2 = 0;

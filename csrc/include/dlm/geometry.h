@@ -275,6 +275,17 @@ struct WorkOrder {
   }
 };
 
+// A persistent CTA's walk: the work index of CTA `cta`'s item-th item (item = 0, 1, ...) on a grid
+// of `ctas` CTAs. Round j hands out indices [j ctas, (j + 1) ctas) to CTAs 0 .. ctas - 1 when j is
+// even and ctas - 1 .. 0 when it is odd (a snake); a CTA's indices only grow, so it stops at its
+// first one past the end, and every index goes to one CTA (tests/test_csrc_geometry.py). Work comes
+// most expensive first: a plain stride (cta, cta + ctas, ...) gave CTA 0 the dearest item of every
+// round (csrc/NOTES.md session 9). One CTA per item (ctas = items): item 0 is `cta`, item 1 is past
+// the end. hopper/common.cuh snake_item is the kernels' call.
+DLM_HD int snake_index(int item, int ctas, int cta) {
+  return item * ctas + (item & 1 ? ctas - 1 - cta : cta);
+}
+
 // The schedule: order[] = indices 0..count-1 of `area`, largest area first, ties in index order
 // (a stable sort, as triton_backend.tile_tables does), so the most expensive tiles start in the
 // first wave and do not finish last. Index work tiles sample by sample, tile by tile.
