@@ -476,10 +476,8 @@ void timing_orders() {
   }
 }
 
-// Two backwards on the same inputs, alternating order (ABBA, 4 rounds): the whole backward, the
-// dK/dV kernel and the dQ kernel of each, bf16 D = 128, 16K tokens; TFLOPS and the ratio of B to A.
-// The whole backward in its two kernel orders (dK/dV then dQ, as shipped; dQ then dK/dV), and each
-// kernel alone after the other (what the order changes), interleaved as timing_ab.
+// The whole backward in its two kernel orders (dK/dV then dQ, as shipped; dQ then dK/dV),
+// interleaved as timing_ab (bf16 D = 128, 16K tokens).
 template <class Dk, class Dq>
 void timing_kernel_order(const char* what) {
   printf("== timing, kernel order, %s (bf16, D=128, 16K tokens; TFLOPS of the backward's 5 matmuls: "
@@ -501,7 +499,9 @@ void timing_kernel_order(const char* what) {
   }
 }
 
-// The configs' dtype and head dim (DkA's), on kTimingRuns' shapes.
+// Two backwards on the same inputs, alternating order (ABBA, 6 rounds): the whole backward, the
+// dK/dV kernel and the dQ kernel of each, at the configs' dtype and head dim (DkA's), 16K tokens
+// (kTimingRuns); TFLOPS and the ratio of B to A.
 template <class DkA, class DqA, class DkB, class DqB>
 void timing_ab(const char* what, const char* a_name, const char* b_name) {
   using Elem = typename DkA::Elem;
