@@ -272,8 +272,8 @@ def test_the_cutlass_backend_is_the_default_unless_opted_out(monkeypatch):
 def test_the_persistent_rules(monkeypatch):
     """The forward: one CTA per SM walking the work items at D = 128 whatever the length, at
     D = 64 / 256 up to PERSISTENT_MAX_HALF per half (one CTA per query tile above); the dK/dV kernel:
-    the persistent one at D = 128 up to PERSISTENT_DKDV_MAX_HALF (the measured crossovers:
-    cutlass_diffusion's comments)."""
+    the persistent one at D = 64 / 128 up to PERSISTENT_DKDV_MAX_HALF (the measured crossovers:
+    cutlass_diffusion's comments; D = 256 has no CUTLASS backward)."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
     monkeypatch.setattr(cd, "_sm_count", lambda device: 132)
@@ -283,5 +283,7 @@ def test_the_persistent_rules(monkeypatch):
         assert cd._max_ctas(limit, d, "cuda") == 132 and cd._max_ctas(1, d, "cuda") == 132
         assert cd._max_ctas(limit + 1, d, "cuda") == 0
     limit = cd.PERSISTENT_DKDV_MAX_HALF
-    assert cd._persistent_dkdv(1, 128) and cd._persistent_dkdv(limit, 128)
-    assert not cd._persistent_dkdv(limit + 1, 128) and not cd._persistent_dkdv(1, 64)
+    for d in (64, 128):
+        assert cd._persistent_dkdv(1, d) and cd._persistent_dkdv(limit, d)
+        assert not cd._persistent_dkdv(limit + 1, d)
+    assert not cd._persistent_dkdv(1, 256)

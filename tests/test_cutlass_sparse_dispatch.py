@@ -68,10 +68,11 @@ class FakeExtension:
         return block_q == 128 and block_k == 128 and d in (64, 128)
 
     def fwd(self, q, k, v, out, lse, kv_block_indices, kv_block_counts, work_order, block_q,
-            block_k, scale, key_len=None):
+            block_k, scale, key_len=None, max_ctas=0):
+        assert isinstance(max_ctas, int) and max_ctas >= 0
         self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, idx=kv_block_indices,
                                counts=kv_block_counts, order=work_order, block_q=block_q,
-                               block_k=block_k, scale=scale, key_len=key_len))
+                               block_k=block_k, scale=scale, key_len=key_len, max_ctas=max_ctas))
         if key_len is None:
             o, l = TorchSparseBackend().block_fwd(q, k, v, kv_block_indices, kv_block_counts,
                                                   block_q, block_k, scale)
@@ -99,6 +100,15 @@ class FakeExtension:
 
 
 TRITON_ENTRY_POINTS = ("block_fwd", "block_bwd", "column_fwd", "column_bwd")
+
+
+@pytest.fixture(autouse=True)
+def sm_count_of_cpu_tensors(monkeypatch):
+    """The fake extension's calls run on CPU tensors, where no GPU says how many SMs it has:
+    the grid rule then sees an H200's 132 (GPU tests ask the device)."""
+    real = cs._sm_count
+    monkeypatch.setattr(cs, "_sm_count",
+                        lambda device: 132 if torch.device(device).type != "cuda" else real(device))
 
 
 @pytest.fixture
@@ -150,6 +160,7 @@ def test_covered_forwards_run_cutlass_with_their_arguments(b, sq, sk, heads, d, 
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
     assert (call["block_q"], call["block_k"], call["scale"]) == (128, 128, 0.3)
+    assert call["max_ctas"] == 132  # the persistent grid: one CTA per SM (cutlass_sparse.PERSISTENT)
     for t, src in ((call["idx"], idx), (call["counts"], cnt)):
         assert t.dtype == torch.int32 and t.is_contiguous() and torch.equal(t, src)
     order = call["order"]
@@ -265,6 +276,7 @@ def test_column_forward_runs_cutlass_over_gathered_keys(b, sq, sk, heads, d, dty
         assert (g["order"] is None) == (gather == "kernel, torch order")
     assert call["q"] is q and call["out"] is out and call["lse"] is lse
     assert (call["block_q"], call["block_k"], call["scale"]) == (128, 128, 0.3)
+    assert call["max_ctas"] == 132
     kg, vg = call["k"], call["v"]
     for t, src in ((kg, k), (vg, v)):
         assert t.shape == (b, m, h, d) and t.dtype == dtype and t.is_contiguous()
@@ -539,3 +551,10 @@ class _WithoutGather:
         if name == "column_gather":
             raise AttributeError(name)
         return getattr(self._ext, name)
+
+
+def test_the_grid_rule(monkeypatch):
+    """Both forwards run the persistent grid (one CTA per SM) unless PERSISTENT is off."""
+    assert cs._max_ctas(torch.device("cpu")) == 132
+    monkeypatch.setattr(cs, "PERSISTENT", False)
+    assert cs._max_ctas(torch.device("cpu")) == 0

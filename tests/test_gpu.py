@@ -371,6 +371,7 @@ def test_cutlass_varlen(monkeypatch, dtype, halves, block_size, d, heads):
 
 
 @_SM90
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout,n,block_size,heads", [
     ("bd3", 1024, 4, (8, 8)),     # 256 key tiles: a persistent CTA walks two (both K / V buffers)
@@ -378,11 +379,11 @@ def test_cutlass_varlen(monkeypatch, dtype, halves, block_size, d, heads):
     ("causal", 77, 1, (4, 2)),
     ("varlen", 0, 16, (4, 2)),    # packed samples incl. empty ones
 ])
-def test_cutlass_persistent_dkdv_is_bitwise_the_per_tile_kernel(monkeypatch, dtype, layout, n,
+def test_cutlass_persistent_dkdv_is_bitwise_the_per_tile_kernel(monkeypatch, d, dtype, layout, n,
                                                                  block_size, heads):
-    """The two dK/dV kernels at D = 128 (the persistent one up to PERSISTENT_DKDV_MAX_HALF, one CTA
-    per key tile above) compute every item in the same order: bitwise equal gradients. The other
-    tests run halves of at most 1024, so this is also where the per-tile kernel runs at D = 128."""
+    """The two dK/dV kernels at D = 64 / 128 (the persistent one up to PERSISTENT_DKDV_MAX_HALF, one
+    CTA per key tile above) compute every item in the same order: bitwise equal gradients. The
+    other tests run halves of at most 1024, so this is also where the per-tile kernel runs."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
     h, hkv = heads
@@ -392,13 +393,13 @@ def test_cutlass_persistent_dkdv_is_bitwise_the_per_tile_kernel(monkeypatch, dty
         for m in halves:
             cu_list.append(cu_list[-1] + 2 * m)
         cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
-        q, k, v = (t[0] for t in _qkv(1, cu_list[-1], h, hkv, 128, dtype, seed=7))
+        q, k, v = (t[0] for t in _qkv(1, cu_list[-1], h, hkv, d, dtype, seed=7))
 
         def attn(q, k, v):
             return dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 2 * max(halves), block_size)
     else:
         s = 2 * n + (layout == "causal")
-        q, k, v = _qkv(2, s, h, hkv, 128, dtype, seed=n)
+        q, k, v = _qkv(2, s, h, hkv, d, dtype, seed=n)
         attn = (lambda q, k, v: dlm_ops.block_causal_attn_func(q, k, v, block_size)
                 if layout == "causal" else dlm_ops.diffusion_attn_func(q, k, v, block_size))
     dout = torch.randn_like(q)

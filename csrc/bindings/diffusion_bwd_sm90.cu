@@ -59,7 +59,7 @@ struct LaunchBwd {
 // odd-length / varlen dK/dV kernel reads up to kVarlenScratchPad of them; csrc/NOTES.md). Packed
 // samples (varlen): B = 1, S = total tokens, the orders and samples from varlen_bwd_tile_orders and
 // cu_seqlens the (num_samples + 1,) int32 offsets on the device; n_noisy is then unused.
-// persistent_dkdv: the persistent dK/dV kernel (D = 128; other head dims run the one-CTA-per-tile
+// persistent_dkdv: the persistent dK/dV kernel (D = 64 / 128; other head dims run the one-CTA-per-tile
 // kernel regardless).
 void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
          torch::Tensor lse, std::optional<torch::Tensor> dlse, torch::Tensor dq, torch::Tensor dk,
@@ -123,7 +123,7 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   a.dkdv_order = dkdv_order.data_ptr<int32_t>(), a.dkdv_tiles = dkdv_order.size(0);
   a.dq_order = dq_order.data_ptr<int32_t>(), a.dq_tiles = dq_order.size(0);
   a.stream = c10::cuda::getCurrentCUDAStream();
-  a.persistent_dkdv = persistent_dkdv;  // honoured where the head dim has the kernel (D = 128)
+  a.persistent_dkdv = persistent_dkdv;  // honoured where the head dim has the kernel (D = 64 / 128)
   if (varlen) {
     a.dkdv_sample = dkdv_sample->data_ptr<int32_t>(), a.dq_sample = dq_sample->data_ptr<int32_t>();
     a.cu_seqlens = cu_seqlens->data_ptr<int32_t>();

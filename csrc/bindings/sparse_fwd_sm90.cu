@@ -34,11 +34,12 @@ bool supports(int64_t block_q, int64_t block_k, int64_t d) {
 // kv_block_counts (B, H, nQb), int32, contiguous; work_order: None or the (B * H * nQb) items
 // (b * H + h) * nQb + qb, longest list first; key_len: None or (B, H) int32, the keys of (b, h)
 // are [0, key_len[b, h]) (<= Sk, lists below ceil(key_len / 128): the column-sparse forward's
-// gathered keys, dlm_ops/backends/cutlass_sparse.py).
+// gathered keys, dlm_ops/backends/cutlass_sparse.py); max_ctas: 0 one CTA per item, > 0 a
+// persistent grid of at most that many CTAs.
 void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
          torch::Tensor kv_block_indices, torch::Tensor kv_block_counts,
          std::optional<torch::Tensor> work_order, int64_t block_q, int64_t block_k, double scale,
-         std::optional<torch::Tensor> key_len) {
+         std::optional<torch::Tensor> key_len, int64_t max_ctas) {
   const auto& idx = kv_block_indices;
   const auto& counts = kv_block_counts;
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
@@ -95,6 +96,8 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   a.key_len = key_len ? key_len->data_ptr<int32_t>() : nullptr;
   a.scale = static_cast<float>(scale);
   a.work_order = work_order ? work_order->data_ptr<int32_t>() : nullptr;
+  TORCH_CHECK(max_ctas >= 0 && max_ctas <= INT32_MAX, "max_ctas must be >= 0");
+  a.max_ctas = static_cast<int>(max_ctas);
   a.stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err =
       dlm_bindings::dispatch<64, 128>(q.scalar_type(), static_cast<int>(d), LaunchSparseFwd{a});
@@ -109,6 +112,7 @@ void add_sparse_fwd(pybind11::module_& m) {  // the module: csrc/bindings/sparse
   m.def("fwd", &fwd, pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("kv_block_indices"), pybind11::arg("kv_block_counts"),
         pybind11::arg("work_order"), pybind11::arg("block_q"), pybind11::arg("block_k"),
-        pybind11::arg("scale"), pybind11::arg("key_len") = pybind11::none());
+        pybind11::arg("scale"), pybind11::arg("key_len") = pybind11::none(),
+        pybind11::arg("max_ctas") = 0);
 }
 }  // namespace dlm_bindings

@@ -4,7 +4,7 @@
 //   preprocess  one pass over O and dO: delta = rowsum(dO * O) - dlse and lse2 = lse * log2 e,
 //               fp32, (B, H, S) contiguous scratch (plain CUDA, memory bound).
 //   dK/dV       one CTA per (batch, kv head, key tile of BN = 128 keys), or (DkDvPersistent, halves
-//               up to 1024 at D = 128) one per SM walking those items with two K / V buffers and a
+//               up to 1024 at D = 64 / 128) one per SM walking those items with two K / V buffers and a
 //               TMA-store epilogue (DkDvConfig PERSISTENT_ / TMA_STORE_). Warpgroup 0 produces: one
 //               thread loads K and V once, then for each query head of the kv head's group and
 //               each query tile of BM = 64 rows that sees the key tile (dlm/geometry.h bwd_tiles:
@@ -1165,10 +1165,11 @@ using DkDvFused = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, START,
 // The persistent dK/dV kernel: two K / V buffers, TMA-store epilogue, snake walk. Harness
 // `persistent` (session 9, bf16 D = 128, 16K tokens) against DkDvShipped: the dK/dV kernel 1.12x /
 // 1.20x at n = 1K (block 16 / 4), the whole backward 1.07x / 1.10x; at 2K 0.98x (whole 1.03x), at
-// 4K 0.92x (0.91x), at 8K 1.00x (0.93x), GQA 32/8 at 2K 0.90x. D = 64: checked, not timed.
+// 4K 0.92x (0.91x), at 8K 1.00x (0.93x), GQA 32/8 at 2K 0.90x. D = 64 (session 10, `persistent64`):
+// the whole backward 1.055x / 1.058x at n = 1K, 1.01x at 2K, 0.97x at 4K, 0.91x at 8K, 0.94x GQA.
 template <class Elem, int D, int START>
 using DkDvPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, START, false, true, true>;
-constexpr bool dkdv_persistent_supports(int d) { return d == 128; }
+constexpr bool dkdv_persistent_supports(int d) { return d == 64 || d == 128; }
 constexpr bool fused_dq_supports(int d) { return d == 128; }
 
 template <class Elem, int D>

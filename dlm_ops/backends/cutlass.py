@@ -212,6 +212,12 @@ def tma_ready(t: torch.Tensor) -> bool:
             and all((t.stride(i) * size) % 16 == 0 for i in range(3)))
 
 
+@lru_cache(maxsize=16)
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors: the grid of a persistent kernel (one CTA per SM)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 _TOOLCHAIN: list = []  # [unavailable_reason()] once computed (Sm90Backend)
 
 

@@ -23,7 +23,7 @@ block_size, head dim, device), the host tuple of VarlenMask (no device sync), ea
 host-to-device copy of the offsets and every kernel's (tile, sample) table. The forward's grid is
 persistent (one CTA per SM) at D = 128 and, at other head dims, where halves are short
 (PERSISTENT_MAX_HALF; varlen: the longest sample's half); the backward's dK/dV kernel is the
-persistent one at D = 128 where halves are at most PERSISTENT_DKDV_MAX_HALF long.
+persistent one at D = 64 / 128 where halves are at most PERSISTENT_DKDV_MAX_HALF long.
 
 The build happens at the first call (one WARNING line; 23 translation units compiled in parallel
 by ninja: 121 s on the H200 machine's 16 cores since the persistent dK/dV kernels, 107 s before).
@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from . import cutlass, register
+from .cutlass import sm_count as _sm_count
 from .base import DETERMINISTIC, GQA, VARLEN, Capabilities, new_output
 from .triton_backend import TritonBackend
 
@@ -101,17 +102,13 @@ PERSISTENT_MAX_HALF = 2048
 PERSISTENT_HEAD_DIMS = (128,)  # persistent at every length
 
 # The backward's dK/dV kernel: the persistent one (two K / V buffers, TMA-store epilogue, snake
-# walk; DkDvPersistent in diffusion_bwd.cuh, D = 128 only) when every half is at most this long,
+# walk; DkDvPersistent in diffusion_bwd.cuh, D = 64 / 128) when every half is at most this long,
 # else one CTA per key tile. Harness `persistent` (session 9, bf16 D = 128, 16K tokens), the whole
 # backward against one CTA per tile: 1.07x / 1.10x at n = 1K (block 16 / 4), 1.03x at 2K, 0.91x at
-# 4K, 0.93x at 8K, 0.90x for GQA 32/8 at 2K.
+# 4K, 0.93x at 8K, 0.90x for GQA 32/8 at 2K. D = 64 (session 10, `persistent64`): 1.055x / 1.058x
+# at 1K, 1.01x at 2K, 0.97x at 4K, 0.91x at 8K, 0.94x GQA: the same crossover.
 PERSISTENT_DKDV_MAX_HALF = 1024
-PERSISTENT_DKDV_HEAD_DIMS = (128,)
-
-
-@lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+PERSISTENT_DKDV_HEAD_DIMS = (64, 128)
 
 
 def _max_ctas(longest_half: int, head_dim: int, device: torch.device) -> int:

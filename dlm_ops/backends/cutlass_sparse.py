@@ -11,7 +11,8 @@ or 128), fp16 / bf16 (declared capabilities: fp32 selects ``triton``), GQA, any 
 blocks may be partial), empty lists (out 0, lse -inf), return_lse; checked per call, TMA-ready
 q / k / v (unit stride in D, 16-byte aligned base and strides). The kernel walks its (batch, head,
 query block) items in a work order, longest list first (one argsort of the counts on the device
-per call, no host sync), so the longest lists start in the first wave.
+per call, no host sync; 21 us of GPU time at 4096 items), on a persistent grid (one CTA per SM,
+``PERSISTENT``) whose CTAs take the items in the snake order.
 
 Column-sparse (``column_fwd``): dense attention over each head's listed keys, so the listed K / V
 rows are gathered per query head into (B, K, H, D) buffers (K = kv_indices.shape[-1], static: no
@@ -48,6 +49,7 @@ import torch
 
 from . import cutlass, register
 from .base import GQA, Capabilities, new_output
+from .cutlass import sm_count as _sm_count
 from .sparse_triton import TritonSparseBackend
 
 SOURCES = ["bindings/sparse_sm90.cpp", "bindings/sparse_fwd_sm90.cu",
@@ -59,6 +61,15 @@ STATS = {"fwd": 0, "fwd_fallback": 0, "bwd_fallback": 0, "column_fwd": 0,
          "column_fwd_fallback": 0, "column_bwd_fallback": 0}
 BLOCK = 128  # the kernel's key block (block_sparse_fwd_supports)
 
+# The forwards' grid: persistent (one CTA per SM walking its items in the snake order; the next
+# item's Q and first K / V load while this one's last P V and its O store run) or one CTA per item.
+# H200, bf16, B 1, H 32/8, D 128, through the ops in one process (session 10, csrc/NOTES.md
+# "Persistent sparse forward"): persistent / one CTA per item = 1.029 / 1.028 / 1.022 at S = 16K
+# (densities 0.1 / 0.3 / 0.5; column-sparse 1.005 / 1.025 / 1.020), 0.985 / 1.025 / 1.039 at 32K
+# (column 1.007 / 1.008 / 0.994) and 0.975 / 1.002 / 1.011 at 64K (column 0.991 / 1.000 / 0.997):
+# a gain at 16K, within the +-3 % run-to-run spread above it. One rule, as the diffusion forward's.
+PERSISTENT = True
+
 _EXT = None
 _BUILD_ERROR: str | None = None
 
@@ -69,6 +80,11 @@ def _extension():
     if _EXT is None and _BUILD_ERROR is None:
         _EXT, _BUILD_ERROR = cutlass.build_or_reason("dlm_sparse_sm90", SOURCES)
     return _EXT
+
+
+def _max_ctas(device: torch.device) -> int:
+    """The kernel's grid bound (SparseFwdArgs::max_ctas): the SM count, or 0 (one CTA per item)."""
+    return _sm_count(device) if PERSISTENT else 0
 
 
 def work_order(counts: torch.Tensor) -> torch.Tensor:
@@ -181,7 +197,8 @@ class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
         b, sq, h, _ = q.shape
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, sq), torch.float32)
-        ext.fwd(q, k, v, out, lse, idx, counts, work_order(counts), bsq, bsk, scale)
+        ext.fwd(q, k, v, out, lse, idx, counts, work_order(counts), bsq, bsk, scale,
+                max_ctas=_max_ctas(q.device))
         STATS["fwd"] += 1
         return out, lse
 
@@ -202,7 +219,8 @@ class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
                                                                -(-sq // BLOCK))
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, sq), torch.float32)
-        ext.fwd(q, kg, vg, out, lse, shared, blocks, order, BLOCK, BLOCK, scale, key_len=key_len)
+        ext.fwd(q, kg, vg, out, lse, shared, blocks, order, BLOCK, BLOCK, scale, key_len=key_len,
+                max_ctas=_max_ctas(q.device))
         STATS["column_fwd"] += 1
         return out, lse
 
