@@ -4,8 +4,8 @@ warpgroups), JIT-built on first use by ``cutlass.build``; everything else runs t
 (this backend subclasses the Triton one).
 
 Which kernel runs where is data (FORWARD_HEAD_DIMS, BACKWARD_HEAD_DIMS below): each CUTLASS kernel
-runs for the head dims where it measured faster than Triton's on the H200, the forward at D = 128 /
-256 and the backward at D = 64 / 128 (Triton's forward at D = 64, its backward at D = 256). The
+runs for the head dims where it measured faster than Triton's on the H200, the forward at D = 64 /
+128 / 256 and the backward at D = 64 / 128 (Triton's backward at D = 256). The
 same split holds for batched calls (halves of any length, incl. block-causal with n_noisy 0: the
 kernels' kBatchedStart, hopper/common.cuh) and for packed samples (``varlen_fwd`` /
 ``varlen_bwd``: the kStartVarlen instantiations, zero-length samples included). Both need sm90,
@@ -82,10 +82,12 @@ def _tile_order(n_noisy: int, n_clean: int, block_size: int, head_dim: int,
 # Which head dims run which CUTLASS kernel; the rest run Triton's. Measured on the H200 through torch
 # in one process (bf16, H=16, 16K tokens, csrc/NOTES.md): the CUTLASS backward beats Triton's (n = 1K:
 # 210 vs 180 TFLOPS, n = 8K: 388 vs 283); the forward v5 does at D = 128 (287 vs 256, 542 vs 376) and
-# D = 256 (n = 2K: 439 vs 243) but not at D = 64 (n = 2K: 257 vs 292). The kernels cover every head
-# dim listed in SUPPORTED_HEAD_DIMS.
+# D = 256 (n = 2K: 439 vs 243). At D = 64 v5 lost (n = 2K: 257 vs 292); since v6's TMA-store
+# epilogue and the snake walk it is level and the step with it faster (session 10, n = 2K, main
+# preset's D = 64 case: forward 286 vs 281, step 195 vs 177 with Triton's forward; other lengths
+# not measured). The kernels cover every head dim listed in SUPPORTED_HEAD_DIMS.
 SUPPORTED_HEAD_DIMS = {"fwd": (64, 128, 256), "bwd": (64, 128)}
-FORWARD_HEAD_DIMS = (128, 256)
+FORWARD_HEAD_DIMS = (64, 128, 256)
 BACKWARD_HEAD_DIMS = (64, 128)
 
 # The forward's grid: one CTA per SM walking its work items (the next item's Q and K/V load while
