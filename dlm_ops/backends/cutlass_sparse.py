@@ -64,7 +64,7 @@ BLOCK = 128  # the kernel's key block (block_sparse_fwd_supports)
 # The forwards' grid: persistent (one CTA per SM walking its items in the snake order; the next
 # item's Q and first K / V load while this one's last P V and its O store run) or one CTA per item.
 # H200, bf16, B 1, H 32/8, D 128, through the ops in one process (session 10, csrc/NOTES.md
-# "Persistent sparse forward"): persistent / one CTA per item = 1.029 / 1.028 / 1.022 at S = 16K
+# "Session 10"): persistent / one CTA per item = 1.029 / 1.028 / 1.022 at S = 16K
 # (densities 0.1 / 0.3 / 0.5; column-sparse 1.005 / 1.025 / 1.020), 0.985 / 1.025 / 1.039 at 32K
 # (column 1.007 / 1.008 / 0.994) and 0.975 / 1.002 / 1.011 at 64K (column 0.991 / 1.000 / 0.997):
 # a gain at 16K, within the +-3 % run-to-run spread above it. One rule, as the diffusion forward's.
