@@ -21,8 +21,8 @@
 //
 // Work items: item w is entry work_order[w] (or w) of the flat (B, H, nQb) count tensor. The CTA
 // loop over items is v5's with the snake walk (snake_item); the grid is one CTA per item, or
-// persistent (SparseFwdArgs::max_ctas, at most that many CTAs: cutlass_sparse.PERSISTENT decides; csrc/NOTES.md
-// "Session 10").
+// persistent (SparseFwdArgs::max_ctas, at most that many CTAs; cutlass_sparse.PERSISTENT decides,
+// csrc/NOTES.md "Session 10").
 //
 // Per-item key lengths (key_len, optional; the column-sparse forward's: csrc/NOTES.md "Column-sparse
 // forward (issue #5)"). With key_len set, the keys of (b, h) are [0, key_len[b * H + h]) (<= Sk),
