@@ -1,4 +1,4 @@
-"""Is a training step host-bound? ``python -m benchmarks.host_time [--n 1024] [--calls 50]``.
+"""Is a training step host-bound? ``python -m benchmarks.host_time [--n 1024] [--head-dim 128]``.
 
 Per call, for the forward (no grad), a training step (forward with grad, then backward) and the
 backward op alone, batched and packed (varlen, the same samples): the CPU time to enqueue
@@ -7,7 +7,8 @@ to wall does not by itself mean a host-bound step: once the launch queue is full
 enqueue as fast as the GPU drains it (session 7 read it that way; csrc/NOTES.md "The training step
 at n = 1K"). The burst column is the host's own time per call (3 calls right after a sync, no
 queue to wait on), and ``--profile`` compares the kernels' GPU time per step with the wall.
-bf16, H=16, D=128, 16K tokens, block_size 16, the default backend. Needs a CUDA GPU.
+bf16, H=16, D=128 (``--head-dim``), 16K tokens, block_size 16, the default backend. Needs a CUDA
+GPU.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def per_call(f, calls: int) -> tuple[float, float, float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=1024, help="half length (samples of 2n tokens)")
+    p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="also profile 10 batched steps (torch.profiler, CPU and CUDA): the GPU's "
@@ -55,7 +57,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.host_time needs a CUDA GPU")
-    h, d, n = 16, 128, a.n
+    h, d, n = 16, a.head_dim, a.n
     b = max(1, 16384 // (2 * n))
 
     def make(*shape):
