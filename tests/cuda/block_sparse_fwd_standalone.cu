@@ -476,6 +476,7 @@ int main(int argc, char** argv) {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
     check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");
     check<bf16, 128>({1, 200, 300, 8, 8, "mix", 0, 0, true, 0, 2}, "bf16");
+    check<bf16, 128>({1, 700, 900, 8, 2, "mix", 0, 0, true, 3}, "bf16");  // persistent: 3 CTAs, 48 items
   }
   if (mode == "all" || mode == "check") {
     checks<bf16, 128>("bf16");

@@ -899,6 +899,16 @@ int main(int argc, char** argv) {
     check<fp16, 64, DkDvConfig<fp16, 64, kBwdBlockM, kBwdBlockN, kBwdStages>,
           DqConfig<fp16, 64, kDqBlockM, kDqBlockN, kDqStages>>("fp16 D=64", {1, 128, 2, 2, 5, true});
   }
+  if (mode == "persistent-small") {  // the persistent dK/dV kernel with CTAs walking two items (256
+    // items on an H200's 132 SMs: both K / V buffers, the release into the next item), e.g. under
+    // compute-sanitizer; every 31st row and column checked
+    check<bf16, 128, DkDvPersistent<bf16, 128, kStartTile>, Dq>("bf16 D=128 persistent dK/dV",
+                                                                {2, 1024, 8, 8, 16, false, 31});
+    check<fp16, 64, DkDvPersistent<fp16, 64, kStartTile>,
+          DqConfig<fp16, 64, kDqBlockM, kDqBlockN, kDqStages>>("fp16 D=64 persistent dK/dV",
+                                                                {2, 1024, 8, 8, 5, false, 31});
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+  }
   if (mode == "shipped" || mode == "time") timing<Dk, Dq>("shipped");
   if (mode == "varlen") {
     odd_varlen_checks<bf16, 128>("bf16 D=128");
