@@ -40,12 +40,18 @@ struct OStaging<Elem, 0> {};
 // SMEM_O_: the epilogue writes O to shared memory and stores it with TMA (store_o_lse_tma), so the
 // consumers start their next work item while the copy drains; otherwise each thread stores its O
 // values to global memory itself (store_o_lse).
+// CARRY_ (fwd_consumers only, i.e. the block-sparse forward; an experiment, csrc/NOTES.md "Session
+// 10"): an item's last O += P V is issued with the next item's first S, and its epilogue runs
+// after that S's softmax, so the tensor cores see no gap at item boundaries. Needs QSTAGES_ 2 (the
+// next item's Q must be in shared memory before this item's last P V).
 template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true,
-          int START_ = kStartTile, int QSTAGES_ = 1, bool SMEM_O_ = false>
+          int START_ = kStartTile, int QSTAGES_ = 1, bool SMEM_O_ = false, bool CARRY_ = false>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_, QSTAGES = QSTAGES_;
   static constexpr bool kSmemO = SMEM_O_;
+  static constexpr bool kCarry = CARRY_;
+  static_assert(!kCarry || QSTAGES >= 2, "the carried pipeline loads the next item's Q early");
   static constexpr bool kPingPong = PINGPONG_;  // the consumers take turns at the tensor cores
   static constexpr int kStart = START_;
   static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
