@@ -40,6 +40,7 @@
 #include "dlm/geometry.h"
 #include "hopper/attn_common.cuh"
 #include "hopper/common.cuh"
+#include "hopper/fwd_carry.cuh"
 
 namespace dlm::sm90 {
 
@@ -152,151 +153,63 @@ CUTE_DEVICE Visit step_visit(TilePlans const& plans, int kt, bool run0, Interval
   return {t.lo, t.hi, visit_full<Cfg::BN>(all, t.lo, t.hi)};
 }
 
-// EXPERIMENT (session 10, not shipped; csrc/NOTES.md "Session 10"): the consumers below with the
-// pipeline carried across work items, as hopper/fwd_carry.cuh does for the block-sparse forward:
-// an item's last O += P V goes with the next item's first S, its epilogue after that S's softmax.
-// For FwdConfig<..., CARRY_ = true> only (harness mode `carry` of tests/cuda/diffusion_fwd_
-// standalone.cu); a separate function, so the shipped kernels' SASS is unchanged. After the A/B it
-// replaces the loop in diffusion_fwd_kernel or is deleted. The target: n <= 2K, where an item
-// visits ~5-16 key tiles and the forward runs at 0.79x cuDNN (n = 1K).
+// EXPERIMENT (session 10, not shipped; csrc/NOTES.md "Session 10"): the block-diffusion side of
+// fwd_consumers_carry (hopper/fwd_carry.cuh), the carried pipeline, for FwdConfig<..., CARRY_ = true>
+// only (harness mode `carry` of tests/cuda/diffusion_fwd_standalone.cu). The shipped configs keep
+// the kernel's own consumer loop below (its SASS is unchanged). Item: one query tile with its
+// plans, key runs and the rows' visible intervals; tile: the step's Visit; the mask and bounds as
+// online_softmax computes them.
 template <class Cfg, class Params>
-CUTE_DEVICE void diffusion_fwd_consumers_carry(Params const& p, typename Cfg::SharedStorage& ss,
-                                               int consumer, int num_items,
-                                               TilePlans const& kernel_plans) {
-  static_assert(Cfg::kCarry && Cfg::QSTAGES >= 2);
-  using Elem = typename Cfg::Elem;
-  constexpr int BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
-  using Barrier = cutlass::arch::ClusterBarrier;
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKV{});
-  Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutVt{});
-  cutlass::arch::warpgroup_reg_alloc<240>();
-  const int tid = threadIdx.x % 128;
-  typename Cfg::MmaS mma_s;
-  typename Cfg::MmaO mma_o;
-  auto thr_s = mma_s.get_thread_slice(tid);
-  auto thr_o = mma_o.get_thread_slice(tid);
-  Tensor sQc = local_tile(sQ, Shape<Int<Cfg::kConsumerRows>, Int<D>>{}, make_coord(consumer, 0));
-  Tensor tSrQ = thr_s.partition_fragment_A(sQc);  // smem descriptors, (MMA, M, K, QSTAGES)
-  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, N, K, STAGES)
-  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, N=D, K=BN, STAGES)
-  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<Cfg::kConsumerRows>, Int<D>>{});
-  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<Cfg::kConsumerRows>, Int<BN>>{});
-  Tensor p_elem = make_fragment_like<Elem>(acc_s);
-  Tensor tOrP = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
-  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<BN>>{}));
-  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<Cfg::kConsumerRows>, Int<D>>{}));
-  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  constexpr int kRows = 2;
+struct DiffusionConsumerSide {
+  Params const& p;
+  TilePlans const& kernel_plans;
+  static constexpr int kRows = 2;
 
-  int it = 0;  // the producer's ring position, kept in step
-  struct Pending {  // the previous item while its last P V and epilogue are still to come
-    bool live = false;
-    int b, h, row_base, row_end, row_offset;
-    float row_sum[kRows], row_max[kRows];
-  } pend;
-  auto store_pending = [&] {
-    store_item<Cfg>(p, ss, acc_o, tOcO_rc, pend.row_sum, pend.row_max, pend.b, pend.h,
-                    pend.row_base, pend.row_end, pend.row_offset, p.seqlen, consumer, tid);
-    pend.live = false;
+  struct Item {
+    int b, h, row_base, row_offset, n_tiles, n_first, row_end;
+    TilePlans plans;
+    TileRuns runs;
+    Intervals all_keys, seen[kRows];
   };
-  auto finish_pending = [&] {  // no next S to go with: the last P V alone, then the epilogue
-    const int last = (it - 1) % STAGES;
-    Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
-    warpgroup_fence_operand(acc_o);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_o);
-    Barrier::arrive(&ss.v_empty[last]);
-    store_pending();
-  };
-
-  for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
+  template <class Coords>
+  CUTE_DEVICE Item item(int w, int consumer, Coords const& tScS_rc) const {
     const ItemGeom ig = item_geom<Cfg>(p, w);
-    const WorkItem wi = ig.wi;
     const SequenceMask& mask = Cfg::kStart == kStartTile ? p.mask : ig.mask;
-    const TilePlans plans = Cfg::kStart == kStartTile ? kernel_plans : mask.fwd_tiles(Cfg::BM, BN);
-    const int row_offset = Cfg::kStart == kStartVarlen ? ig.offset : 0;
-    const Interval q_tile = plans.tile(wi.qt);
-    const TileRuns runs = plans.runs(wi.qt);
-    const int row_base = q_tile.lo + consumer * Cfg::kConsumerRows;
-    float row_max[kRows], row_sum[kRows], scale_row[kRows];
-    Intervals seen[kRows];
-    for (int i = 0; i < kRows; ++i) {
-      row_max[i] = -INFINITY;
-      row_sum[i] = 0.f;
-      seen[i] = mask.row_intervals(row_base + get<0>(tScS_rc(i, 0)));
-    }
-    const int n_first = runs.end[0] - runs.begin[0], n_tiles = runs.count();
-    if (pend.live && n_tiles == 0) finish_pending();
-    if (!pend.live) clear(acc_o);  // else acc_o holds the pending item's O until step 0
-    const Intervals all_keys = keys_seen_by_all(mask, q_tile);
-    if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
-    const QSlot<Cfg> qs(item);
-    Barrier::wait(&ss.q_full[qs.buf], qs.phase);
-
-    for (int j = 0; j < n_tiles; ++j, ++it) {
-      const int stage = it % STAGES, phase = (it / STAGES) & 1;
-      const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it - 1) / STAGES) & 1;
-      const int kt = j < n_first ? runs.begin[0] + j : runs.begin[1] + (j - n_first);
-      const Visit visit = step_visit<Cfg>(plans, kt, j < n_first, all_keys);
-      const bool carried = j == 0 && pend.live;  // step 0 also issues the pending last P V
-      const bool pv = j > 0 || carried;
-      Barrier::wait(&ss.k_full[stage], phase);
-      if (pv) Barrier::wait(&ss.v_full[prev], prev_phase);
-      if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
-      gemm_fresh(mma_s, tSrQ(_, _, _, qs.buf), tSrK(_, _, _, stage), acc_s);
-      if (pv) {
-        warpgroup_fence_operand(acc_o);
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
-        warpgroup_commit_batch();
-      }
-      if (pv) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
-      if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
-      warpgroup_fence_operand(acc_s);
-      Barrier::arrive(&ss.k_empty[stage]);
-
-      if (!visit.full || visit.end - visit.start < BN)
-        online_softmax<true>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
-      else
-        online_softmax<false>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
-
-      warpgroup_wait<0>();  // P_{j-1} V_{j-1} is in acc_o, and p_elem is free again
-      warpgroup_fence_operand(acc_o);
-      if (pv) Barrier::arrive(&ss.v_empty[prev]);
-      if (carried) {  // acc_o is the pending item's O: its epilogue, then zeroed by the rescale
-        store_pending();  // (a clear(acc_o) here serializes the loop's wgmmas: fwd_carry.cuh)
-        for (int i = 0; i < kRows; ++i) scale_row[i] = 0.f;
-      }
-      Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-      CUTE_UNROLL
-      for (int i = 0; i < kRows; ++i)
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= scale_row[i];
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
-    }
-    Barrier::arrive(&ss.q_empty[qs.buf]);
-    if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
-    if (n_tiles > 0) {  // its last P V and epilogue go with the next item's first S
-      pend.live = true;
-      pend.b = wi.b, pend.h = wi.h, pend.row_base = row_base, pend.row_end = q_tile.hi;
-      pend.row_offset = row_offset;
-      for (int i = 0; i < kRows; ++i) pend.row_sum[i] = row_sum[i], pend.row_max[i] = row_max[i];
-    } else {  // no key tile: O = 0, lse = -inf
-      store_item<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, q_tile.hi,
-                      row_offset, p.seqlen, consumer, tid);
-    }
+    Item it{ig.wi.b, ig.wi.h};
+    it.plans = Cfg::kStart == kStartTile ? kernel_plans : mask.fwd_tiles(Cfg::BM, Cfg::BN);
+    const Interval q_tile = it.plans.tile(ig.wi.qt);
+    it.runs = it.plans.runs(ig.wi.qt);
+    it.row_base = q_tile.lo + consumer * Cfg::kConsumerRows;
+    it.row_offset = Cfg::kStart == kStartVarlen ? ig.offset : 0;  // packed row of position 0
+    it.row_end = q_tile.hi;  // rows of the tile past its half (or sample) are not stored
+    it.n_first = it.runs.end[0] - it.runs.begin[0];
+    it.n_tiles = it.runs.count();
+    it.all_keys = keys_seen_by_all(mask, q_tile);
+    for (int i = 0; i < kRows; ++i) it.seen[i] = mask.row_intervals(it.row_base + get<0>(tScS_rc(i, 0)));
+    return it;
   }
-  if (pend.live) finish_pending();
-  store_o_drain<Cfg>(tid);
-}
+  CUTE_DEVICE int row_end(Item const& it) const { return it.row_end; }
+  CUTE_DEVICE int o_rows() const { return p.seqlen; }
+  CUTE_DEVICE Visit tile(Item const& it, int j) const {
+    const bool run0 = j < it.n_first;
+    const int kt = run0 ? it.runs.begin[0] + j : it.runs.begin[1] + (j - it.n_first);
+    return step_visit<Cfg>(it.plans, kt, run0, it.all_keys);
+  }
+  CUTE_DEVICE bool may_mask(Visit const&) const { return true; }
+  CUTE_DEVICE bool masked(Item const&, Visit const& v) const {
+    return !v.full || v.end - v.start < Cfg::BN;
+  }
+  template <class Coords>
+  CUTE_DEVICE auto bounds(Item const& it, Visit const& visit, Coords const& tScS_rc) const {
+    return [&it, visit, &tScS_rc](int i, int& lo, int& hi) {  // online_softmax's interval
+      const Intervals& seen = it.seen[i];
+      const bool first = seen.first.hi > visit.start && seen.first.lo < visit.end;
+      const int base = visit.start + get<1>(tScS_rc(i, 0));
+      lo = (first ? seen.first.lo : seen.second.lo) - base;
+      hi = imin(first ? seen.first.hi : seen.second.hi, visit.end) - base;
+    };
+  }
+};
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
@@ -369,7 +282,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   // ------------------------------------------------------------------------------------ consumers
   if constexpr (Cfg::kCarry) {  // the experiment above (harness only)
-    diffusion_fwd_consumers_carry<Cfg>(p, ss, warp_group - 1, num_items, kernel_plans);
+    fwd_consumers_carry<Cfg, DiffusionConsumerSide>(p, ss, warp_group - 1, num_items, kernel_plans);
     return;
   }
   // Not fwd_consumers (attn_common.cuh): with its visit and mask test as that loop's hooks the PTX

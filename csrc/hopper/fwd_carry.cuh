@@ -1,8 +1,9 @@
 // EXPERIMENT (session 10, not shipped; csrc/NOTES.md "Session 10"): fwd_consumers (attn_common.cuh)
 // with the pipeline carried across work items, for FwdConfig<..., CARRY_ = true>. The block-sparse
-// forward runs it for such configs only (harness mode `carry`, tests/cuda/block_sparse_fwd_
-// standalone.cu); the shipped configs keep fwd_consumers, whose SASS this file does not touch.
-// After its A/B this loop either replaces fwd_consumers (one loop again) or is deleted.
+// forward (SparseConsumerSide) and the diffusion forward (DiffusionConsumerSide, diffusion_fwd.cuh)
+// run it for such configs only (harness modes `carry` of tests/cuda/block_sparse_fwd_standalone.cu
+// and diffusion_fwd_standalone.cu); the shipped configs keep their loops, whose SASS this file does
+// not touch. After its A/B this loop either replaces fwd_consumers (one loop again) or is deleted.
 //
 // Why: at 10 % density an item of the block-sparse forward visits 13 key tiles at S = 16K and
 // costs ~2.5 tile-times more than its tiles: both consumers reach the item's end together, so

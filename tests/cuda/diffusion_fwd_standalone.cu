@@ -565,7 +565,7 @@ int main(int argc, char** argv) {
     ab_timing<Variants<Ship, Persistent<Ship>, Ship>>(names);
     return 0;
   }
-  if (v == "carry") {  // the carried pipeline (diffusion_fwd_consumers_carry, session 10): checks, then
+  if (v == "carry") {  // the carried pipeline (fwd_carry.cuh with DiffusionConsumerSide, session 10): checks, then
     using namespace dlm::sm90;  // shipped / two Q buffers / carried, all persistent (D = 128 ships persistent)
     using Ship = FwdShipped<bf16, 128, kBatchedStart>;
     using Q2 = FwdConfig<bf16, 128, 128, 128, 2, true, kBatchedStart, 2, true>;
