@@ -40,18 +40,12 @@ struct OStaging<Elem, 0> {};
 // SMEM_O_: the epilogue writes O to shared memory and stores it with TMA (store_o_lse_tma), so the
 // consumers start their next work item while the copy drains; otherwise each thread stores its O
 // values to global memory itself (store_o_lse).
-// CARRY_ (fwd_consumers only, i.e. the block-sparse forward; an experiment, csrc/NOTES.md "Session
-// 10"): an item's last O += P V is issued with the next item's first S, and its epilogue runs
-// after that S's softmax, so the tensor cores see no gap at item boundaries. Needs QSTAGES_ 2 (the
-// next item's Q must be in shared memory before this item's last P V).
 template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true,
-          int START_ = kStartTile, int QSTAGES_ = 1, bool SMEM_O_ = false, bool CARRY_ = false>
+          int START_ = kStartTile, int QSTAGES_ = 1, bool SMEM_O_ = false>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_, QSTAGES = QSTAGES_;
   static constexpr bool kSmemO = SMEM_O_;
-  static constexpr bool kCarry = CARRY_;
-  static_assert(!kCarry || QSTAGES >= 2, "the carried pipeline loads the next item's Q early");
   static constexpr bool kPingPong = PINGPONG_;  // the consumers take turns at the tensor cores
   static constexpr int kStart = START_;
   static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
@@ -139,6 +133,16 @@ CUTE_DEVICE float quad_sum(float x) {
 
 // Named barriers for the consumers' turns (0 is __syncthreads): each phase needs both consumer
 // warpgroups, one syncing (waiting for its turn) and the other arriving (handing it over).
+// Ping-pong: the consumers take turns to issue their matmuls, so that one's softmax runs while the
+// tensor cores work for the other. Consumer 1 pre-arrives on barrier kTurnBarrier + 0 once, before
+// its first item, so that consumer 0 goes first; after that every S of one consumer hands the
+// turn to the other, across items (both consumers visit the same tiles of every item, so the turns
+// pair up), and consumer 1's last hand-over stays open at exit. Not per item (consumer 1
+// pre-arriving at each item's start, consumer 0 closing the open phase at its end, as until
+// session 11): a consumer 1 that reaches its next pre-arrival before consumer 0's closing sync
+// arrives twice on one phase, which completes it without consumer 0, and both then wait on each
+// other. The forward loops won that race by the length of consumer 1's epilogue; session 10's
+// carried loop, which moved that epilogue into the next item, deadlocked on its first run.
 constexpr int kTurnBarrier = 1;
 CUTE_DEVICE void named_barrier_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id)); }
 CUTE_DEVICE void named_barrier_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id)); }
@@ -361,6 +365,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
   const Side<Cfg, Params> kernel{p, side_args...};
 
   int it = 0;  // the producer's ring position, kept in step
+  if (Cfg::kPingPong && consumer == 1) named_barrier_arrive(kTurnBarrier + 0);  // see kTurnBarrier
   for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
     const auto wi = kernel.item(w, consumer, tScS_rc);
     float row_max[kRows], row_sum[kRows], scale_row[kRows];
@@ -370,10 +375,6 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
     }
     clear(acc_o);
     const int n_tiles = wi.n_tiles;
-    // Ping-pong: the two consumers take turns to issue their matmuls (named barriers 1 and 2), so
-    // one's softmax runs while the tensor cores work for the other. Consumer 1 pre-arrives on
-    // consumer 0's barrier so that consumer 0 goes first.
-    if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
     const QSlot<Cfg> qs(item);
     Barrier::wait(&ss.q_full[qs.buf], qs.phase);
 
@@ -423,8 +424,6 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
     // The consumers' last S of this item has read Q: the producer may load the next item's (one
     // arrival after the loop, not a test in every step).
     Barrier::arrive(&ss.q_empty[qs.buf]);
-    // Consumer 1's last hand-over (and its pre-arrival) leave one phase of barrier 1 open: close it.
-    if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
     if (n_tiles > 0) {  // the last tile's O += P V
       const int last = (it - 1) % STAGES;
       Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);

@@ -44,7 +44,6 @@
 #include <cstdint>
 
 #include "hopper/attn_common.cuh"
-#include "hopper/fwd_carry.cuh"
 
 namespace dlm::sm90 {
 
@@ -243,16 +242,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 
   // ------------------------------------------------------------------------------------ consumers
-  if constexpr (Cfg::kCarry) {  // the experiment of hopper/fwd_carry.cuh (harness only)
-    if constexpr (kKeyLen)
-      fwd_consumers_carry<Cfg, KeyLenConsumerSide>(p, ss, warp_group - 1, num_items);
-    else
-      fwd_consumers_carry<Cfg, SparseConsumerSide>(p, ss, warp_group - 1, num_items);
-  } else if constexpr (kKeyLen) {
+  if constexpr (kKeyLen)
     fwd_consumers<Cfg, KeyLenConsumerSide>(p, ss, warp_group - 1, num_items);
-  } else {
+  else
     fwd_consumers<Cfg, SparseConsumerSide>(p, ss, warp_group - 1, num_items);
-  }
 }
 
 // ------------------------------------------------------------------------------------- launch

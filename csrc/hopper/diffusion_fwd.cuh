@@ -40,7 +40,6 @@
 #include "dlm/geometry.h"
 #include "hopper/attn_common.cuh"
 #include "hopper/common.cuh"
-#include "hopper/fwd_carry.cuh"
 
 namespace dlm::sm90 {
 
@@ -153,64 +152,6 @@ CUTE_DEVICE Visit step_visit(TilePlans const& plans, int kt, bool run0, Interval
   return {t.lo, t.hi, visit_full<Cfg::BN>(all, t.lo, t.hi)};
 }
 
-// EXPERIMENT (session 10, not shipped; csrc/NOTES.md "Session 10"): the block-diffusion side of
-// fwd_consumers_carry (hopper/fwd_carry.cuh), the carried pipeline, for FwdConfig<..., CARRY_ = true>
-// only (harness mode `carry` of tests/cuda/diffusion_fwd_standalone.cu). The shipped configs keep
-// the kernel's own consumer loop below (its SASS is unchanged). Item: one query tile with its
-// plans, key runs and the rows' visible intervals; tile: the step's Visit; the mask and bounds as
-// online_softmax computes them.
-template <class Cfg, class Params>
-struct DiffusionConsumerSide {
-  Params const& p;
-  TilePlans const& kernel_plans;
-  static constexpr int kRows = 2;
-
-  struct Item {
-    int b, h, row_base, row_offset, n_tiles, n_first, row_end;
-    TilePlans plans;
-    TileRuns runs;
-    Intervals all_keys, seen[kRows];
-  };
-  template <class Coords>
-  CUTE_DEVICE Item item(int w, int consumer, Coords const& tScS_rc) const {
-    const ItemGeom ig = item_geom<Cfg>(p, w);
-    const SequenceMask& mask = Cfg::kStart == kStartTile ? p.mask : ig.mask;
-    Item it{ig.wi.b, ig.wi.h};
-    it.plans = Cfg::kStart == kStartTile ? kernel_plans : mask.fwd_tiles(Cfg::BM, Cfg::BN);
-    const Interval q_tile = it.plans.tile(ig.wi.qt);
-    it.runs = it.plans.runs(ig.wi.qt);
-    it.row_base = q_tile.lo + consumer * Cfg::kConsumerRows;
-    it.row_offset = Cfg::kStart == kStartVarlen ? ig.offset : 0;  // packed row of position 0
-    it.row_end = q_tile.hi;  // rows of the tile past its half (or sample) are not stored
-    it.n_first = it.runs.end[0] - it.runs.begin[0];
-    it.n_tiles = it.runs.count();
-    it.all_keys = keys_seen_by_all(mask, q_tile);
-    for (int i = 0; i < kRows; ++i) it.seen[i] = mask.row_intervals(it.row_base + get<0>(tScS_rc(i, 0)));
-    return it;
-  }
-  CUTE_DEVICE int row_end(Item const& it) const { return it.row_end; }
-  CUTE_DEVICE int o_rows() const { return p.seqlen; }
-  CUTE_DEVICE Visit tile(Item const& it, int j) const {
-    const bool run0 = j < it.n_first;
-    const int kt = run0 ? it.runs.begin[0] + j : it.runs.begin[1] + (j - it.n_first);
-    return step_visit<Cfg>(it.plans, kt, run0, it.all_keys);
-  }
-  CUTE_DEVICE bool may_mask(Visit const&) const { return true; }
-  CUTE_DEVICE bool masked(Item const&, Visit const& v) const {
-    return !v.full || v.end - v.start < Cfg::BN;
-  }
-  template <class Coords>
-  CUTE_DEVICE auto bounds(Item const& it, Visit const& visit, Coords const& tScS_rc) const {
-    return [&it, visit, &tScS_rc](int i, int& lo, int& hi) {  // online_softmax's interval
-      const Intervals& seen = it.seen[i];
-      const bool first = seen.first.hi > visit.start && seen.first.lo < visit.end;
-      const int base = visit.start + get<1>(tScS_rc(i, 0));
-      lo = (first ? seen.first.lo : seen.second.lo) - base;
-      hi = imin(first ? seen.first.hi : seen.second.hi, visit.end) - base;
-    };
-  }
-};
-
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     diffusion_fwd_kernel(__grid_constant__ const FwdParams<Cfg> p) {
@@ -281,10 +222,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 
   // ------------------------------------------------------------------------------------ consumers
-  if constexpr (Cfg::kCarry) {  // the experiment above (harness only)
-    fwd_consumers_carry<Cfg, DiffusionConsumerSide>(p, ss, warp_group - 1, num_items, kernel_plans);
-    return;
-  }
   // Not fwd_consumers (attn_common.cuh): with its visit and mask test as that loop's hooks the PTX
   // matched only after rewrites, and ptxas still renamed registers (csrc/NOTES.md "Consumer loop").
   cutlass::arch::warpgroup_reg_alloc<240>();
@@ -309,6 +246,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kRows = 2;  // rows per thread (r = 0, 1: lane/4 and lane/4 + 8)
 
   int it = 0;  // the producer's ring position, kept in step
+  if (Cfg::kPingPong && consumer == 1) named_barrier_arrive(kTurnBarrier + 0);  // see kTurnBarrier
   for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
     // kStartTile: the kernel's plans and mask; otherwise the item's own (sample-relative rows).
     const ItemGeom ig = item_geom<Cfg>(p, w);
@@ -329,10 +267,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     clear(acc_o);
     const int n_first = runs.end[0] - runs.begin[0], n_tiles = runs.count();
     const Intervals all_keys = keys_seen_by_all(mask, q_tile);
-    // Ping-pong: the two consumers take turns to issue their matmuls (named barriers 1 and 2), so
-    // one's softmax runs while the tensor cores work for the other. Consumer 1 pre-arrives on
-    // consumer 0's barrier so that consumer 0 goes first.
-    if (Cfg::kPingPong && consumer == 1 && n_tiles > 0) named_barrier_arrive(kTurnBarrier + 0);
     const QSlot<Cfg> qs(item);
     Barrier::wait(&ss.q_full[qs.buf], qs.phase);
 
@@ -384,8 +318,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // The consumers' last S of this item has read Q: the producer may load the next item's (one
     // arrival after the loop, not a test in every step).
     Barrier::arrive(&ss.q_empty[qs.buf]);
-    // Consumer 1's last hand-over (and its pre-arrival) leave one phase of barrier 1 open: close it.
-    if (Cfg::kPingPong && consumer == 0 && n_tiles > 0) named_barrier_sync(kTurnBarrier + 0);
     if (n_tiles > 0) {  // the last tile's O += P V
       const int last = (it - 1) % STAGES;
       Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);

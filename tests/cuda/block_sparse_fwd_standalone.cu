@@ -46,13 +46,6 @@ int g_failed = 0;
 template <class Elem, int D>
 using HarnessCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 1, SPARSE_SMEM_O>;
 static_assert(!SPARSE_SMEM_O || std::is_same_v<HarnessCfg<bf16, 128>, dlm::sm90::SparseFwdConfig<bf16, 128>>);
-// Mode `carry` (session 10's prepared experiment, csrc/NOTES.md "Session 10"): two Q buffers, and
-// the same with each item's last P V and epilogue carried into the next item's first step.
-template <class Elem, int D>
-using Q2Cfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 2, true>;
-template <class Elem, int D>
-using CarryCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 2, true, true>;
-bool g_carry = false;  // check(): launch CarryCfg on a grid of c.ctas (or 5) CTAs
 
 // Dense cuDNN SDPA (non-causal) on the H200 at B = 1, H = 32/8, D = 128 (benchmarks/results/
 // h200_sparse_quick.md): the denominator of the goal, time / (dense time x density) <= 1.15.
@@ -195,9 +188,7 @@ void check(const Case& c, const char* name) {
     CK(cudaMemcpy(b.v, hv.data(), nk * sizeof(Elem), cudaMemcpyHostToDevice));
   }
   b.poison(c);
-  if (g_carry)  // a few CTAs, so that every CTA carries items into the next ones
-    CK(dlm::sm90::launch_block_sparse_fwd_cfg<CarryCfg<Elem, D>>(b.args, c.ctas > 0 ? c.ctas : 5));
-  else if (c.ctas > 0)
+  if (c.ctas > 0)
     CK(dlm::sm90::launch_block_sparse_fwd_cfg<HarnessCfg<Elem, D>>(b.args, c.ctas));
   else
     CK(dlm::sm90::launch_block_sparse_fwd<Elem, D>(b.args));
@@ -479,48 +470,8 @@ void timing() {
   }
 }
 
-// Mode `carry`: the checks with CarryCfg, then shipped / two Q buffers / carried, each on a grid of
-// one CTA per SM, in ABC rounds (medians of 3), block-sparse bf16 D = 128 at the quick preset's shapes.
-void timing_carry() {
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  printf("| S | density | shipped ms | 2 Q buffers ms | carried ms | carried / shipped speed |\n|---|---|---|---|---|---|\n");
-  for (int s : {16384, 32768, 65536})
-    for (double d : {0.1, 0.3, 0.5}) {
-      const Case c{1, s, s, 32, 8, "density", d, 0, false};
-      std::mt19937 g(s + (int)(d * 1000));
-      const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
-      Bufs<bf16, 128> b;
-      fill_and_time(b, c, p, s, 3);
-      std::vector<float> t[3];
-      for (int r = 0; r < 3; ++r) {
-        t[0].push_back(time_launches<bf16, 128>(b.args, sms, 10));
-        t[1].push_back(time_loop(10, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<Q2Cfg<bf16, 128>>(b.args, sms)); }));
-        t[2].push_back(time_loop(10, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<CarryCfg<bf16, 128>>(b.args, sms)); }));
-      }
-      for (auto& x : t) std::sort(x.begin(), x.end());
-      printf("| %dK | %.1f | %.3f | %.3f | %.3f | %.3f |\n", s / 1024, d, t[0][1], t[1][1], t[2][1], t[0][1] / t[2][1]);
-      fflush(stdout);
-    }
-}
-
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "all";
-  if (mode == "carry") {
-    g_carry = true;
-    checks<bf16, 128>("bf16 carried");
-    checks<fp16, 128>("fp16 carried");
-    checks<bf16, 64>("bf16 carried");
-    checks<fp16, 64>("fp16 carried");
-    g_carry = false;
-    if (g_failed) {
-      printf("FAILED: %d check(s)\n", g_failed);
-      return 1;
-    }
-    timing_carry();
-    return 0;
-  }
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
     check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");

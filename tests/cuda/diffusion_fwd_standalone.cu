@@ -565,27 +565,6 @@ int main(int argc, char** argv) {
     ab_timing<Variants<Ship, Persistent<Ship>, Ship>>(names);
     return 0;
   }
-  if (v == "carry") {  // the carried pipeline (fwd_carry.cuh with DiffusionConsumerSide, session 10): checks, then
-    using namespace dlm::sm90;  // shipped / two Q buffers / carried, all persistent (D = 128 ships persistent)
-    using Ship = FwdShipped<bf16, 128, kBatchedStart>;
-    using Q2 = FwdConfig<bf16, 128, 128, 128, 2, true, kBatchedStart, 2, true>;
-    using Carry = FwdConfig<bf16, 128, 128, 128, 2, true, kBatchedStart, 2, true, true>;
-    CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
-    for (int ctas : {3, g_backend_grid, 0}) {
-      g_max_ctas = ctas;
-      printf("== grid %d (0: one CTA per item)\n", ctas);
-      ab_checks<Carry>("carried bf16 D=128");
-      ab_checks<FwdConfig<cutlass::half_t, 64, 128, 128, 2, true, kBatchedStart, 2, true, true>>("carried fp16 D=64");
-    }
-    g_max_ctas = 3;
-    odd_checks<Carry, FwdConfig<bf16, 128, 128, 128, 2, true, kStartVarlen, 2, true, true>>("carried, 3 CTAs");
-    g_max_ctas = 0;
-    printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
-    if (g_failed) return 1;
-    static const char* names[] = {"shipped", "two Q buffers", "carried", "shipped again"};
-    ab_timing<Variants<Persistent<Ship>, Persistent<Q2>, Persistent<Carry>, Persistent<Ship>>>(names);
-    return 0;
-  }
   if (v == "snake64" || v == "snake256") {  // the same A/B at D = 64 / 256 (bf16), after their checks
     using namespace dlm::sm90;
     CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
