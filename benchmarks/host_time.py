@@ -1,7 +1,8 @@
 """Is a training step host-bound? ``python -m benchmarks.host_time [--n 1024] [--head-dim 128]``.
 
 Per call, for the forward (no grad), a training step (forward with grad, then backward) and the
-backward op alone, batched and packed (varlen, the same samples): the CPU time to enqueue
+backward op alone, batched and packed (varlen, the same samples), the forward and the step also
+"via op" (through the registered custom ops, as every call went before dlm_ops/ops/eager.py): the CPU time to enqueue
 ``--calls`` calls before the sync, and the wall time once the GPU has finished them. Enqueue close
 to wall does not by itself mean a host-bound step: once the launch queue is full the host can only
 enqueue as fast as the GPU drains it (session 7 read it that way; csrc/NOTES.md "The training step
@@ -20,6 +21,11 @@ import torch
 
 import dlm_ops
 import dlm_ops.ops.diffusion
+import dlm_ops.ops.eager
+
+
+def _never(tensors) -> bool:
+    return False
 
 
 def per_call(f, calls: int) -> tuple[float, float, float]:
@@ -85,7 +91,19 @@ def main(argv=None) -> int:
             # The backward op alone, called as autograd does (dlse None: lse is an unused output).
             dlm_ops.ops.diffusion.diffusion_attn_bwd(*saved, 16, None, 0.0, False, None)
 
-        modes = [("fwd", fwd), ("step", step)]
+        def through_ops(f):
+            # The A/B of dlm_ops/ops/eager.py: every call through the registered ops, as before
+            # session 11 (the dispatcher and torch.library's autograd wrapper on each call).
+            def g():
+                plain, dlm_ops.ops.eager.plain_eager = dlm_ops.ops.eager.plain_eager, _never
+                try:
+                    f()
+                finally:
+                    dlm_ops.ops.eager.plain_eager = plain
+            return g
+
+        modes = [("fwd", fwd), ("fwd via op", through_ops(fwd)), ("step", step),
+                 ("step via op", through_ops(step))]
         if name == "batched":
             with torch.no_grad():
                 out, lse = dlm_ops.diffusion_attn_func(*inputs, 16, return_lse=True)

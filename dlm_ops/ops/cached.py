@@ -26,6 +26,7 @@ from torch import Tensor
 from ..backends import cached as _cached_backends  # noqa: F401  (registers family "cached")
 from ..backends import select
 from ..backends.base import GQA, Problem, lse_dtype
+from .eager import EagerOp
 from .validation import DTYPES, MAX_HEAD_DIM
 
 FAMILY = "cached"
@@ -208,8 +209,7 @@ def _no_context(ctx, inputs, output):
     pass
 
 
-@torch.library.custom_op("dlm::block_decode_attn", mutates_args=())
-def block_decode_attn_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+def _block_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                          cache_seqlens: Optional[Tensor], k_new: Optional[Tensor],
                          v_new: Optional[Tensor], softmax_scale: Optional[float],
                          backend: Optional[str]) -> tuple[Tensor, Tensor]:
@@ -218,6 +218,10 @@ def block_decode_attn_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     out, lse, _, _ = impl.decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                  _scale(softmax_scale, q), False)
     return out, lse
+
+
+block_decode_attn_op = torch.library.custom_op("dlm::block_decode_attn",
+                                               mutates_args=())(_block_decode)
 
 
 @block_decode_attn_op.register_fake
@@ -231,8 +235,7 @@ block_decode_attn_op.register_autograd(_inference_only("block_decode_attn"),
                                        setup_context=_no_context)
 
 
-@torch.library.custom_op("dlm::flashblock_refresh", mutates_args=())
-def flashblock_refresh_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_block: Tensor,
+def _flashblock_refresh(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_block: Tensor,
                           v_block: Tensor, cache_seqlens: Optional[Tensor],
                           softmax_scale: Optional[float], backend: Optional[str]
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -240,6 +243,10 @@ def flashblock_refresh_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_block: 
     impl = _impl(q, k_cache.shape[2], backend)
     return impl.decode(q, k_cache, v_cache, cache_seqlens, k_block, v_block,
                        _scale(softmax_scale, q), True)
+
+
+flashblock_refresh_op = torch.library.custom_op("dlm::flashblock_refresh",
+                                                mutates_args=())(_flashblock_refresh)
 
 
 @flashblock_refresh_op.register_fake
@@ -255,13 +262,15 @@ flashblock_refresh_op.register_autograd(_inference_only("flashblock_refresh"),
                                         setup_context=_no_context)
 
 
-@torch.library.custom_op("dlm::flashblock_attn", mutates_args=())
-def flashblock_attn_op(q: Tensor, k_block: Tensor, v_block: Tensor, cached_out: Tensor,
+def _flashblock(q: Tensor, k_block: Tensor, v_block: Tensor, cached_out: Tensor,
                        cached_lse: Tensor, dirty: Optional[Tensor], softmax_scale: Optional[float],
                        backend: Optional[str]) -> tuple[Tensor, Tensor]:
     _check_block(q, k_block, v_block, cached_out, cached_lse, dirty, softmax_scale)
     impl = _impl(q, k_block.shape[2], backend)
     return impl.block(q, k_block, v_block, cached_out, cached_lse, dirty, _scale(softmax_scale, q))
+
+
+flashblock_attn_op = torch.library.custom_op("dlm::flashblock_attn", mutates_args=())(_flashblock)
 
 
 @flashblock_attn_op.register_fake
@@ -274,13 +283,15 @@ def _(q, k_block, v_block, cached_out, cached_lse, dirty, softmax_scale, backend
 flashblock_attn_op.register_autograd(_inference_only("flashblock_attn"), setup_context=_no_context)
 
 
-@torch.library.custom_op("dlm::merge_attn_states", mutates_args=())
-def merge_attn_states_op(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor,
+def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor,
                          backend: Optional[str]) -> tuple[Tensor, Tensor]:
     _check_merge(out_a, lse_a, out_b, lse_b)
     features = frozenset()
     problem = Problem(out_a.device.type, out_a.dtype, out_a.shape[-1], features)
     return select(problem, backend, family=FAMILY).merge(out_a, lse_a, out_b, lse_b)
+
+
+merge_attn_states_op = torch.library.custom_op("dlm::merge_attn_states", mutates_args=())(_merge)
 
 
 @merge_attn_states_op.register_fake
@@ -319,6 +330,14 @@ def _merge_backward(ctx, dout, dlse):
 
 merge_attn_states_op.register_autograd(_merge_backward, setup_context=_merge_setup_context)
 
+# Plain eager calls without a gradient run the bodies (dlm_ops/ops/eager.py: a decoding step calls
+# these once per layer, where the dispatcher round trip costs more host time than the launches).
+# With a gradient the ops run: the first three raise, the merge's backward differentiates again.
+_block_decode_attn = EagerOp("block_decode_attn", block_decode_attn_op, _block_decode)
+_flashblock_refresh_attn = EagerOp("flashblock_refresh", flashblock_refresh_op, _flashblock_refresh)
+_flashblock_attn = EagerOp("flashblock_attn", flashblock_attn_op, _flashblock)
+_merge_attn_states = EagerOp("merge_attn_states", merge_attn_states_op, _merge)
+
 
 # -- public API --------------------------------------------------------------------------------
 
@@ -339,8 +358,9 @@ def block_decode_attn(q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_
     """
     _check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale)
     _check_seqlen_values(cache_seqlens, k_cache.shape[1])
-    out, lse = block_decode_attn_op(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                    _float(softmax_scale), backend)
+    out, lse = _block_decode_attn((q, k_cache, v_cache, cache_seqlens, k_new, v_new), q, k_cache,
+                                  v_cache, cache_seqlens, k_new, v_new, _float(softmax_scale),
+                                  backend)
     return (out, lse) if return_lse else out
 
 
@@ -353,7 +373,7 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b, *, backend=None):
     (its out may hold anything); both -inf gives out 0, lse -inf. Differentiable.
     """
     _check_merge(out_a, lse_a, out_b, lse_b)
-    return merge_attn_states_op(out_a, lse_a, out_b, lse_b, backend)
+    return _merge_attn_states((out_a, lse_a, out_b, lse_b), out_a, lse_a, out_b, lse_b, backend)
 
 
 def flashblock_attn(q, k_block, v_block, cached_out, cached_lse, *, dirty=None, softmax_scale=None,
@@ -367,8 +387,9 @@ def flashblock_attn(q, k_block, v_block, cached_out, cached_lse, *, dirty=None, 
     Returns out (B, bs, H, D), or (out, lse) with return_lse. Inference-only.
     """
     _check_block(q, k_block, v_block, cached_out, cached_lse, dirty, softmax_scale)
-    out, lse = flashblock_attn_op(q, k_block, v_block, cached_out, cached_lse, dirty,
-                                  _float(softmax_scale), backend)
+    out, lse = _flashblock_attn((q, k_block, v_block, cached_out, cached_lse, dirty), q, k_block,
+                                v_block, cached_out, cached_lse, dirty, _float(softmax_scale),
+                                backend)
     return (out, lse) if return_lse else out
 
 
@@ -385,5 +406,6 @@ def flashblock_refresh(q, k_cache, v_cache, k_block, v_block, *, cache_seqlens=N
     """
     _check_decode(q, k_cache, v_cache, cache_seqlens, k_block, v_block, softmax_scale)
     _check_seqlen_values(cache_seqlens, k_cache.shape[1])
-    return flashblock_refresh_op(q, k_cache, v_cache, k_block, v_block, cache_seqlens,
-                                 _float(softmax_scale), backend)
+    return _flashblock_refresh_attn((q, k_cache, v_cache, k_block, v_block, cache_seqlens), q,
+                                    k_cache, v_cache, k_block, v_block, cache_seqlens,
+                                    _float(softmax_scale), backend)

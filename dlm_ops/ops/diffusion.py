@@ -25,6 +25,7 @@ from torch import Tensor
 from ..backends import select
 from ..backends.base import DETERMINISTIC, GQA, SOFTCAP, VARLEN, Problem, lse_dtype
 from ..geometry import SequenceMask, VarlenMask
+from .eager import EagerOp
 from .validation import (
     check_cu_seqlens,
     check_cu_seqlens_values,
@@ -64,15 +65,18 @@ def _check_batched(q, k, v, block_size, softmax_scale, softcap, even: bool) -> N
 
 
 def _register_batched(prefix: str, make_mask: Callable[[int, int], SequenceMask], even: bool):
-    """Register ``dlm::{prefix}_fwd`` and ``dlm::{prefix}_bwd`` for one batched mask."""
+    """Register ``dlm::{prefix}_fwd`` and ``dlm::{prefix}_bwd`` for one batched mask; return the
+    two ops and the forward's EagerOp (what the public function calls)."""
 
-    @torch.library.custom_op(f"dlm::{prefix}_fwd", mutates_args=())
-    def fwd(q: Tensor, k: Tensor, v: Tensor, block_size: int, softmax_scale: Optional[float],
-            softcap: float, deterministic: bool, backend: Optional[str]) -> tuple[Tensor, Tensor]:
+    def forward(q: Tensor, k: Tensor, v: Tensor, block_size: int, softmax_scale: Optional[float],
+                softcap: float, deterministic: bool, backend: Optional[str]
+                ) -> tuple[Tensor, Tensor]:
         _check_batched(q, k, v, block_size, softmax_scale, softcap, even)
         impl = select(_problem(q, k, softcap, deterministic, varlen=False), backend)
         mask = make_mask(q.shape[1], block_size)
         return impl.fwd(q, k, v, mask, _scale(softmax_scale, q), softcap, deterministic)
+
+    fwd = torch.library.custom_op(f"dlm::{prefix}_fwd", mutates_args=())(forward)
 
     @fwd.register_fake
     def _(q, k, v, block_size, softmax_scale, softcap, deterministic, backend):
@@ -80,14 +84,16 @@ def _register_batched(prefix: str, make_mask: Callable[[int, int], SequenceMask]
         b, s, h, _ = q.shape
         return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=lse_dtype(q.dtype))
 
-    @torch.library.custom_op(f"dlm::{prefix}_bwd", mutates_args=())
-    def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-            dlse: Optional[Tensor], block_size: int, softmax_scale: Optional[float], softcap: float,
-            deterministic: bool, backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
+    def backward_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                      dlse: Optional[Tensor], block_size: int, softmax_scale: Optional[float],
+                      softcap: float, deterministic: bool, backend: Optional[str]
+                      ) -> tuple[Tensor, Tensor, Tensor]:
         impl = select(_problem(q, k, softcap, deterministic, varlen=False), backend)
         mask = make_mask(q.shape[1], block_size)
         return impl.bwd(dout, q, k, v, out, lse, dlse, mask, _scale(softmax_scale, q), softcap,
                         deterministic)
+
+    bwd = torch.library.custom_op(f"dlm::{prefix}_bwd", mutates_args=())(backward_body)
 
     @bwd.register_fake
     def _(dout, q, k, v, out, lse, dlse, block_size, softmax_scale, softcap, deterministic,
@@ -102,20 +108,22 @@ def _register_batched(prefix: str, make_mask: Callable[[int, int], SequenceMask]
         ctx.block_size, ctx.softmax_scale, ctx.softcap = block_size, softmax_scale, softcap
         ctx.deterministic, ctx.backend = deterministic, backend
 
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else dout
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, ctx.block_size, ctx.softmax_scale,
-                         ctx.softcap, ctx.deterministic, ctx.backend)
-        return dq, dk, dv, None, None, None, None, None
+    def backward_with(bwd_call):
+        def backward(ctx, dout, dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            dout = torch.zeros_like(out) if dout is None else dout
+            dq, dk, dv = bwd_call(dout, q, k, v, out, lse, dlse, ctx.block_size,
+                                  ctx.softmax_scale, ctx.softcap, ctx.deterministic, ctx.backend)
+            return dq, dk, dv, None, None, None, None, None
+        return backward
 
-    fwd.register_autograd(backward, setup_context=setup_context)
-    return fwd, bwd
+    fwd.register_autograd(backward_with(bwd), setup_context=setup_context)
+    return fwd, bwd, EagerOp(prefix, fwd, forward, setup_context, backward_with(backward_body))
 
 
-diffusion_attn_fwd, diffusion_attn_bwd = _register_batched(
+diffusion_attn_fwd, diffusion_attn_bwd, _diffusion_attn = _register_batched(
     "diffusion_attn", SequenceMask.block_diffusion, even=True)
-block_causal_attn_fwd, block_causal_attn_bwd = _register_batched(
+block_causal_attn_fwd, block_causal_attn_bwd, _block_causal_attn = _register_batched(
     "block_causal_attn", SequenceMask.block_causal, even=False)
 
 
@@ -170,8 +178,7 @@ def _varlen_mask(cu_seqlens: Tensor, q: Tensor, max_seqlen: int, block_size: int
     return VarlenMask(cu, block_size)
 
 
-@torch.library.custom_op("dlm::diffusion_attn_varlen_fwd", mutates_args=())
-def diffusion_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                               block_size: int, softmax_scale: Optional[float], softcap: float,
                               deterministic: bool, backend: Optional[str]
                               ) -> tuple[Tensor, Tensor]:
@@ -181,6 +188,10 @@ def diffusion_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tenso
     return impl.varlen_fwd(q, k, v, mask, _scale(softmax_scale, q), softcap, deterministic)
 
 
+diffusion_attn_varlen_fwd = torch.library.custom_op("dlm::diffusion_attn_varlen_fwd",
+                                                    mutates_args=())(_varlen_forward)
+
+
 @diffusion_attn_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap, deterministic, backend):
     _check_varlen(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap)
@@ -188,8 +199,7 @@ def _(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap, deter
     return q.new_empty(q.shape), q.new_empty((h, total), dtype=lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("dlm::diffusion_attn_varlen_bwd", mutates_args=())
-def diffusion_attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+def _varlen_backward_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                               lse: Tensor, dlse: Optional[Tensor], cu_seqlens: Tensor,
                               max_seqlen: int, block_size: int, softmax_scale: Optional[float],
                               softcap: float, deterministic: bool, backend: Optional[str]
@@ -198,6 +208,10 @@ def diffusion_attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     impl = select(_problem(q, k, softcap, deterministic, varlen=True), backend)
     return impl.varlen_bwd(dout, q, k, v, out, lse, dlse, mask, _scale(softmax_scale, q), softcap,
                            deterministic)
+
+
+diffusion_attn_varlen_bwd = torch.library.custom_op("dlm::diffusion_attn_varlen_bwd",
+                                                    mutates_args=())(_varlen_backward_body)
 
 
 @diffusion_attn_varlen_bwd.register_fake
@@ -216,16 +230,22 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.softcap, ctx.deterministic, ctx.backend = softcap, deterministic, backend
 
 
-def _varlen_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dout = torch.zeros_like(out) if dout is None else dout
-    dq, dk, dv = diffusion_attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens,
-                                           ctx.max_seqlen, ctx.block_size, ctx.softmax_scale,
-                                           ctx.softcap, ctx.deterministic, ctx.backend)
-    return dq, dk, dv, None, None, None, None, None, None, None
+def _varlen_backward_with(bwd_call):
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv = bwd_call(dout, q, k, v, out, lse, dlse, cu_seqlens, ctx.max_seqlen,
+                              ctx.block_size, ctx.softmax_scale, ctx.softcap, ctx.deterministic,
+                              ctx.backend)
+        return dq, dk, dv, None, None, None, None, None, None, None
+    return backward
 
 
-diffusion_attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+diffusion_attn_varlen_fwd.register_autograd(_varlen_backward_with(diffusion_attn_varlen_bwd),
+                                            setup_context=_varlen_setup_context)
+_diffusion_attn_varlen = EagerOp("diffusion_attn_varlen", diffusion_attn_varlen_fwd,
+                                 _varlen_forward, _varlen_setup_context,
+                                 _varlen_backward_with(_varlen_backward_body))
 
 
 # -- public API --------------------------------------------------------------------------------
@@ -247,24 +267,25 @@ _KEYWORDS_DOC = """
 def diffusion_attn_func(q, k, v, block_size, *, softmax_scale=None, softcap=0.0,
                         deterministic=False, return_lse=False, backend=None):
     _check_batched(q, k, v, block_size, softmax_scale, softcap, even=True)
-    out, lse = diffusion_attn_fwd(q, k, v, block_size, softmax_scale, float(softcap),
-                                  deterministic, backend)
+    out, lse = _diffusion_attn((q, k, v), q, k, v, block_size, softmax_scale, float(softcap),
+                               deterministic, backend)
     return (out, lse) if return_lse else out
 
 
 def block_causal_attn_func(q, k, v, block_size, *, softmax_scale=None, softcap=0.0,
                            deterministic=False, return_lse=False, backend=None):
     _check_batched(q, k, v, block_size, softmax_scale, softcap, even=False)
-    out, lse = block_causal_attn_fwd(q, k, v, block_size, softmax_scale, float(softcap),
-                                     deterministic, backend)
+    out, lse = _block_causal_attn((q, k, v), q, k, v, block_size, softmax_scale, float(softcap),
+                                  deterministic, backend)
     return (out, lse) if return_lse else out
 
 
 def diffusion_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, block_size, *, softmax_scale=None,
                                softcap=0.0, deterministic=False, return_lse=False, backend=None):
     _check_varlen(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap)
-    out, lse = diffusion_attn_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, block_size,
-                                         softmax_scale, float(softcap), deterministic, backend)
+    out, lse = _diffusion_attn_varlen((q, k, v, cu_seqlens), q, k, v, cu_seqlens, max_seqlen,
+                                      block_size, softmax_scale, float(softcap), deterministic,
+                                      backend)
     return (out, lse) if return_lse else out
 
 

@@ -25,6 +25,7 @@ from ..backends.base import new_output
 from ..backends.triton_backend import _IMPORT_ERROR, INTERPRET, TritonBackend
 from ..errors import UnsupportedConfig
 from ..geometry import SequenceMask
+from .eager import EagerOp
 
 _KERNELS = TritonBackend()  # the one implementation of this op: no dispatch, no fallback
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -70,7 +71,7 @@ def attention(q, k, v, *, is_causal=False, scale=None):
     reasons = _reasons(q, k, v, is_causal, scale)
     if reasons:
         raise UnsupportedConfig("dlm_ops.attention cannot run this call: " + "; ".join(reasons))
-    out, _ = attention_fwd(q, k, v, is_causal, None if scale is None else float(scale))
+    out, _ = _attention((q, k, v), q, k, v, is_causal, None if scale is None else float(scale))
     return out
 
 
@@ -86,13 +87,15 @@ def _scale(scale: Optional[float], q: Tensor) -> float:
     return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
-@torch.library.custom_op("dlm::attention_fwd", mutates_args=())
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
+def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
                   scale: Optional[float]) -> tuple[Tensor, Tensor]:
     out = new_output(q, q.shape)  # (B, H, S, D) contiguous, written through a (B, S, H, D) view
     _, lse = _KERNELS._fwd(_bshd(q), _bshd(k), _bshd(v), ((0, _mask(q.shape[2], is_causal)),),
                            _scale(scale, q), 0.0, out=_bshd(out))
     return out, lse
+
+
+attention_fwd = torch.library.custom_op("dlm::attention_fwd", mutates_args=())(_forward)
 
 
 @attention_fwd.register_fake
@@ -101,8 +104,7 @@ def _(q, k, v, is_causal, scale):
     return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
 
 
-@torch.library.custom_op("dlm::attention_bwd", mutates_args=())
-def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def _backward_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   dlse: Optional[Tensor], is_causal: bool,
                   scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
     grads = tuple(new_output(t, t.shape) for t in (q, k, v))
@@ -110,6 +112,9 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   ((0, _mask(q.shape[2], is_causal)),), _scale(scale, q), 0.0,
                   grads=tuple(_bshd(g) for g in grads))
     return grads
+
+
+attention_bwd = torch.library.custom_op("dlm::attention_bwd", mutates_args=())(_backward_body)
 
 
 @attention_bwd.register_fake
@@ -124,11 +129,15 @@ def _setup_context(ctx, inputs, output):
     ctx.is_causal, ctx.scale = is_causal, scale
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dout = torch.zeros_like(out) if dout is None else dout
-    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, dlse, ctx.is_causal, ctx.scale)
-    return dq, dk, dv, None, None
+def _backward_with(bwd_call):
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv = bwd_call(dout, q, k, v, out, lse, dlse, ctx.is_causal, ctx.scale)
+        return dq, dk, dv, None, None
+    return backward
 
 
-attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+attention_fwd.register_autograd(_backward_with(attention_bwd), setup_context=_setup_context)
+_attention = EagerOp("attention", attention_fwd, _forward, _setup_context,
+                     _backward_with(_backward_body))

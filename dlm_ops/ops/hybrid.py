@@ -35,6 +35,7 @@ from torch import Tensor
 from ..backends import select
 from ..backends.base import GQA, lse_dtype
 from ..backends.hybrid import HybridProblem  # importing it registers the "hybrid" backends
+from .eager import EagerOp
 from .validation import DTYPES, check_even_seqlen, check_options, check_qkv
 
 LAYOUT = "(batch, seqlen, heads, head_dim)"
@@ -142,13 +143,15 @@ def _check_train(q, k, v, feature_weight, gate, block_size, softmax_scale) -> No
 # -- ops --------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dlm::block_hybrid_attn", mutates_args=())
-def block_hybrid_attn_op(q: Tensor, k: Tensor, v: Tensor, state_s: Tensor, state_z: Tensor,
+def _decode(q: Tensor, k: Tensor, v: Tensor, state_s: Tensor, state_z: Tensor,
                          feature_weight: Tensor, gate: Tensor, softmax_scale: Optional[float],
                          backend: Optional[str]) -> Tensor:
     _check_decode(q, k, v, state_s, state_z, feature_weight, gate, softmax_scale)
     impl = _impl(q, k, feature_weight, backend, block=q.shape[1])
     return impl.decode(q, k, v, state_s, state_z, feature_weight, gate, _scale(softmax_scale, q))
+
+
+block_hybrid_attn_op = torch.library.custom_op("dlm::block_hybrid_attn", mutates_args=())(_decode)
 
 
 @block_hybrid_attn_op.register_fake
@@ -157,8 +160,7 @@ def _(q, k, v, state_s, state_z, feature_weight, gate, softmax_scale, backend):
     return q.new_empty(q.shape)
 
 
-@torch.library.custom_op("dlm::hybrid_state_update", mutates_args=())
-def hybrid_state_update_op(state_s: Tensor, state_z: Tensor, k: Tensor, v: Tensor,
+def _state_update(state_s: Tensor, state_z: Tensor, k: Tensor, v: Tensor,
                            feature_weight: Tensor, backend: Optional[str]) -> tuple[Tensor, Tensor]:
     _check_update(state_s, state_z, k, v, feature_weight)
     # Dispatch on the keys' dtype and the state's head count (the queries are not involved).
@@ -169,19 +171,26 @@ def hybrid_state_update_op(state_s: Tensor, state_z: Tensor, k: Tensor, v: Tenso
                                                                   feature_weight)
 
 
+hybrid_state_update_op = torch.library.custom_op("dlm::hybrid_state_update",
+                                                 mutates_args=())(_state_update)
+
+
 @hybrid_state_update_op.register_fake
 def _(state_s, state_z, k, v, feature_weight, backend):
     _check_update(state_s, state_z, k, v, feature_weight)
     return state_s.new_empty(state_s.shape), state_z.new_empty(state_z.shape)
 
 
-@torch.library.custom_op("dlm::block_hybrid_train_fwd", mutates_args=())
-def block_hybrid_train_fwd(q: Tensor, k: Tensor, v: Tensor, feature_weight: Tensor, gate: Tensor,
+def _train_forward(q: Tensor, k: Tensor, v: Tensor, feature_weight: Tensor, gate: Tensor,
                            block_size: int, softmax_scale: Optional[float],
                            backend: Optional[str]) -> Tensor:
     _check_train(q, k, v, feature_weight, gate, block_size, softmax_scale)
     return _impl(q, k, feature_weight, backend, train_block=_train_block(q, block_size)).train_fwd(
         q, k, v, feature_weight, gate, block_size, _scale(softmax_scale, q))
+
+
+block_hybrid_train_fwd = torch.library.custom_op("dlm::block_hybrid_train_fwd",
+                                                 mutates_args=())(_train_forward)
 
 
 @block_hybrid_train_fwd.register_fake
@@ -190,13 +199,16 @@ def _(q, k, v, feature_weight, gate, block_size, softmax_scale, backend):
     return q.new_empty(q.shape)
 
 
-@torch.library.custom_op("dlm::block_hybrid_train_bwd", mutates_args=())
-def block_hybrid_train_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, feature_weight: Tensor,
+def _train_backward_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, feature_weight: Tensor,
                            gate: Tensor, block_size: int, softmax_scale: Optional[float],
                            backend: Optional[str]
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _impl(q, k, feature_weight, backend, train_block=_train_block(q, block_size)).train_bwd(
         dout, q, k, v, feature_weight, gate, block_size, _scale(softmax_scale, q))
+
+
+block_hybrid_train_bwd = torch.library.custom_op("dlm::block_hybrid_train_bwd",
+                                                 mutates_args=())(_train_backward_body)
 
 
 @block_hybrid_train_bwd.register_fake
@@ -210,14 +222,23 @@ def _train_setup_context(ctx, inputs, output):
     ctx.block_size, ctx.softmax_scale, ctx.backend = block_size, softmax_scale, backend
 
 
-def _train_backward(ctx, dout):
-    q, k, v, feature_weight, gate = ctx.saved_tensors
-    grads = block_hybrid_train_bwd(dout.contiguous(), q, k, v, feature_weight, gate,
-                                   ctx.block_size, ctx.softmax_scale, ctx.backend)
-    return (*grads, None, None, None)
+def _train_backward_with(bwd_call):
+    def backward(ctx, dout):
+        q, k, v, feature_weight, gate = ctx.saved_tensors
+        grads = bwd_call(dout.contiguous(), q, k, v, feature_weight, gate, ctx.block_size,
+                         ctx.softmax_scale, ctx.backend)
+        return (*grads, None, None, None)
+    return backward
 
 
-block_hybrid_train_fwd.register_autograd(_train_backward, setup_context=_train_setup_context)
+block_hybrid_train_fwd.register_autograd(_train_backward_with(block_hybrid_train_bwd),
+                                         setup_context=_train_setup_context)
+
+# The public functions' way in (dlm_ops/ops/eager.py); the decode-step ops have no backward.
+_block_hybrid_attn = EagerOp("block_hybrid_attn", block_hybrid_attn_op, _decode)
+_hybrid_state_update = EagerOp("hybrid_state_update", hybrid_state_update_op, _state_update)
+_block_hybrid_train = EagerOp("block_hybrid_train", block_hybrid_train_fwd, _train_forward,
+                              _train_setup_context, _train_backward_with(_train_backward_body))
 
 
 # -- public API -------------------------------------------------------------------------------
@@ -235,8 +256,8 @@ def block_hybrid_attn(q, k, v, state_s, state_z, feature_weight, gate, *, softma
     Returns out (B, bs, H, D) in q's dtype. No autograd (a sampling op).
     """
     _check_decode(q, k, v, state_s, state_z, feature_weight, gate, softmax_scale)
-    return block_hybrid_attn_op(q, k, v, state_s, state_z, feature_weight, gate, softmax_scale,
-                                backend)
+    return _block_hybrid_attn((q, k, v, state_s, state_z, feature_weight, gate), q, k, v, state_s,
+                              state_z, feature_weight, gate, softmax_scale, backend)
 
 
 def hybrid_state_update(state_s, state_z, k, v, feature_weight, *, backend=None):
@@ -246,7 +267,8 @@ def hybrid_state_update(state_s, state_z, k, v, feature_weight, *, backend=None)
     state_z (B, H, 2F) as in ``block_hybrid_attn`` (not modified).
     """
     _check_update(state_s, state_z, k, v, feature_weight)
-    return hybrid_state_update_op(state_s, state_z, k, v, feature_weight, backend)
+    return _hybrid_state_update((state_s, state_z, k, v, feature_weight), state_s, state_z, k, v,
+                                feature_weight, backend)
 
 
 def block_hybrid_train_attn(q, k, v, feature_weight, gate, block_size, *, softmax_scale=None,
@@ -259,4 +281,5 @@ def block_hybrid_train_attn(q, k, v, feature_weight, gate, block_size, *, softma
     feature_weight and gate. Returns out (B, 2n, H, D).
     """
     _check_train(q, k, v, feature_weight, gate, block_size, softmax_scale)
-    return block_hybrid_train_fwd(q, k, v, feature_weight, gate, block_size, softmax_scale, backend)
+    return _block_hybrid_train((q, k, v, feature_weight, gate), q, k, v, feature_weight, gate,
+                               block_size, softmax_scale, backend)

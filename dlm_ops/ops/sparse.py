@@ -41,6 +41,7 @@ from ..backends import sparse as _sparse_torch  # noqa: F401  (register the "spa
 from ..backends import sparse_triton as _sparse_triton  # noqa: F401
 from ..backends import cutlass_sparse as _cutlass_sparse  # noqa: F401  (sm90; after triton's)
 from ..backends.base import GQA, Problem, lse_dtype
+from .eager import EagerOp
 from .validation import DTYPES, MAX_HEAD_DIM
 
 MIN_BLOCK, MAX_BLOCK = 16, 256
@@ -173,8 +174,7 @@ def check_index_values(idx: Tensor, counts: Tensor, limit: int, idx_name: str,
 # -- block-sparse ops ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dlm::block_sparse_attn_fwd", mutates_args=())
-def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, kv_block_indices: Tensor,
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, kv_block_indices: Tensor,
                           kv_block_counts: Tensor, block_size_q: int, block_size_k: int,
                           softmax_scale: Optional[float], check_indices: bool,
                           backend: Optional[str]) -> tuple[Tensor, Tensor]:
@@ -188,6 +188,10 @@ def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, kv_block_indices: Ten
                           _scale(softmax_scale, q))
 
 
+block_sparse_attn_fwd = torch.library.custom_op("dlm::block_sparse_attn_fwd",
+                                                mutates_args=())(_block_forward)
+
+
 @block_sparse_attn_fwd.register_fake
 def _(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k, softmax_scale,
       check_indices, backend):
@@ -197,8 +201,7 @@ def _(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k, so
     return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("dlm::block_sparse_attn_bwd", mutates_args=())
-def block_sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def _block_backward_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           dlse: Optional[Tensor], kv_block_indices: Tensor,
                           kv_block_counts: Tensor, block_size_q: int, block_size_k: int,
                           softmax_scale: Optional[float], backend: Optional[str]
@@ -206,6 +209,10 @@ def block_sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     impl = select(_problem(q, k), backend, family="sparse")
     return impl.block_bwd(dout, q, k, v, out, lse, dlse, kv_block_indices, kv_block_counts,
                           block_size_q, block_size_k, _scale(softmax_scale, q))
+
+
+block_sparse_attn_bwd = torch.library.custom_op("dlm::block_sparse_attn_bwd",
+                                                mutates_args=())(_block_backward_body)
 
 
 @block_sparse_attn_bwd.register_fake
@@ -223,23 +230,26 @@ def _block_setup_context(ctx, inputs, output):
     ctx.softmax_scale, ctx.backend = softmax_scale, backend
 
 
-def _block_backward(ctx, dout, dlse):
-    q, k, v, out, lse, kv_block_indices, kv_block_counts = ctx.saved_tensors
-    dout = torch.zeros_like(out) if dout is None else dout
-    dq, dk, dv = block_sparse_attn_bwd(dout, q, k, v, out, lse, dlse, kv_block_indices,
-                                       kv_block_counts, ctx.block_size_q, ctx.block_size_k,
-                                       ctx.softmax_scale, ctx.backend)
-    return dq, dk, dv, None, None, None, None, None, None, None
+def _block_backward_with(bwd_call):
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, kv_block_indices, kv_block_counts = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv = bwd_call(dout, q, k, v, out, lse, dlse, kv_block_indices, kv_block_counts,
+                              ctx.block_size_q, ctx.block_size_k, ctx.softmax_scale, ctx.backend)
+        return dq, dk, dv, None, None, None, None, None, None, None
+    return backward
 
 
-block_sparse_attn_fwd.register_autograd(_block_backward, setup_context=_block_setup_context)
+block_sparse_attn_fwd.register_autograd(_block_backward_with(block_sparse_attn_bwd),
+                                        setup_context=_block_setup_context)
+_block_sparse_attn = EagerOp("block_sparse_attn", block_sparse_attn_fwd, _block_forward,
+                             _block_setup_context, _block_backward_with(_block_backward_body))
 
 
 # -- column-sparse ops --------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dlm::column_sparse_attn_fwd", mutates_args=())
-def column_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, kv_counts: Tensor,
+def _column_forward(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, kv_counts: Tensor,
                            softmax_scale: Optional[float], check_indices: bool,
                            backend: Optional[str]) -> tuple[Tensor, Tensor]:
     _check_column(q, k, v, kv_indices, kv_counts, softmax_scale)
@@ -249,6 +259,10 @@ def column_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, 
     return impl.column_fwd(q, k, v, kv_indices, kv_counts, _scale(softmax_scale, q))
 
 
+column_sparse_attn_fwd = torch.library.custom_op("dlm::column_sparse_attn_fwd",
+                                                 mutates_args=())(_column_forward)
+
+
 @column_sparse_attn_fwd.register_fake
 def _(q, k, v, kv_indices, kv_counts, softmax_scale, check_indices, backend):
     _check_column(q, k, v, kv_indices, kv_counts, softmax_scale)
@@ -256,14 +270,17 @@ def _(q, k, v, kv_indices, kv_counts, softmax_scale, check_indices, backend):
     return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("dlm::column_sparse_attn_bwd", mutates_args=())
-def column_sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def _column_backward_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                            dlse: Optional[Tensor], kv_indices: Tensor, kv_counts: Tensor,
                            softmax_scale: Optional[float], backend: Optional[str]
                            ) -> tuple[Tensor, Tensor, Tensor]:
     impl = select(_problem(q, k), backend, family="sparse")
     return impl.column_bwd(dout, q, k, v, out, lse, dlse, kv_indices, kv_counts,
                            _scale(softmax_scale, q))
+
+
+column_sparse_attn_bwd = torch.library.custom_op("dlm::column_sparse_attn_bwd",
+                                                 mutates_args=())(_column_backward_body)
 
 
 @column_sparse_attn_bwd.register_fake
@@ -278,15 +295,20 @@ def _column_setup_context(ctx, inputs, output):
     ctx.softmax_scale, ctx.backend = softmax_scale, backend
 
 
-def _column_backward(ctx, dout, dlse):
-    q, k, v, out, lse, kv_indices, kv_counts = ctx.saved_tensors
-    dout = torch.zeros_like(out) if dout is None else dout
-    dq, dk, dv = column_sparse_attn_bwd(dout, q, k, v, out, lse, dlse, kv_indices, kv_counts,
-                                        ctx.softmax_scale, ctx.backend)
-    return dq, dk, dv, None, None, None, None, None
+def _column_backward_with(bwd_call):
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, kv_indices, kv_counts = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv = bwd_call(dout, q, k, v, out, lse, dlse, kv_indices, kv_counts,
+                              ctx.softmax_scale, ctx.backend)
+        return dq, dk, dv, None, None, None, None, None
+    return backward
 
 
-column_sparse_attn_fwd.register_autograd(_column_backward, setup_context=_column_setup_context)
+column_sparse_attn_fwd.register_autograd(_column_backward_with(column_sparse_attn_bwd),
+                                         setup_context=_column_setup_context)
+_column_sparse_attn = EagerOp("column_sparse_attn", column_sparse_attn_fwd, _column_forward,
+                              _column_setup_context, _column_backward_with(_column_backward_body))
 
 
 # -- public API ---------------------------------------------------------------------------------
@@ -315,8 +337,9 @@ def block_sparse_attn(q, k, v, kv_block_indices, kv_block_counts, *, block_size_
     """
     _check_block(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k,
                  softmax_scale)
-    out, lse = block_sparse_attn_fwd(q, k, v, kv_block_indices, kv_block_counts, block_size_q,
-                                     block_size_k, softmax_scale, bool(check_indices), backend)
+    out, lse = _block_sparse_attn((q, k, v, kv_block_indices, kv_block_counts), q, k, v,
+                                  kv_block_indices, kv_block_counts, block_size_q, block_size_k,
+                                  softmax_scale, bool(check_indices), backend)
     return (out, lse) if return_lse else out
 
 
@@ -334,6 +357,6 @@ def column_sparse_attn(q, k, v, kv_indices, kv_counts, *, softmax_scale=None, re
     Returns out (B, Sq, H, D), or (out, lse (B, H, Sq)).
     """
     _check_column(q, k, v, kv_indices, kv_counts, softmax_scale)
-    out, lse = column_sparse_attn_fwd(q, k, v, kv_indices, kv_counts, softmax_scale,
-                                      bool(check_indices), backend)
+    out, lse = _column_sparse_attn((q, k, v, kv_indices, kv_counts), q, k, v, kv_indices,
+                                   kv_counts, softmax_scale, bool(check_indices), backend)
     return (out, lse) if return_lse else out
