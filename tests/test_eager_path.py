@@ -14,6 +14,11 @@ from dlm_ops.backends.triton_backend import INTERPRET
 
 from .strategies import make_qkv
 
+def _small(dtype, seed):
+    """q, k, v (1, 12, 2, 16) that require grad."""
+    return (t.requires_grad_() for t in make_qkv((1, 12, 2, 16), (1, 12, 2, 16), dtype, seed))
+
+
 _PLAIN = eager.plain_eager  # the module's own check (tests below swap it for "never")
 
 CALLS = {
@@ -57,7 +62,7 @@ def test_the_eager_way_is_bitwise_the_op(name, use_lse, dtype, seed):
 
 
 def test_plain_eager_calls_skip_the_dispatcher():
-    q, k, v = (t.requires_grad_() for t in make_qkv((1, 12, 2, 16), (1, 12, 2, 16), torch.float32, 1))
+    q, k, v = _small(torch.float32, 1)
     out = dlm_ops.diffusion_attn_func(q, k, v, 3)
     assert type(out.grad_fn).__name__ == "diffusion_attn_eagerBackward"
     with torch.no_grad():
@@ -65,7 +70,8 @@ def test_plain_eager_calls_skip_the_dispatcher():
     # A plain Parameter (a model's weights, e.g. the hybrid ops' feature map) is a plain tensor to
     # the dispatcher; a tensor subclass is not, and takes the op.
     p = torch.nn.Parameter(q.detach().clone())
-    assert type(dlm_ops.diffusion_attn_func(p, k, v, 3).grad_fn).__name__ == "diffusion_attn_eagerBackward"
+    node = type(dlm_ops.diffusion_attn_func(p, k, v, 3).grad_fn).__name__
+    assert node == "diffusion_attn_eagerBackward"
 
     class Sub(torch.Tensor):
         pass
@@ -86,7 +92,7 @@ class _Record(TorchDispatchMode):
 
 def test_a_dispatch_mode_sees_the_ops():
     """FlopCounterMode, FakeTensorMode and the like must see dlm::*, not the body's aten calls."""
-    q, k, v = (t.requires_grad_() for t in make_qkv((1, 12, 2, 16), (1, 12, 2, 16), torch.float32, 2))
+    q, k, v = _small(torch.float32, 2)
     with _Record() as mode:
         out = dlm_ops.diffusion_attn_func(q, k, v, 3)
         out.sum().backward()
@@ -112,7 +118,7 @@ def test_compile_sees_the_op():
 def test_double_backward_raises(plain):
     """The kernels have no derivative: differentiating a gradient raises on both ways in (the op:
     no autograd formula for the backward op; the eager way: once_differentiable), not zeros."""
-    q, k, v = (t.requires_grad_() for t in make_qkv((1, 12, 2, 16), (1, 12, 2, 16), torch.float64, 4))
+    q, k, v = _small(torch.float64, 4)
     with pytest.MonkeyPatch.context() as mp:
         if not plain:
             mp.setattr(eager, "plain_eager", lambda tensors: False)
@@ -126,7 +132,7 @@ def test_double_backward_raises(plain):
 def test_the_eager_way_records_no_op_call():
     """Neither the forward nor the backward op is dispatched on the eager way (the profiler
     records every dispatched op by name): the backward calls the body too."""
-    q, k, v = (t.requires_grad_() for t in make_qkv((1, 12, 2, 16), (1, 12, 2, 16), torch.float32, 5))
+    q, k, v = _small(torch.float32, 5)
 
     def dispatched():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -139,7 +145,8 @@ def test_the_eager_way_records_no_op_call():
         assert dispatched() == {"dlm::diffusion_attn_fwd", "dlm::diffusion_attn_bwd"}
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
+                    reason="needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_exact_attention_eager_way_is_bitwise_the_op(is_causal):
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -162,7 +169,8 @@ def _cached_calls():
     """The cached family's public calls on one small decode problem (torch backend, CPU)."""
     g = torch.Generator().manual_seed(7)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float32)
-    q, kc, vc, kb, vb = r(2, 4, 4, 16), r(2, 10, 2, 16), r(2, 10, 2, 16), r(2, 4, 2, 16), r(2, 4, 2, 16)
+    q, kb, vb = r(2, 4, 4, 16), r(2, 4, 2, 16), r(2, 4, 2, 16)
+    kc, vc = r(2, 10, 2, 16), r(2, 10, 2, 16)
     lens = torch.tensor([3, 10], dtype=torch.int32)
     refresh = lambda: dlm_ops.flashblock_refresh(q, kc, vc, kb, vb, cache_seqlens=lens)
     return {

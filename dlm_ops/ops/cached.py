@@ -209,10 +209,9 @@ def _no_context(ctx, inputs, output):
     pass
 
 
-def _block_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                         cache_seqlens: Optional[Tensor], k_new: Optional[Tensor],
-                         v_new: Optional[Tensor], softmax_scale: Optional[float],
-                         backend: Optional[str]) -> tuple[Tensor, Tensor]:
+def _block_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
+                  k_new: Optional[Tensor], v_new: Optional[Tensor], softmax_scale: Optional[float],
+                  backend: Optional[str]) -> tuple[Tensor, Tensor]:
     _check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale)
     impl = _impl(q, k_cache.shape[2], backend)
     out, lse, _, _ = impl.decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
@@ -236,9 +235,9 @@ block_decode_attn_op.register_autograd(_inference_only("block_decode_attn"),
 
 
 def _flashblock_refresh(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_block: Tensor,
-                          v_block: Tensor, cache_seqlens: Optional[Tensor],
-                          softmax_scale: Optional[float], backend: Optional[str]
-                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        v_block: Tensor, cache_seqlens: Optional[Tensor],
+                        softmax_scale: Optional[float], backend: Optional[str]
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_decode(q, k_cache, v_cache, cache_seqlens, k_block, v_block, softmax_scale)
     impl = _impl(q, k_cache.shape[2], backend)
     return impl.decode(q, k_cache, v_cache, cache_seqlens, k_block, v_block,
@@ -262,9 +261,9 @@ flashblock_refresh_op.register_autograd(_inference_only("flashblock_refresh"),
                                         setup_context=_no_context)
 
 
-def _flashblock(q: Tensor, k_block: Tensor, v_block: Tensor, cached_out: Tensor,
-                       cached_lse: Tensor, dirty: Optional[Tensor], softmax_scale: Optional[float],
-                       backend: Optional[str]) -> tuple[Tensor, Tensor]:
+def _flashblock(q: Tensor, k_block: Tensor, v_block: Tensor, cached_out: Tensor, cached_lse: Tensor,
+                dirty: Optional[Tensor], softmax_scale: Optional[float], backend: Optional[str]
+               ) -> tuple[Tensor, Tensor]:
     _check_block(q, k_block, v_block, cached_out, cached_lse, dirty, softmax_scale)
     impl = _impl(q, k_block.shape[2], backend)
     return impl.block(q, k_block, v_block, cached_out, cached_lse, dirty, _scale(softmax_scale, q))
@@ -283,8 +282,8 @@ def _(q, k_block, v_block, cached_out, cached_lse, dirty, softmax_scale, backend
 flashblock_attn_op.register_autograd(_inference_only("flashblock_attn"), setup_context=_no_context)
 
 
-def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor,
-                         backend: Optional[str]) -> tuple[Tensor, Tensor]:
+def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, backend: Optional[str]
+          ) -> tuple[Tensor, Tensor]:
     _check_merge(out_a, lse_a, out_b, lse_b)
     features = frozenset()
     problem = Problem(out_a.device.type, out_a.dtype, out_a.shape[-1], features)

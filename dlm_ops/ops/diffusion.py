@@ -68,13 +68,16 @@ def _register_batched(prefix: str, make_mask: Callable[[int, int], SequenceMask]
     """Register ``dlm::{prefix}_fwd`` and ``dlm::{prefix}_bwd`` for one batched mask; return the
     two ops and the forward's EagerOp (what the public function calls)."""
 
+    def run(q, k, v, block_size, softmax_scale, softcap, deterministic, backend):
+        impl = select(_problem(q, k, softcap, deterministic, varlen=False), backend)
+        mask = make_mask(q.shape[1], block_size)
+        return impl.fwd(q, k, v, mask, _scale(softmax_scale, q), softcap, deterministic)
+
     def forward(q: Tensor, k: Tensor, v: Tensor, block_size: int, softmax_scale: Optional[float],
                 softcap: float, deterministic: bool, backend: Optional[str]
                 ) -> tuple[Tensor, Tensor]:
         _check_batched(q, k, v, block_size, softmax_scale, softcap, even)
-        impl = select(_problem(q, k, softcap, deterministic, varlen=False), backend)
-        mask = make_mask(q.shape[1], block_size)
-        return impl.fwd(q, k, v, mask, _scale(softmax_scale, q), softcap, deterministic)
+        return run(q, k, v, block_size, softmax_scale, softcap, deterministic, backend)
 
     fwd = torch.library.custom_op(f"dlm::{prefix}_fwd", mutates_args=())(forward)
 
@@ -118,7 +121,8 @@ def _register_batched(prefix: str, make_mask: Callable[[int, int], SequenceMask]
         return backward
 
     fwd.register_autograd(backward_with(bwd), setup_context=setup_context)
-    return fwd, bwd, EagerOp(prefix, fwd, forward, setup_context, backward_with(backward_body))
+    # The public function validates first, so its eager way runs the body without the check.
+    return fwd, bwd, EagerOp(prefix, fwd, run, setup_context, backward_with(backward_body))
 
 
 diffusion_attn_fwd, diffusion_attn_bwd, _diffusion_attn = _register_batched(
@@ -178,14 +182,19 @@ def _varlen_mask(cu_seqlens: Tensor, q: Tensor, max_seqlen: int, block_size: int
     return VarlenMask(cu, block_size)
 
 
-def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                              block_size: int, softmax_scale: Optional[float], softcap: float,
-                              deterministic: bool, backend: Optional[str]
-                              ) -> tuple[Tensor, Tensor]:
-    _check_varlen(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap)
+def _varlen_run(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap,
+                deterministic, backend):
     mask = _varlen_mask(cu_seqlens, q, max_seqlen, block_size)
     impl = select(_problem(q, k, softcap, deterministic, varlen=True), backend)
     return impl.varlen_fwd(q, k, v, mask, _scale(softmax_scale, q), softcap, deterministic)
+
+
+def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                    block_size: int, softmax_scale: Optional[float], softcap: float,
+                    deterministic: bool, backend: Optional[str]) -> tuple[Tensor, Tensor]:
+    _check_varlen(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap)
+    return _varlen_run(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap,
+                       deterministic, backend)
 
 
 diffusion_attn_varlen_fwd = torch.library.custom_op("dlm::diffusion_attn_varlen_fwd",
@@ -199,11 +208,11 @@ def _(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap, deter
     return q.new_empty(q.shape), q.new_empty((h, total), dtype=lse_dtype(q.dtype))
 
 
-def _varlen_backward_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                              lse: Tensor, dlse: Optional[Tensor], cu_seqlens: Tensor,
-                              max_seqlen: int, block_size: int, softmax_scale: Optional[float],
-                              softcap: float, deterministic: bool, backend: Optional[str]
-                              ) -> tuple[Tensor, Tensor, Tensor]:
+def _varlen_backward_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          dlse: Optional[Tensor], cu_seqlens: Tensor, max_seqlen: int,
+                          block_size: int, softmax_scale: Optional[float], softcap: float,
+                          deterministic: bool, backend: Optional[str]
+                         ) -> tuple[Tensor, Tensor, Tensor]:
     mask = _varlen_mask(cu_seqlens, q, max_seqlen, block_size)
     impl = select(_problem(q, k, softcap, deterministic, varlen=True), backend)
     return impl.varlen_bwd(dout, q, k, v, out, lse, dlse, mask, _scale(softmax_scale, q), softcap,
@@ -244,7 +253,7 @@ def _varlen_backward_with(bwd_call):
 diffusion_attn_varlen_fwd.register_autograd(_varlen_backward_with(diffusion_attn_varlen_bwd),
                                             setup_context=_varlen_setup_context)
 _diffusion_attn_varlen = EagerOp("diffusion_attn_varlen", diffusion_attn_varlen_fwd,
-                                 _varlen_forward, _varlen_setup_context,
+                                 _varlen_run, _varlen_setup_context,
                                  _varlen_backward_with(_varlen_backward_body))
 
 

@@ -11,10 +11,10 @@ step was host-bound (session 11, csrc/NOTES.md).
 
 So where nothing else needs to see the op (not compiling or tracing, no torch function or
 dispatch mode, no functorch transform, plain tensors or parameters), the public functions run the
-op's own Python body directly, under a ``torch.autograd.Function`` when a gradient is wanted. The body and
-the backward are the ones the op registers: one implementation, two ways in. Everything else
-(``torch.compile``, FakeTensor, ``opcheck``, a TorchDispatchMode such as FlopCounterMode, vmap,
-tensor subclasses) still goes through the op.
+op's own Python body directly, under a ``torch.autograd.Function`` when a gradient is wanted. The
+body and the backward are the ones the op registers: one implementation, two ways in. Everything
+else (``torch.compile``, FakeTensor, ``opcheck``, a TorchDispatchMode such as FlopCounterMode,
+vmap, tensor subclasses) still goes through the op.
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def plain_eager(tensors: Sequence) -> bool:
 
 
 class EagerOp:
-    """An op's two ways in: ``op`` (the registered custom op) and its Python body ``forward`` with
+    """An op's two ways in: ``op`` (the registered custom op) and its Python body ``forward`` (the
+    op's body, or its part after the validation where the public function has validated) with
     ``setup_context`` / ``backward`` (the functions given to ``register_autograd``; the backward
     must call the backward op's body, not the op, to stay off the dispatcher too). Without a
     ``backward`` only calls that want no gradient run the body (inference-only ops, and ops whose

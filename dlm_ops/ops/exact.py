@@ -87,8 +87,8 @@ def _scale(scale: Optional[float], q: Tensor) -> float:
     return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
-                  scale: Optional[float]) -> tuple[Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float]
+            ) -> tuple[Tensor, Tensor]:
     out = new_output(q, q.shape)  # (B, H, S, D) contiguous, written through a (B, S, H, D) view
     _, lse = _KERNELS._fwd(_bshd(q), _bshd(k), _bshd(v), ((0, _mask(q.shape[2], is_causal)),),
                            _scale(scale, q), 0.0, out=_bshd(out))
@@ -105,8 +105,8 @@ def _(q, k, v, is_causal, scale):
 
 
 def _backward_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  dlse: Optional[Tensor], is_causal: bool,
-                  scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+                   dlse: Optional[Tensor], is_causal: bool, scale: Optional[float]
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     grads = tuple(new_output(t, t.shape) for t in (q, k, v))
     _KERNELS._bwd(_bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse, dlse,
                   ((0, _mask(q.shape[2], is_causal)),), _scale(scale, q), 0.0,

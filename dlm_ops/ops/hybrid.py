@@ -144,8 +144,8 @@ def _check_train(q, k, v, feature_weight, gate, block_size, softmax_scale) -> No
 
 
 def _decode(q: Tensor, k: Tensor, v: Tensor, state_s: Tensor, state_z: Tensor,
-                         feature_weight: Tensor, gate: Tensor, softmax_scale: Optional[float],
-                         backend: Optional[str]) -> Tensor:
+            feature_weight: Tensor, gate: Tensor, softmax_scale: Optional[float],
+            backend: Optional[str]) -> Tensor:
     _check_decode(q, k, v, state_s, state_z, feature_weight, gate, softmax_scale)
     impl = _impl(q, k, feature_weight, backend, block=q.shape[1])
     return impl.decode(q, k, v, state_s, state_z, feature_weight, gate, _scale(softmax_scale, q))
@@ -160,8 +160,8 @@ def _(q, k, v, state_s, state_z, feature_weight, gate, softmax_scale, backend):
     return q.new_empty(q.shape)
 
 
-def _state_update(state_s: Tensor, state_z: Tensor, k: Tensor, v: Tensor,
-                           feature_weight: Tensor, backend: Optional[str]) -> tuple[Tensor, Tensor]:
+def _state_update(state_s: Tensor, state_z: Tensor, k: Tensor, v: Tensor, feature_weight: Tensor,
+                  backend: Optional[str]) -> tuple[Tensor, Tensor]:
     _check_update(state_s, state_z, k, v, feature_weight)
     # Dispatch on the keys' dtype and the state's head count (the queries are not involved).
     problem = HybridProblem(k.device.type, k.dtype, k.shape[-1],
@@ -182,8 +182,8 @@ def _(state_s, state_z, k, v, feature_weight, backend):
 
 
 def _train_forward(q: Tensor, k: Tensor, v: Tensor, feature_weight: Tensor, gate: Tensor,
-                           block_size: int, softmax_scale: Optional[float],
-                           backend: Optional[str]) -> Tensor:
+                   block_size: int, softmax_scale: Optional[float], backend: Optional[str]
+                  ) -> Tensor:
     _check_train(q, k, v, feature_weight, gate, block_size, softmax_scale)
     return _impl(q, k, feature_weight, backend, train_block=_train_block(q, block_size)).train_fwd(
         q, k, v, feature_weight, gate, block_size, _scale(softmax_scale, q))
@@ -200,9 +200,8 @@ def _(q, k, v, feature_weight, gate, block_size, softmax_scale, backend):
 
 
 def _train_backward_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, feature_weight: Tensor,
-                           gate: Tensor, block_size: int, softmax_scale: Optional[float],
-                           backend: Optional[str]
-                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                         gate: Tensor, block_size: int, softmax_scale: Optional[float],
+                         backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _impl(q, k, feature_weight, backend, train_block=_train_block(q, block_size)).train_bwd(
         dout, q, k, v, feature_weight, gate, block_size, _scale(softmax_scale, q))
 

@@ -175,9 +175,9 @@ def check_index_values(idx: Tensor, counts: Tensor, limit: int, idx_name: str,
 
 
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, kv_block_indices: Tensor,
-                          kv_block_counts: Tensor, block_size_q: int, block_size_k: int,
-                          softmax_scale: Optional[float], check_indices: bool,
-                          backend: Optional[str]) -> tuple[Tensor, Tensor]:
+                   kv_block_counts: Tensor, block_size_q: int, block_size_k: int,
+                   softmax_scale: Optional[float], check_indices: bool, backend: Optional[str]
+                  ) -> tuple[Tensor, Tensor]:
     _check_block(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k,
                  softmax_scale)
     if check_indices:
@@ -202,10 +202,9 @@ def _(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k, so
 
 
 def _block_backward_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          dlse: Optional[Tensor], kv_block_indices: Tensor,
-                          kv_block_counts: Tensor, block_size_q: int, block_size_k: int,
-                          softmax_scale: Optional[float], backend: Optional[str]
-                          ) -> tuple[Tensor, Tensor, Tensor]:
+                         dlse: Optional[Tensor], kv_block_indices: Tensor, kv_block_counts: Tensor,
+                         block_size_q: int, block_size_k: int, softmax_scale: Optional[float],
+                         backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
     impl = select(_problem(q, k), backend, family="sparse")
     return impl.block_bwd(dout, q, k, v, out, lse, dlse, kv_block_indices, kv_block_counts,
                           block_size_q, block_size_k, _scale(softmax_scale, q))
@@ -250,8 +249,8 @@ _block_sparse_attn = EagerOp("block_sparse_attn", block_sparse_attn_fwd, _block_
 
 
 def _column_forward(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, kv_counts: Tensor,
-                           softmax_scale: Optional[float], check_indices: bool,
-                           backend: Optional[str]) -> tuple[Tensor, Tensor]:
+                    softmax_scale: Optional[float], check_indices: bool, backend: Optional[str]
+                   ) -> tuple[Tensor, Tensor]:
     _check_column(q, k, v, kv_indices, kv_counts, softmax_scale)
     if check_indices:
         check_index_values(kv_indices, kv_counts, k.shape[1], "kv_indices", "kv_counts")
@@ -271,9 +270,9 @@ def _(q, k, v, kv_indices, kv_counts, softmax_scale, check_indices, backend):
 
 
 def _column_backward_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                           dlse: Optional[Tensor], kv_indices: Tensor, kv_counts: Tensor,
-                           softmax_scale: Optional[float], backend: Optional[str]
-                           ) -> tuple[Tensor, Tensor, Tensor]:
+                          dlse: Optional[Tensor], kv_indices: Tensor, kv_counts: Tensor,
+                          softmax_scale: Optional[float], backend: Optional[str]
+                         ) -> tuple[Tensor, Tensor, Tensor]:
     impl = select(_problem(q, k), backend, family="sparse")
     return impl.column_bwd(dout, q, k, v, out, lse, dlse, kv_indices, kv_counts,
                            _scale(softmax_scale, q))
