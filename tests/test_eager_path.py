@@ -236,3 +236,28 @@ def test_hybrid_ops_eager_way_is_bitwise_the_op():
     assert (op_eager, direct_eager) == (False, True)
     for a, b in zip(through_op, direct):
         assert torch.equal(a, b)
+
+
+def test_plain_eager_sees_transforms_and_modes():
+    """vmap, torch.func.grad, a TorchFunctionMode and FakeTensorMode each keep calls on the ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen = []
+
+    def probe(x):
+        seen.append(eager.plain_eager([x]))
+        return x * 2
+
+    torch.vmap(probe)(torch.randn(3, 4))
+    torch.func.grad(lambda x: probe(x).sum())(torch.randn(3))
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        seen.append(eager.plain_eager([torch.randn(2)]))
+    with FakeTensorMode():
+        seen.append(eager.plain_eager([torch.empty(2)]))
+    assert seen == [False] * 4
+    assert eager.plain_eager([torch.randn(2), None])
