@@ -209,14 +209,21 @@ def _no_context(ctx, inputs, output):
     pass
 
 
-def _block_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
-                  k_new: Optional[Tensor], v_new: Optional[Tensor], softmax_scale: Optional[float],
-                  backend: Optional[str]) -> tuple[Tensor, Tensor]:
-    _check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale)
+# Each op's body is its check and then its run; the public functions validate first and their
+# eager way (EagerOp, below) calls the run alone.
+def _block_decode_run(q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale, backend):
     impl = _impl(q, k_cache.shape[2], backend)
     out, lse, _, _ = impl.decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                  _scale(softmax_scale, q), False)
     return out, lse
+
+
+def _block_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
+                  k_new: Optional[Tensor], v_new: Optional[Tensor], softmax_scale: Optional[float],
+                  backend: Optional[str]) -> tuple[Tensor, Tensor]:
+    _check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale)
+    return _block_decode_run(q, k_cache, v_cache, cache_seqlens, k_new, v_new, softmax_scale,
+                             backend)
 
 
 block_decode_attn_op = torch.library.custom_op("dlm::block_decode_attn",
@@ -234,14 +241,20 @@ block_decode_attn_op.register_autograd(_inference_only("block_decode_attn"),
                                        setup_context=_no_context)
 
 
+def _flashblock_refresh_run(q, k_cache, v_cache, k_block, v_block, cache_seqlens, softmax_scale,
+                            backend):
+    impl = _impl(q, k_cache.shape[2], backend)
+    return impl.decode(q, k_cache, v_cache, cache_seqlens, k_block, v_block,
+                       _scale(softmax_scale, q), True)
+
+
 def _flashblock_refresh(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_block: Tensor,
                         v_block: Tensor, cache_seqlens: Optional[Tensor],
                         softmax_scale: Optional[float], backend: Optional[str]
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_decode(q, k_cache, v_cache, cache_seqlens, k_block, v_block, softmax_scale)
-    impl = _impl(q, k_cache.shape[2], backend)
-    return impl.decode(q, k_cache, v_cache, cache_seqlens, k_block, v_block,
-                       _scale(softmax_scale, q), True)
+    return _flashblock_refresh_run(q, k_cache, v_cache, k_block, v_block, cache_seqlens,
+                                   softmax_scale, backend)
 
 
 flashblock_refresh_op = torch.library.custom_op("dlm::flashblock_refresh",
@@ -261,12 +274,17 @@ flashblock_refresh_op.register_autograd(_inference_only("flashblock_refresh"),
                                         setup_context=_no_context)
 
 
+def _flashblock_run(q, k_block, v_block, cached_out, cached_lse, dirty, softmax_scale, backend):
+    impl = _impl(q, k_block.shape[2], backend)
+    return impl.block(q, k_block, v_block, cached_out, cached_lse, dirty, _scale(softmax_scale, q))
+
+
 def _flashblock(q: Tensor, k_block: Tensor, v_block: Tensor, cached_out: Tensor, cached_lse: Tensor,
                 dirty: Optional[Tensor], softmax_scale: Optional[float], backend: Optional[str]
                ) -> tuple[Tensor, Tensor]:
     _check_block(q, k_block, v_block, cached_out, cached_lse, dirty, softmax_scale)
-    impl = _impl(q, k_block.shape[2], backend)
-    return impl.block(q, k_block, v_block, cached_out, cached_lse, dirty, _scale(softmax_scale, q))
+    return _flashblock_run(q, k_block, v_block, cached_out, cached_lse, dirty, softmax_scale,
+                           backend)
 
 
 flashblock_attn_op = torch.library.custom_op("dlm::flashblock_attn", mutates_args=())(_flashblock)
@@ -282,12 +300,15 @@ def _(q, k_block, v_block, cached_out, cached_lse, dirty, softmax_scale, backend
 flashblock_attn_op.register_autograd(_inference_only("flashblock_attn"), setup_context=_no_context)
 
 
+def _merge_run(out_a, lse_a, out_b, lse_b, backend):
+    problem = Problem(out_a.device.type, out_a.dtype, out_a.shape[-1], frozenset())
+    return select(problem, backend, family=FAMILY).merge(out_a, lse_a, out_b, lse_b)
+
+
 def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, backend: Optional[str]
           ) -> tuple[Tensor, Tensor]:
     _check_merge(out_a, lse_a, out_b, lse_b)
-    features = frozenset()
-    problem = Problem(out_a.device.type, out_a.dtype, out_a.shape[-1], features)
-    return select(problem, backend, family=FAMILY).merge(out_a, lse_a, out_b, lse_b)
+    return _merge_run(out_a, lse_a, out_b, lse_b, backend)
 
 
 merge_attn_states_op = torch.library.custom_op("dlm::merge_attn_states", mutates_args=())(_merge)
@@ -332,10 +353,11 @@ merge_attn_states_op.register_autograd(_merge_backward, setup_context=_merge_set
 # Plain eager calls without a gradient run the bodies (dlm_ops/ops/eager.py: a decoding step calls
 # these once per layer, where the dispatcher round trip costs more host time than the launches).
 # With a gradient the ops run: the first three raise, the merge's backward differentiates again.
-_block_decode_attn = EagerOp("block_decode_attn", block_decode_attn_op, _block_decode)
-_flashblock_refresh_attn = EagerOp("flashblock_refresh", flashblock_refresh_op, _flashblock_refresh)
-_flashblock_attn = EagerOp("flashblock_attn", flashblock_attn_op, _flashblock)
-_merge_attn_states = EagerOp("merge_attn_states", merge_attn_states_op, _merge)
+_block_decode_attn = EagerOp("block_decode_attn", block_decode_attn_op, _block_decode_run)
+_flashblock_refresh_attn = EagerOp("flashblock_refresh", flashblock_refresh_op,
+                                   _flashblock_refresh_run)
+_flashblock_attn = EagerOp("flashblock_attn", flashblock_attn_op, _flashblock_run)
+_merge_attn_states = EagerOp("merge_attn_states", merge_attn_states_op, _merge_run)
 
 
 # -- public API --------------------------------------------------------------------------------

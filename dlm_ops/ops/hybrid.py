@@ -143,12 +143,18 @@ def _check_train(q, k, v, feature_weight, gate, block_size, softmax_scale) -> No
 # -- ops --------------------------------------------------------------------------------------
 
 
+# Each op's body is its check and then its run; the public functions validate first and their
+# eager way (EagerOp, below) calls the run alone.
+def _decode_run(q, k, v, state_s, state_z, feature_weight, gate, softmax_scale, backend):
+    impl = _impl(q, k, feature_weight, backend, block=q.shape[1])
+    return impl.decode(q, k, v, state_s, state_z, feature_weight, gate, _scale(softmax_scale, q))
+
+
 def _decode(q: Tensor, k: Tensor, v: Tensor, state_s: Tensor, state_z: Tensor,
             feature_weight: Tensor, gate: Tensor, softmax_scale: Optional[float],
             backend: Optional[str]) -> Tensor:
     _check_decode(q, k, v, state_s, state_z, feature_weight, gate, softmax_scale)
-    impl = _impl(q, k, feature_weight, backend, block=q.shape[1])
-    return impl.decode(q, k, v, state_s, state_z, feature_weight, gate, _scale(softmax_scale, q))
+    return _decode_run(q, k, v, state_s, state_z, feature_weight, gate, softmax_scale, backend)
 
 
 block_hybrid_attn_op = torch.library.custom_op("dlm::block_hybrid_attn", mutates_args=())(_decode)
@@ -160,15 +166,19 @@ def _(q, k, v, state_s, state_z, feature_weight, gate, softmax_scale, backend):
     return q.new_empty(q.shape)
 
 
-def _state_update(state_s: Tensor, state_z: Tensor, k: Tensor, v: Tensor, feature_weight: Tensor,
-                  backend: Optional[str]) -> tuple[Tensor, Tensor]:
-    _check_update(state_s, state_z, k, v, feature_weight)
+def _state_update_run(state_s, state_z, k, v, feature_weight, backend):
     # Dispatch on the keys' dtype and the state's head count (the queries are not involved).
     problem = HybridProblem(k.device.type, k.dtype, k.shape[-1],
                             frozenset({GQA}) if k.shape[2] != state_s.shape[1] else frozenset(),
                             block=k.shape[1], num_features=feature_weight.shape[-1])
     return select(problem, backend, family="hybrid").state_update(state_s, state_z, k, v,
                                                                   feature_weight)
+
+
+def _state_update(state_s: Tensor, state_z: Tensor, k: Tensor, v: Tensor, feature_weight: Tensor,
+                  backend: Optional[str]) -> tuple[Tensor, Tensor]:
+    _check_update(state_s, state_z, k, v, feature_weight)
+    return _state_update_run(state_s, state_z, k, v, feature_weight, backend)
 
 
 hybrid_state_update_op = torch.library.custom_op("dlm::hybrid_state_update",
@@ -181,12 +191,16 @@ def _(state_s, state_z, k, v, feature_weight, backend):
     return state_s.new_empty(state_s.shape), state_z.new_empty(state_z.shape)
 
 
+def _train_run(q, k, v, feature_weight, gate, block_size, softmax_scale, backend):
+    return _impl(q, k, feature_weight, backend, train_block=_train_block(q, block_size)).train_fwd(
+        q, k, v, feature_weight, gate, block_size, _scale(softmax_scale, q))
+
+
 def _train_forward(q: Tensor, k: Tensor, v: Tensor, feature_weight: Tensor, gate: Tensor,
                    block_size: int, softmax_scale: Optional[float], backend: Optional[str]
                   ) -> Tensor:
     _check_train(q, k, v, feature_weight, gate, block_size, softmax_scale)
-    return _impl(q, k, feature_weight, backend, train_block=_train_block(q, block_size)).train_fwd(
-        q, k, v, feature_weight, gate, block_size, _scale(softmax_scale, q))
+    return _train_run(q, k, v, feature_weight, gate, block_size, softmax_scale, backend)
 
 
 block_hybrid_train_fwd = torch.library.custom_op("dlm::block_hybrid_train_fwd",
@@ -234,9 +248,9 @@ block_hybrid_train_fwd.register_autograd(_train_backward_with(block_hybrid_train
                                          setup_context=_train_setup_context)
 
 # The public functions' way in (dlm_ops/ops/eager.py); the decode-step ops have no backward.
-_block_hybrid_attn = EagerOp("block_hybrid_attn", block_hybrid_attn_op, _decode)
-_hybrid_state_update = EagerOp("hybrid_state_update", hybrid_state_update_op, _state_update)
-_block_hybrid_train = EagerOp("block_hybrid_train", block_hybrid_train_fwd, _train_forward,
+_block_hybrid_attn = EagerOp("block_hybrid_attn", block_hybrid_attn_op, _decode_run)
+_hybrid_state_update = EagerOp("hybrid_state_update", hybrid_state_update_op, _state_update_run)
+_block_hybrid_train = EagerOp("block_hybrid_train", block_hybrid_train_fwd, _train_run,
                               _train_setup_context, _train_backward_with(_train_backward_body))
 
 

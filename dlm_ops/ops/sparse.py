@@ -174,18 +174,26 @@ def check_index_values(idx: Tensor, counts: Tensor, limit: int, idx_name: str,
 # -- block-sparse ops ---------------------------------------------------------------------------
 
 
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, kv_block_indices: Tensor,
-                   kv_block_counts: Tensor, block_size_q: int, block_size_k: int,
-                   softmax_scale: Optional[float], check_indices: bool, backend: Optional[str]
-                  ) -> tuple[Tensor, Tensor]:
-    _check_block(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k,
-                 softmax_scale)
+# Each forward op's body is its shape check and then its run (the index values check included); the
+# public functions check the shapes first and their eager way (EagerOp, below) calls the run alone.
+def _block_run(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k,
+               softmax_scale, check_indices, backend):
     if check_indices:
         check_index_values(kv_block_indices, kv_block_counts, -(-k.shape[1] // block_size_k),
                            "kv_block_indices", "kv_block_counts")
     impl = select(_problem(q, k), backend, family="sparse")
     return impl.block_fwd(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k,
                           _scale(softmax_scale, q))
+
+
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, kv_block_indices: Tensor,
+                   kv_block_counts: Tensor, block_size_q: int, block_size_k: int,
+                   softmax_scale: Optional[float], check_indices: bool, backend: Optional[str]
+                  ) -> tuple[Tensor, Tensor]:
+    _check_block(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k,
+                 softmax_scale)
+    return _block_run(q, k, v, kv_block_indices, kv_block_counts, block_size_q, block_size_k,
+                      softmax_scale, check_indices, backend)
 
 
 block_sparse_attn_fwd = torch.library.custom_op("dlm::block_sparse_attn_fwd",
@@ -241,21 +249,25 @@ def _block_backward_with(bwd_call):
 
 block_sparse_attn_fwd.register_autograd(_block_backward_with(block_sparse_attn_bwd),
                                         setup_context=_block_setup_context)
-_block_sparse_attn = EagerOp("block_sparse_attn", block_sparse_attn_fwd, _block_forward,
+_block_sparse_attn = EagerOp("block_sparse_attn", block_sparse_attn_fwd, _block_run,
                              _block_setup_context, _block_backward_with(_block_backward_body))
 
 
 # -- column-sparse ops --------------------------------------------------------------------------
 
 
-def _column_forward(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, kv_counts: Tensor,
-                    softmax_scale: Optional[float], check_indices: bool, backend: Optional[str]
-                   ) -> tuple[Tensor, Tensor]:
-    _check_column(q, k, v, kv_indices, kv_counts, softmax_scale)
+def _column_run(q, k, v, kv_indices, kv_counts, softmax_scale, check_indices, backend):
     if check_indices:
         check_index_values(kv_indices, kv_counts, k.shape[1], "kv_indices", "kv_counts")
     impl = select(_problem(q, k), backend, family="sparse")
     return impl.column_fwd(q, k, v, kv_indices, kv_counts, _scale(softmax_scale, q))
+
+
+def _column_forward(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, kv_counts: Tensor,
+                    softmax_scale: Optional[float], check_indices: bool, backend: Optional[str]
+                   ) -> tuple[Tensor, Tensor]:
+    _check_column(q, k, v, kv_indices, kv_counts, softmax_scale)
+    return _column_run(q, k, v, kv_indices, kv_counts, softmax_scale, check_indices, backend)
 
 
 column_sparse_attn_fwd = torch.library.custom_op("dlm::column_sparse_attn_fwd",
@@ -306,7 +318,7 @@ def _column_backward_with(bwd_call):
 
 column_sparse_attn_fwd.register_autograd(_column_backward_with(column_sparse_attn_bwd),
                                          setup_context=_column_setup_context)
-_column_sparse_attn = EagerOp("column_sparse_attn", column_sparse_attn_fwd, _column_forward,
+_column_sparse_attn = EagerOp("column_sparse_attn", column_sparse_attn_fwd, _column_run,
                               _column_setup_context, _column_backward_with(_column_backward_body))
 
 
