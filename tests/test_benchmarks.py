@@ -2,6 +2,8 @@
 
 import torch
 
+import dlm_ops
+
 from benchmarks.__main__ import _markdown, _preset
 from benchmarks.contenders import Case, ExactCase
 from dlm_ops.geometry import SequenceMask
@@ -78,3 +80,23 @@ def test_rounds_rotate_the_measurement_order(monkeypatch):
     assert all(sorted(r) == sorted((n, m) for n in names for m in ("fwd", "bwd")) for r in rounds)
     assert {r[0] for r in rounds} == {(n, m) for n in names for m in ("fwd", "bwd")}
     assert len(rows) == 6 and all(r["ratio_vs_a"] == 1.0 for r in rows)
+
+
+def test_host_path_measures_both_ways_and_restores_the_backend(capsys):
+    """benchmarks.host_path runs the cutlass backend's Python on CPU with a no-op extension: both
+    ways in are timed, and the backend is as before afterwards (dispatch on CPU picks torch)."""
+    from benchmarks import host_path
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    before = (cd._EXT, cd._extension, cd.CutlassDiffusionBackend.capabilities)
+    assert host_path.main(["--n", "64", "--calls", "3", "--rounds", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "| fwd |" in table and "| step |" in table and "| bwd op | - |" in table
+    assert (cd._EXT, cd._extension, cd.CutlassDiffusionBackend.capabilities) == before
+    assert "auto_device_types" not in vars(cd.CutlassDiffusionBackend)
+    from dlm_ops.backends import select
+    from dlm_ops.ops.diffusion import _problem
+
+    q = torch.randn(1, 8, 2, 16)
+    assert select(_problem(q, q, 0.0, False, False)).name == "torch"  # CPU: cutlass not eligible
+    assert dlm_ops.diffusion_attn_func(q, q, q, 2).shape == q.shape
