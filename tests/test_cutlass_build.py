@@ -107,6 +107,43 @@ def test_build_directory_keys_on_torch_cuda_sources_and_flags(sm90_machine, monk
     assert cutlass.build_directory("ext", flags) not in (first, edited)
 
 
+def test_a_finished_build_loads_without_ninja(sm90_machine, monkeypatch, tmp_path):
+    """A build directory holding its library loads it directly (no cpp_extension.load, no ninja
+    run); one whose build is in progress (torch's lock file) or whose library does not import goes
+    through cpp_extension.load, which waits for or redoes the build."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("DLM_OPS_BUILD_DIR", str(tmp_path / "cache"))
+    directory = cutlass.build_directory("ext", cutlass.ARCH_FLAGS + cutlass.CUDA_FLAGS)
+    module_name = f"ext_{directory.name.rsplit('-', 1)[-1]}"
+    directory.mkdir(parents=True)
+    (directory / f"{module_name}.so").write_bytes(b"\x7fELF")
+    loaded, built = [], []
+    monkeypatch.setattr(cutlass, "load_built", lambda name, path: loaded.append(path) or "module")
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: built.append(kw["name"]) or "rebuilt")
+    assert cutlass.build("ext", ["x.cu"]) == "module" and not built
+    (directory / "lock").write_text("")
+    assert cutlass.build("ext", ["x.cu"]) == "rebuilt" and built == [module_name]
+    (directory / "lock").unlink()
+
+    def unloadable(name, path):
+        raise ImportError("invalid ELF header")
+
+    monkeypatch.setattr(cutlass, "load_built", unloadable)
+    assert cutlass.build("ext", ["x.cu"]) == "rebuilt" and built == [module_name] * 2
+
+
+def test_load_built_imports_an_extension_module(tmp_path):
+    import math
+
+    if not getattr(math, "__file__", None):
+        pytest.skip("math is built into this interpreter")
+    assert cutlass.load_built("math", Path(math.__file__)).sqrt(4.0) == 2.0
+    (tmp_path / "broken.so").write_bytes(b"not a library")
+    with pytest.raises(ImportError):
+        cutlass.load_built("broken", tmp_path / "broken.so")
+
+
 def test_csrc_ships_as_package_data():
     """Every source file under csrc/ matches a package-data glob of pyproject.toml."""
     tomllib = pytest.importorskip("tomllib")

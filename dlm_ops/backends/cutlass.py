@@ -16,7 +16,9 @@ for sm_90a only, with csrc/include and the CUTLASS/CuTe headers of the ``nvidia-
 A CPU-only install builds nothing. Each build gets its own directory, keyed by torch version, CUDA
 version, nvcc release and a hash of every file under csrc/ and the flags, under
 DLM_OPS_BUILD_DIR (default ``~/.cache/dlm_ops/cutlass``): an upgrade or an edited header rebuilds,
-an unchanged tree only loads. torch's build lock in that directory serialises concurrent processes.
+an unchanged tree only loads (the finished library directly, without a ninja run; such a directory
+may be copied to another machine with the same torch, CUDA and nvcc). torch's build lock in that
+directory serialises concurrent builds.
 """
 
 from __future__ import annotations
@@ -172,7 +174,18 @@ def build(name: str, sources: Sequence[str], extra_cuda_cflags: Sequence[str] = 
     directory.mkdir(parents=True, exist_ok=True)
     # The module name carries the hash too: two source versions never share a Python module name.
     module_name = f"{name}_{directory.name.rsplit('-', 1)[-1]}"
-    cached = (directory / f"{module_name}.so").exists()
+    built = directory / f"{module_name}.so"
+    cached = built.exists()
+    if cached and not (directory / "lock").exists():
+        # The directory's name already says what was built (versions, flags, every source's
+        # bytes), so a finished build loads without a ninja run (ninja re-checks every object's
+        # dependencies in every process, needs ninja at run time, and rebuilds a copied directory
+        # from scratch: its build.ninja names the sources by absolute path). A build in progress
+        # holds torch's "lock" file in the directory.
+        try:
+            return load_built(module_name, built)
+        except ImportError as e:
+            log.warning("dlm_ops: the build in %s does not load (%s); rebuilding", directory, e)
     if not cached:
         # WARNING, not INFO: with no logging configured this still reaches stderr, and the first
         # call of a process otherwise stalls for minutes without a word.
@@ -190,6 +203,16 @@ def build(name: str, sources: Sequence[str], extra_cuda_cflags: Sequence[str] = 
     )
     if not cached:
         log.info("dlm_ops: built %s in %.0f s", name, time.perf_counter() - t0)
+    return module
+
+
+def load_built(module_name: str, path: Path):
+    """Import the extension module ``module_name`` from the shared library at ``path``."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a loadable extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
