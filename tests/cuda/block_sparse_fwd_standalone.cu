@@ -14,6 +14,7 @@
 //   ./sparse_fwd check    # the checks only
 //   ./sparse_fwd time     # the timing table only
 //   ./sparse_fwd small    # one small check per (dtype, head dim), for compute-sanitizer
+//   ./sparse_fwd probe    # what the O / lse stores cost per item (knockout, timing only)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -470,8 +471,50 @@ void timing() {
   }
 }
 
+// Mode `probe`: the shipped kernel against its knockout without the O / lse stores (common.cuh
+// kProbeNoStore; wrong results, timing only), both on the persistent grid, in rounds (median of
+// 5), at the quick preset's shapes. Why: at density 0.1 an item visits 13 key tiles (16K) and costs
+// ~2.5 tile-times more than them (csrc/NOTES.md "Session 10"); the carried pipeline, which hid the
+// item's last P V and epilogue behind the next item's first S, lost 1-4 % (session 11). The
+// knockout says how much of the per-item cost the epilogue is; the rest is the start (Q load,
+// first S without a P V to overlap) and the last wave.
+void timing_probe() {
+  using Ship = HarnessCfg<bf16, 128>;
+  using NoStore = dlm::sm90::Probe<Ship, dlm::sm90::kProbeNoStore>;
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  printf("| S | density | items | key tiles / item | shipped ms | no O / lse store ms | store share | "
+         "tile-times per item saved |\n|---|---|---|---|---|---|---|---|\n");
+  for (int s : {16384, 32768, 65536})
+    for (double d : {0.1, 0.3, 0.5}) {
+      const Case c{1, s, s, 32, 8, "density", d, 0, false};
+      std::mt19937 g(s + (int)(d * 1000));
+      const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
+      Bufs<bf16, 128> b;
+      fill_and_time(b, c, p, s, 3);
+      std::vector<float> t[2];
+      for (int r = 0; r < 5; ++r) {
+        t[0].push_back(time_launches<bf16, 128>(b.args, sms, 10));
+        t[1].push_back(time_loop(10, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<NoStore>(b.args, sms)); }));
+      }
+      for (auto& x : t) std::sort(x.begin(), x.end());
+      double tiles = 0;
+      for (int n : p.cnt) tiles += n;
+      const double items = (double)p.cnt.size(), per_item = tiles / items;
+      const double tile_ms = t[0][2] / tiles * sms;  // one CTA's time per key tile, all of it
+      printf("| %dK | %.1f | %.0f | %.1f | %.3f | %.3f | %.3f | %.2f |\n", s / 1024, d, items, per_item,
+             t[0][2], t[1][2], 1.0 - t[1][2] / t[0][2], (t[0][2] - t[1][2]) / tile_ms / (items / sms));
+      fflush(stdout);
+    }
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "all";
+  if (mode == "probe") {
+    timing_probe();
+    return 0;
+  }
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
     check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");
