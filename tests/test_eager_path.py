@@ -261,3 +261,26 @@ def test_plain_eager_sees_transforms_and_modes():
         seen.append(eager.plain_eager([torch.empty(2)]))
     assert seen == [False] * 4
     assert eager.plain_eager([torch.randn(2), None])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["batched", "gqa_d64", "varlen"])
+def test_gpu_eager_way_is_bitwise_the_op(case):
+    """On the GPU's default backend (CUTLASS on sm90, Triton elsewhere): the same kernels either way,
+    so out, lse and every gradient agree bitwise (the backward has no atomics)."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    h, hkv, d = (8, 2, 64) if case == "gqa_d64" else (4, 4, 128)
+    q, k, v = (torch.randn(2, 512, n, d, device="cuda", generator=g).to(torch.bfloat16)
+               for n in (h, hkv, hkv))
+    if case == "varlen":
+        cu = torch.tensor([0, 256, 256, 1024], dtype=torch.int32, device="cuda")
+        call = lambda q, k, v, **kw: dlm_ops.diffusion_attn_varlen_func(
+            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, 768, 16, **kw)
+    else:
+        call = lambda q, k, v, **kw: dlm_ops.diffusion_attn_func(q, k, v, 16, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(eager, "plain_eager", lambda tensors: False)
+        through_op = _grads(call, (q, k, v), use_lse=True)
+    direct = _grads(call, (q, k, v), use_lse=True)
+    for a, b in zip(through_op, direct):
+        assert torch.equal(a, b)
