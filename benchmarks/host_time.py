@@ -21,11 +21,8 @@ import torch
 
 import dlm_ops
 import dlm_ops.ops.diffusion
-import dlm_ops.ops.eager
 
-
-def _never(tensors) -> bool:
-    return False
+from . import host_path
 
 
 def per_call(f, calls: int) -> tuple[float, float, float]:
@@ -95,11 +92,8 @@ def main(argv=None) -> int:
             # The A/B of dlm_ops/ops/eager.py: every call through the registered ops, as before
             # session 11 (the dispatcher and torch.library's autograd wrapper on each call).
             def g():
-                plain, dlm_ops.ops.eager.plain_eager = dlm_ops.ops.eager.plain_eager, _never
-                try:
+                with host_path.through_ops():
                     f()
-                finally:
-                    dlm_ops.ops.eager.plain_eager = plain
             return g
 
         modes = [("fwd", fwd), ("fwd via op", through_ops(fwd)), ("step", step),
