@@ -34,7 +34,7 @@ class NoOpExtension:
     def tile_order(self, n_noisy, n_clean, block_size, head_dim):
         return torch.zeros(1, dtype=torch.int32)
 
-    def bwd_tile_orders(self, n_noisy, n_clean, block_size):
+    def bwd_tile_orders(self, n_noisy, n_clean, block_size, head_dim):
         return torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
 
     def fwd(self, *args, **kwargs):

@@ -44,17 +44,18 @@ class FakeExtension:
     def tile_order(self, nn, nc, bs, d):
         return _i32(_order(SequenceMask(nn, nc, bs).fwd_tiles(128, 64 if d > 128 else 128)))
 
-    def bwd_tile_orders(self, nn, nc, bs):
-        m = SequenceMask(nn, nc, bs)
-        return _i32(_order(m.bwd_tiles(64, 128))), _i32(_order(m.fwd_tiles(128, 128)))
+    def bwd_tile_orders(self, nn, nc, bs, d):
+        m, t = SequenceMask(nn, nc, bs), 64 if d > 128 else 128  # diffusion_bwd.cuh bwd_block_n / dq_block_*
+        return _i32(_order(m.bwd_tiles(64, t))), _i32(_order(m.fwd_tiles(t, t)))
 
     def varlen_tile_order(self, cu, bs, d):
         self.table_builds += 1
         return [_i32(x) for x in entries(cu, bs, lambda m: m.fwd_tiles(128, 64 if d > 128 else 128))]
 
-    def varlen_bwd_tile_orders(self, cu, bs):
-        dkdv = entries(cu, bs, lambda m: m.bwd_tiles(64, 128))
-        dq = entries(cu, bs, lambda m: m.fwd_tiles(128, 128))
+    def varlen_bwd_tile_orders(self, cu, bs, d):
+        t = 64 if d > 128 else 128
+        dkdv = entries(cu, bs, lambda m: m.bwd_tiles(64, t))
+        dq = entries(cu, bs, lambda m: m.fwd_tiles(t, t))
         return [_i32(x) for x in (*dkdv, *dq)]
 
     def fwd(self, q, k, v, out, lse, order, n_noisy, block_size, scale, max_ctas, tile_sample=None,
@@ -162,6 +163,7 @@ def test_softcap_head_dims_alignment_and_failed_builds_fall_back(fake, monkeypat
     fwd, bwd = _run_batched(backend, q, k, v, mask)
     assert fwd[0] == "triton" and bwd[0] != "triton"
     q2, k2, v2 = _batched(2, 100, 100, 4, 2, 256)
+    monkeypatch.setattr(cd, "BACKWARD_HEAD_DIMS", (64, 128))
     fwd, bwd = _run_batched(backend, q2, k2, v2, mask)
     assert fwd[0] != "triton" and bwd[0] == "triton"
     # rows not 16-byte aligned for TMA: a view one element into its storage

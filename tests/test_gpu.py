@@ -150,7 +150,7 @@ def test_torch_compile_on_cuda():
 @pytest.mark.parametrize("n,block_size,d,heads,layout", [
     (256, 16, 128, (4, 4), "bd3"), (512, 1, 128, (8, 2), "bd3"), (384, 5, 64, (4, 1), "bd3"),
     (1024, 300, 128, (2, 2), "bd3"), (256, 4, 64, (4, 2), "packed"), (256, 16, 128, (4, 2), "causal"),
-    (256, 16, 256, (4, 2), "bd3"),  # 128 x 64 tiles; the backward of D = 256 is Triton's
+    (256, 16, 256, (4, 2), "bd3"),  # 128 x 64 tiles
 ])
 def test_cutlass_forward(monkeypatch, dtype, n, block_size, d, heads, layout):
     """The sm90 CUTLASS forward (csrc/hopper/diffusion_fwd.cuh), forced for every head dim it
@@ -223,6 +223,8 @@ def test_cutlass_hands_uncovered_calls_to_triton():
     (256, 16, 128, (4, 4), "bd3"), (512, 1, 128, (8, 2), "bd3"), (384, 5, 64, (4, 1), "bd3"),
     (1024, 300, 128, (2, 2), "bd3"), (256, 128, 64, (4, 4), "bd3"), (256, 16, 128, (32, 8), "bd3"),
     (256, 4, 64, (4, 2), "packed"), (256, 16, 128, (4, 2), "causal"), (128, 1, 64, (2, 2), "causal"),
+    # D = 256: the role-split dK/dV and key-split dQ kernels over 64 x 64 tiles
+    (256, 16, 256, (4, 2), "bd3"), (384, 5, 256, (32, 8), "bd3"), (256, 1, 256, (2, 2), "causal"),
 ])
 def test_cutlass_backward(dtype, n, block_size, d, heads, layout):
     """The sm90 CUTLASS backward (csrc/hopper/diffusion_bwd.cuh), forced: the accuracy rule for
@@ -315,7 +317,7 @@ def _check_cutlass(monkeypatch, run, ref, inputs, dtype, d, kind, dlse_shape):
 @pytest.mark.parametrize("batch,n,block_size,d,heads,layout", [
     (2, 1, 1, 64, (2, 2), "bd3"), (3, 3, 5, 128, (4, 2), "bd3"), (5, 100, 5, 128, (4, 1), "bd3"),
     (2, 300, 16, 64, (4, 2), "bd3"), (1, 1000, 300, 128, (2, 2), "bd3"), (16, 37, 1, 128, (8, 2), "bd3"),
-    (2, 300, 16, 256, (4, 2), "bd3"),  # 128 x 64 tiles (the D = 256 backward is Triton's)
+    (2, 300, 16, 256, (4, 2), "bd3"),  # forward 128 x 64 tiles, backward 64 x 64
     (2, 500, 300, 128, (2, 2), "bd3"), (2, 250, 128, 64, (2, 1), "bd3"),  # short FULL key tiles
     (2, 77, 16, 128, (4, 2), "causal"), (2, 300, 1, 64, (2, 2), "causal"), (2, 3, 1, 128, (2, 1), "causal"),
 ])
@@ -349,7 +351,7 @@ _MANY = [0 if i % 5 == 0 else (37 * i * i + 11) % 150 for i in range(30)]  # zer
     ([0, 0, 3], 5, 128, (4, 4)),               # fewer tokens than a tile
     (_MANY, 16, 64, (4, 2)),                   # many samples
     ([1024, 1024], 16, 128, (4, 4)),           # multiples of 128: the batched tiles, packed
-    ([3, 100, 300, 0, 1000], 16, 256, (4, 2)),  # 128 x 64 tiles (the D = 256 backward is Triton's)
+    ([3, 100, 300, 0, 1000], 16, 256, (4, 2)),  # forward 128 x 64 tiles, backward 64 x 64
 ])
 def test_cutlass_varlen(monkeypatch, dtype, halves, block_size, d, heads):
     """Packed samples (zero-length ones, odd halves, one sample, many) run the kStartVarlen
@@ -457,11 +459,11 @@ def test_cutlass_varlen_tables_match_geometry(cu_list, block_size, d):
 
     cd._extension()
     t = cd._varlen_tables(tuple(cu_list), block_size, d, "cuda")
-    bn = 64 if d > 128 else 128
+    bn = 64 if d > 128 else 128  # diffusion_fwd.cuh fwd_block_n, diffusion_bwd.cuh bwd_block_n / dq_block_*
     assert t.cu_seqlens.tolist() == cu_list
     assert tuple(x.tolist() for x in t.fwd) == entries(cu_list, block_size, lambda m: m.fwd_tiles(128, bn))
-    assert tuple(x.tolist() for x in t.dkdv) == entries(cu_list, block_size, lambda m: m.bwd_tiles(64, 128))
-    assert tuple(x.tolist() for x in t.dq) == entries(cu_list, block_size, lambda m: m.fwd_tiles(128, 128))
+    assert tuple(x.tolist() for x in t.dkdv) == entries(cu_list, block_size, lambda m: m.bwd_tiles(64, bn))
+    assert tuple(x.tolist() for x in t.dq) == entries(cu_list, block_size, lambda m: m.fwd_tiles(bn, bn))
 
 
 @_SM90

@@ -18,28 +18,32 @@ namespace {
 using dlm_bindings::strides3;
 using dlm_bindings::tile_order_tensor;
 
+using dlm::sm90::bwd_block_n;
+using dlm::sm90::dq_block_m;
+using dlm::sm90::dq_block_n;
 using dlm::sm90::kBwdBlockM;
-using dlm::sm90::kBwdBlockN;
-using dlm::sm90::kDqBlockM;
-using dlm::sm90::kDqBlockN;
 
 // The two CTA schedules as CPU int32 tensors, most expensive first: key tiles of the dK/dV kernel,
-// query tiles of the dQ kernel.
-std::vector<torch::Tensor> bwd_tile_orders(int64_t n_noisy, int64_t n_clean, int64_t block_size) {
+// query tiles of the dQ kernel (their tiles depend on the head dim).
+std::vector<torch::Tensor> bwd_tile_orders(int64_t n_noisy, int64_t n_clean, int64_t block_size,
+                                           int64_t head_dim) {
   const dlm::SequenceMask mask{static_cast<int>(n_noisy), static_cast<int>(n_clean),
                                static_cast<int>(block_size)};
-  return {tile_order_tensor(mask.bwd_tiles(kBwdBlockM, kBwdBlockN)),
-          tile_order_tensor(mask.fwd_tiles(kDqBlockM, kDqBlockN))};
+  const int d = static_cast<int>(head_dim);
+  return {tile_order_tensor(mask.bwd_tiles(kBwdBlockM, bwd_block_n(d))),
+          tile_order_tensor(mask.fwd_tiles(dq_block_m(d), dq_block_n(d)))};
 }
 
 // The work entries of packed samples: {dK/dV key tiles, their samples, dQ query tiles, their
 // samples}, each kernel's most expensive first over all samples (CPU int32 tensors).
-std::vector<torch::Tensor> varlen_bwd_tile_orders(std::vector<int64_t> cu_seqlens, int64_t block_size) {
-  auto dkdv = dlm_bindings::varlen_entries(cu_seqlens, block_size, [](const dlm::SequenceMask& m) {
-    return m.bwd_tiles(kBwdBlockM, kBwdBlockN);
+std::vector<torch::Tensor> varlen_bwd_tile_orders(std::vector<int64_t> cu_seqlens, int64_t block_size,
+                                                  int64_t head_dim) {
+  const int d = static_cast<int>(head_dim);
+  auto dkdv = dlm_bindings::varlen_entries(cu_seqlens, block_size, [d](const dlm::SequenceMask& m) {
+    return m.bwd_tiles(kBwdBlockM, bwd_block_n(d));
   });
-  auto dq = dlm_bindings::varlen_entries(cu_seqlens, block_size, [](const dlm::SequenceMask& m) {
-    return m.fwd_tiles(kDqBlockM, kDqBlockN);
+  auto dq = dlm_bindings::varlen_entries(cu_seqlens, block_size, [d](const dlm::SequenceMask& m) {
+    return m.fwd_tiles(dq_block_m(d), dq_block_n(d));
   });
   return {dkdv[0], dkdv[1], dq[0], dq[1]};
 }
@@ -130,7 +134,7 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   }
   // launch_bwd skips empty problems and each gradient kernel whose grid would be empty.
   const cudaError_t err =
-      dlm_bindings::dispatch<64, 128>(q.scalar_type(), q.size(3), LaunchBwd{a, varlen});
+      dlm_bindings::dispatch<64, 128, 256>(q.scalar_type(), q.size(3), LaunchBwd{a, varlen});
   C10_CUDA_CHECK(err);
 }
 

@@ -30,8 +30,10 @@
 //
 // Coverage as the forward's (dlm_ops/backends/cutlass_diffusion.py checks): halves of any length
 // and packed samples (the START_ option of both configs, hopper/common.cuh: launch_bwd<Elem, D>
-// runs kBatchedStart, launch_bwd<Elem, D, kStartVarlen> packed samples), head dim 64 or 128,
-// bf16/fp16, no softcap; any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy 0).
+// runs kBatchedStart, launch_bwd<Elem, D, kStartVarlen> packed samples), head dim 64, 128 or 256
+// (at 256 the consumers split the gradients, not the keys: DkDvConfig kRoles, DqConfig
+// kSplitKeys), bf16/fp16, no softcap; any [n_noisy | n_clean] SequenceMask (BD3, or block-causal
+// with n_noisy 0).
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2, lse in natural log on the outside,
 // scale the softmax scale (dS is the gradient of the scaled logits, hence the final * scale).
@@ -154,10 +156,19 @@ struct DkDvConfig {
   // four accumulators of a warpgroup (dK, dV: 64 x D; S^T, dP^T: 64 x BM) at 192 fp32 registers
   // per thread for D = 128, under setmaxnreg's 240.
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
-  static constexpr int kConsumerRows = 64;
-  static constexpr int kConsumers = BN / kConsumerRows;
+  // D = 256: the consumers split the work by gradient, not by key. Both take the CTA's BN = 64 keys;
+  // consumer 0 accumulates dV += P^T dO, consumer 1 dK += dS^T Q, each over all 256 columns (one
+  // 64 x 256 accumulator, 128 registers: dK and dV of 64 keys in one warpgroup would need 256).
+  // Both compute S^T, consumer 1 also dP^T: 5 matmuls per tile pair where D <= 128 does 4, and
+  // no data passes between the warpgroups (a lockstep barrier per tile cost the fused dQ 1.9x,
+  // csrc/NOTES.md "Fused dQ"). 193 KB of shared memory (K, V 32 KB each; Q, dO 2 x 32 KB each).
+  static constexpr bool kRoles = D == 256;
+  static constexpr int kConsumerRows = 64;  // keys per consumer warpgroup
+  static constexpr int kConsumers = kRoles ? 2 : BN / kConsumerRows;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static_assert(kConsumers == 2, "the register split below assumes two consumer warpgroups");
+  static_assert(!kRoles || (BN == kConsumerRows && !FUSED_DQ_ && !TMA_STORE_ && !PERSISTENT_),
+                "D = 256: 64 keys per CTA, register stores, one CTA per key tile");
   // D = 64 would give each warpgroup a 32-column slice of K^T, half a 128-byte swizzle row, which
   // a wgmma descriptor cannot address.
   static_assert(!kFusedDq || D == 128, "the fused dQ splits D = 128 between the consumers");
@@ -209,21 +220,31 @@ struct DqConfig {  // START_, TMA_STORE_: as DkDvConfig's (dQ staged in the warp
   static constexpr bool kFusedDq = false;
   using Fused = NoFusedDq;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
+  // D = 256: the consumers split each visited key tile, not the rows. Both take the CTA's BM = 64
+  // rows, each the tile's half of BN = 64 keys (kKeysW), and each accumulates its own partial dQ
+  // over all 256 columns (64 x 256, 128 registers; two warpgroups of 64 rows each would hold the
+  // same, but Q and dO of 128 rows at D = 256 leave no room for a K / V ring). No tensor work is
+  // repeated; consumer 1 hands its partial to consumer 0 through shared memory at the end (a fixed
+  // order: deterministic). 193 KB of shared memory (Q, dO 32 KB each; K, V 2 x 32 KB each).
+  static constexpr bool kSplitKeys = D == 256;
   static constexpr int kConsumerRows = 64;
-  static constexpr int kConsumers = BM / kConsumerRows;
+  static constexpr int kConsumers = kSplitKeys ? 2 : BM / kConsumerRows;
+  static constexpr int kKeysW = kSplitKeys ? BN / 2 : BN;  // keys of a visited tile per consumer
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static_assert(kConsumers == 2, "the register split below assumes two consumer warpgroups");
+  static_assert(!kSplitKeys || (BM == kConsumerRows && BN == 64 && !TMA_STORE_),
+                "D = 256: 64 rows and 64-key tiles per CTA, register stores");
 
   using SmemLayoutQ = SwizzledTile<Elem, BM, D>;             // Q and dO, loaded once
   using SmemLayoutKV = SwizzledTiles<Elem, BN, D, STAGES>;   // K and V per visit
   using SmemLayoutKt = SwizzledTilesT<Elem, BN, D, STAGES>;  // K^T: (D, BN, STAGES)
 
-  // S = Q K^T and dP = dO V^T: (64 rows) x BN, reduced over D.
+  // S = Q K^T and dP = dO V^T: (64 rows) x kKeysW, reduced over D.
   using MmaSdp = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<BN>, Int<D>>>()));
-  // dQ += dS K: (64 rows) x D, reduced over BN.
+      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<kKeysW>, Int<D>>>()));
+  // dQ += dS K: (64 rows) x D, reduced over kKeysW.
   using MmaDq = decltype(make_tiled_mma(
-      SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<D>, Int<BN>>,
+      SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<D>, Int<kKeysW>>,
                                  GMMA::Major::K, GMMA::Major::MN>()));
 
   struct SharedStorage {
@@ -367,8 +388,9 @@ CUTE_DEVICE void store_rows_tma(Tma const& tma, Stage const& stage, int rows, in
     copy(tma, slice.partition_S(local_tile(stage, Shape<Int<kGradStoreRows>, _64>{}, make_coord(0, k))),
          slice.partition_D(local_tile(g, Shape<Int<kGradStoreRows>, _64>{}, make_coord(0, k))));
 }
-// Named barriers of the TMA-store epilogue: kGradStoreBarrier + consumer (128 threads).
-constexpr int kGradStoreBarrier = 4;
+// Named barriers of the TMA-store epilogue: kGradStoreBarrier + consumer (128 threads); of the
+// D = 256 dQ kernel's partial sums: kDqSumBarrier (both consumers, 256 threads).
+constexpr int kGradStoreBarrier = 4, kDqSumBarrier = 6;
 
 // ---------------------------------------------------------------------------------- preprocess
 // delta and lse2 of kPreRows consecutive rows s of one (batch, head) per CTA (grid: row blocks, H,
@@ -597,11 +619,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
   Tensor tKrQt = thr_kv.partition_fragment_B(sQt);    // (MMA, N = D, K = BM, STAGES)
   Tensor tVrdOt = thr_kv.partition_fragment_B(sdOt);
+  // Cfg::kRoles: consumer 0 computes dV (B operand dO^T), consumer 1 dK (Q^T), both over key slot 0.
+  const bool grad_dk = Cfg::kRoles && consumer == 1;
+  const int key_slot = Cfg::kRoles ? 0 : consumer;
+  [[maybe_unused]] Tensor tGrB = thr_kv.partition_fragment_B(
+      make_tensor(make_smem_ptr(grad_dk ? ss.q : ss.dout), typename Cfg::SmemLayoutQt{}));
   // This warpgroup's rows of K / V in buffer 0: smem descriptors (MMA, M, K).
   Tensor tSrK0 = thr_sdp.partition_fragment_A(
-      local_tile(kv_tile(ss.k, 0), Shape<Int<kRowsW>, Int<D>>{}, make_coord(consumer, 0)));
+      local_tile(kv_tile(ss.k, 0), Shape<Int<kRowsW>, Int<D>>{}, make_coord(key_slot, 0)));
   Tensor tSrV0 = thr_sdp.partition_fragment_A(
-      local_tile(kv_tile(ss.v, 0), Shape<Int<kRowsW>, Int<D>>{}, make_coord(consumer, 0)));
+      local_tile(kv_tile(ss.v, 0), Shape<Int<kRowsW>, Int<D>>{}, make_coord(key_slot, 0)));
   // (key, query) of every score this thread holds, relative to (key_base, query tile start).
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<BM>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
@@ -652,12 +679,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const TileRuns& runs = t.runs;
     const Interval& k_tile = t.k_tile;
     const int buf = item % Cfg::kKvBufs;
-    const int key_base = k_tile.lo + consumer * kRowsW;  // this warpgroup's first key
-    Tensor sKc = local_tile(kv_tile(ss.k, buf), Shape<Int<kRowsW>, Int<D>>{}, make_coord(consumer, 0));
-    Tensor sVc = local_tile(kv_tile(ss.v, buf), Shape<Int<kRowsW>, Int<D>>{}, make_coord(consumer, 0));
+    const int key_base = k_tile.lo + key_slot * kRowsW;  // this warpgroup's first key
+    Tensor sKc = local_tile(kv_tile(ss.k, buf), Shape<Int<kRowsW>, Int<D>>{}, make_coord(key_slot, 0));
+    Tensor sVc = local_tile(kv_tile(ss.v, buf), Shape<Int<kRowsW>, Int<D>>{}, make_coord(key_slot, 0));
+    // Cfg::kRoles: acc_dv is this warpgroup's one gradient (dK for consumer 1) and acc_dk is unused.
     Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kRowsW>, Int<D>>{});
     Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kRowsW>, Int<D>>{});
-    clear(acc_dk);
+    if constexpr (!Cfg::kRoles) clear(acc_dk);
     clear(acc_dv);
     Barrier::wait(&ss.kv_full[buf], (item / Cfg::kKvBufs) & 1);
     for (int g = 0; g < group; ++g) {
@@ -680,8 +708,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           Barrier::wait(&ss.q_full[stage], phase);
           gemm_fresh(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
           Barrier::wait(&ss.do_full[stage], phase);
-          gemm_fresh(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
-          warpgroup_wait<1>();
+          if (!Cfg::kRoles || grad_dk) {  // the dV-only warpgroup needs no dP^T
+            gemm_fresh(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
+            warpgroup_wait<1>();
+          } else {
+            warpgroup_wait<0>();
+          }
           warpgroup_fence_operand(acc_s);
 
           // P^T = exp2(s * scale log2 e - lse2[query]); masked pairs get exp2(-inf) = 0.
@@ -724,11 +756,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // dS^T = P^T (dP^T - delta[query]), in dP^T's registers.
           Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
           const float* delta = ss.delta[stage] + skip;
-          CUTE_UNROLL
-          for (int j = 0; j < size<1>(dp); ++j) {
-            const float dl = delta[get<1>(tScS_rc(0, j))];
+          if (!Cfg::kRoles || grad_dk) {
             CUTE_UNROLL
-            for (int i = 0; i < kRows; ++i) dp(i, j) = s(i, j) * (dp(i, j) - dl);
+            for (int j = 0; j < size<1>(dp); ++j) {
+              const float dl = delta[get<1>(tScS_rc(0, j))];
+              CUTE_UNROLL
+              for (int i = 0; i < kRows; ++i) dp(i, j) = s(i, j) * (dp(i, j) - dl);
+            }
+          }
+          if constexpr (Cfg::kRoles) {  // this warpgroup's one matmul: dV += P^T dO or dK += dS^T Q
+            Tensor g_elem = make_fragment_like<Elem>(acc_s);
+            if (grad_dk) {
+              CUTE_UNROLL
+              for (int i = 0; i < size(acc_dp); ++i) g_elem(i) = Elem(acc_dp(i));
+            } else {
+              CUTE_UNROLL
+              for (int i = 0; i < size(acc_s); ++i) g_elem(i) = Elem(acc_s(i));
+            }
+            Tensor tGa = make_tensor(g_elem.data(), acc_as_operand_a(g_elem.layout()));
+            warpgroup_fence_operand(acc_dv);
+            warpgroup_arrive();
+            CUTE_UNROLL
+            for (int kb = 0; kb < size<2>(tGa); ++kb) gemm(mma_kv, tGa(_, _, kb), tGrB(_, _, kb, stage), acc_dv);
+            warpgroup_commit_batch();
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(acc_dv);
+            Barrier::arrive(&ss.empty[stage]);
+            continue;
           }
           Tensor p_elem = make_fragment_like<Elem>(acc_s);
           Tensor ds_elem = make_fragment_like<Elem>(acc_dp);
@@ -823,6 +877,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // Keys of the tile past its half (or sample) are not stored (row_end = k_tile.hi).
     Elem* dk = p.grad_a + b * p.a_stride_b + kvh * p.a_stride_h + offset * p.a_stride_s;
     Elem* dv = p.grad_b + b * p.b_stride_b + kvh * p.b_stride_h + offset * p.b_stride_s;
+    if constexpr (Cfg::kRoles) {
+      if (grad_dk) store_rows(acc_dv, tKcK, p.scale, dk, p.a_stride_s, key_base, k_tile.hi);
+      else store_rows(acc_dv, tKcK, 1.f, dv, p.b_stride_s, key_base, k_tile.hi);
+      return;
+    }
     if constexpr (Cfg::kTmaStore) {
       if (key_base + kRowsW <= k_tile.hi) {  // all 64 keys of this warpgroup stored: through TMA
         stage_rows<Elem>(acc_dk, p.scale, sKc, thr_epi);
@@ -921,21 +980,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // ------------------------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<240>();
   const int consumer = warp_group - 1, tid = threadIdx.x % 128;
-  const int row_base = q_tile.lo + consumer * kRowsW;
+  constexpr int kKeysW = Cfg::kKeysW;
+  // Cfg::kSplitKeys: both consumers on the CTA's rows, consumer c on keys [c kKeysW, (c + 1) kKeysW)
+  // of every visited tile; otherwise consumer c on rows [c 64, c 64 + 64) and every key.
+  const int row_slot = Cfg::kSplitKeys ? 0 : consumer, key_slot = Cfg::kSplitKeys ? consumer : 0;
+  const int row_base = q_tile.lo + row_slot * kRowsW;
   typename Cfg::MmaSdp mma_sdp;
   typename Cfg::MmaDq mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tid);
   auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor sQc = local_tile(sQ, Shape<Int<kRowsW>, Int<D>>{}, make_coord(consumer, 0));
-  Tensor sdOc = local_tile(sdO, Shape<Int<kRowsW>, Int<D>>{}, make_coord(consumer, 0));
+  Tensor sQc = local_tile(sQ, Shape<Int<kRowsW>, Int<D>>{}, make_coord(row_slot, 0));
+  Tensor sdOc = local_tile(sdO, Shape<Int<kRowsW>, Int<D>>{}, make_coord(row_slot, 0));
   Tensor tSrQ = thr_sdp.partition_fragment_A(sQc);  // smem descriptors: (MMA, M, K)
   Tensor tSrdO = thr_sdp.partition_fragment_A(sdOc);
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);   // (MMA, N, K, STAGES)
-  Tensor tSrV = thr_sdp.partition_fragment_B(sV);
-  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);  // (MMA, N = D, K = BN, STAGES)
+  auto keys = Shape<Int<kKeysW>, Int<D>, Int<STAGES>>{};
+  Tensor tSrK = thr_sdp.partition_fragment_B(local_tile(sK, keys, make_coord(key_slot, 0, 0)));  // (MMA, N, K, STAGES)
+  Tensor tSrV = thr_sdp.partition_fragment_B(local_tile(sV, keys, make_coord(key_slot, 0, 0)));
+  Tensor tQrKt = thr_dq.partition_fragment_B(  // (MMA, N = D, K = kKeysW, STAGES)
+      local_tile(sKt, Shape<Int<D>, Int<kKeysW>, Int<STAGES>>{}, make_coord(0, key_slot, 0)));
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kRowsW>, Int<D>>{});
   clear(acc_dq);
-  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<BN>>{}));
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<kKeysW>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
   constexpr int kRows = 2;
   Intervals seen[kRows];
@@ -955,8 +1020,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
       const int stage = it % STAGES, phase = (it / STAGES) & 1;
       const Visit visit = plans.visit(qt, kt);
-      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
-      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BN>>{});
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<kKeysW>>{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<kKeysW>>{});
       Barrier::wait(&ss.k_full[stage], phase);
       gemm_fresh(mma_sdp, tSrQ, tSrK(_, _, _, stage), acc_s);
       Barrier::wait(&ss.v_full[stage], phase);
@@ -974,7 +1039,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           for (int j = 0; j < size<1>(s); ++j) {
             float x = s(i, j) * p.scale_log2 - lse2[i];
             if constexpr (kMasked) {
-              const int col = visit.start + get<1>(tScS_rc(i, j));
+              const int col = visit.start + key_slot * kKeysW + get<1>(tScS_rc(i, j));
               x = col < visit.end && seen[i].contains(col) ? x : -INFINITY;
             }
             s(i, j) = exp2_approx(x);
@@ -1006,6 +1071,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
   }
 
+  if constexpr (Cfg::kSplitKeys) {
+    // dQ = consumer 0's partial + consumer 1's, through the K ring (64 KB; every load has been
+    // consumed once both consumers are past their last matmul): thread t of consumer 1 writes its
+    // accumulator values where thread t of consumer 0 (the same fragment layout) reads them.
+    static_assert(sizeof(ss.k) >= decltype(size(acc_dq))::value * 128 * sizeof(float));
+    float4* xfer = reinterpret_cast<float4*>(ss.k);
+    bar_sync(kDqSumBarrier, 256);
+    if (consumer == 1) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dq); i += 4)
+        xfer[i / 4 * 128 + tid] = make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
+    }
+    bar_sync(kDqSumBarrier, 256);
+    if (consumer == 1) return;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 4) {
+      const float4 x = xfer[i / 4 * 128 + tid];
+      acc_dq(i) += x.x, acc_dq(i + 1) += x.y, acc_dq(i + 2) += x.z, acc_dq(i + 3) += x.w;
+    }
+  }
   Tensor tQcQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));
   // Rows of the tile past its half (or sample) are not stored (row_end = q_tile.hi).
   Elem* dq = p.grad_a + b * p.a_stride_b + h * p.a_stride_h + offset * p.a_stride_s;
@@ -1038,9 +1123,9 @@ struct BwdArgs {
   int64_t lse_stride[2], dlse_stride[2];  // (batch, head)
   int batch, seqlen, heads, kv_heads, n_noisy, block_size;  // mask: [n_noisy | seqlen - n_noisy]
   float scale;
-  const int32_t* dkdv_order;  // key tiles of bwd_tiles(kBwdBlockM, kBwdBlockN), most expensive first
+  const int32_t* dkdv_order;  // key tiles of bwd_tiles(kBwdBlockM, bwd_block_n(D)), most expensive first
   int dkdv_tiles;
-  const int32_t* dq_order;    // query tiles of fwd_tiles(kDqBlockM, kDqBlockN), most expensive first
+  const int32_t* dq_order;    // query tiles of fwd_tiles(dq_block_m(D), dq_block_n(D)), most expensive first
   int dq_tiles;
   cudaStream_t stream;
   int order_chunk = 0, order_block = 0;  // work_order's arguments (0, 0: the plain order); the harness's A/B sets them
@@ -1058,9 +1143,14 @@ struct BwdArgs {
   float* dq_accum = nullptr;
 };
 
-// The tile shapes the shipped instantiations use (the binding builds the orders for them).
+// The tile shapes the shipped instantiations use (the binding builds the orders for them): at D <=
+// 128, dK/dV over (64 queries) x (128 keys) tiles and dQ over (128 rows) x (128 keys); at D = 256
+// both over 64 x 64 (DkDvConfig kRoles, DqConfig kSplitKeys say why).
 constexpr int kBwdBlockM = 64, kBwdBlockN = 128, kBwdStages = 2;
 constexpr int kDqBlockM = 128, kDqBlockN = 128, kDqStages = 2;
+constexpr int bwd_block_n(int d) { return d == 256 ? 64 : kBwdBlockN; }
+constexpr int dq_block_m(int d) { return d == 256 ? 64 : kDqBlockM; }
+constexpr int dq_block_n(int d) { return d == 256 ? 64 : kDqBlockN; }
 
 template <class Kernel>
 cudaError_t set_smem(Kernel kernel, int smem) {
@@ -1157,9 +1247,9 @@ cudaError_t launch_dq(const BwdArgs& a) {
 
 // The shipped configs with their tiles starting per START (the one place that names the options).
 template <class Elem, int D, int START>
-using DkDvShipped = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, START>;
+using DkDvShipped = DkDvConfig<Elem, D, kBwdBlockM, bwd_block_n(D), kBwdStages, START>;
 template <class Elem, int D, int START>
-using DqShipped = DqConfig<Elem, D, kDqBlockM, kDqBlockN, kDqStages, START>;
+using DqShipped = DqConfig<Elem, D, dq_block_m(D), dq_block_n(D), kDqStages, START>;
 template <class Elem, int D, int START>
 using DkDvFused = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, START, true>;
 // The persistent dK/dV kernel: two K / V buffers, TMA-store epilogue, snake walk. Harness
@@ -1221,8 +1311,10 @@ cudaError_t launch_bwd_fused(const BwdArgs& a) {
   extern template cudaError_t launch_bwd<ELEM, D, kStartVarlen>(const BwdArgs&);
 DLM_DECLARE_BWD(cutlass::bfloat16_t, 64)
 DLM_DECLARE_BWD(cutlass::bfloat16_t, 128)
+DLM_DECLARE_BWD(cutlass::bfloat16_t, 256)
 DLM_DECLARE_BWD(cutlass::half_t, 64)
 DLM_DECLARE_BWD(cutlass::half_t, 128)
+DLM_DECLARE_BWD(cutlass::half_t, 256)
 #undef DLM_DECLARE_BWD
 
 }  // namespace dlm::sm90

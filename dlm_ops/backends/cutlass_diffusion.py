@@ -51,7 +51,7 @@ SOURCES = [
     "bindings/diffusion_fwd_sm90.cu",
     "bindings/diffusion_bwd_sm90.cu",
 ] + [f"hopper/diffusion_{d}{layout}_{t}_d{h}.cu"
-     for d, dims in (("fwd", (64, 128, 256)), ("bwd", (64, 128)))
+     for d, dims in (("fwd", (64, 128, 256)), ("bwd", (64, 128, 256)))
      for layout in ("", "_varlen")  # batched, packed samples: one instantiation per unit
      for t in ("bf16", "fp16") for h in dims]
 # The kernels' largest tile. Batched halves must be multiples of it only where the extension says
@@ -86,9 +86,9 @@ def _tile_order(n_noisy: int, n_clean: int, block_size: int, head_dim: int,
 # epilogue and the snake walk it is level and the step with it faster (session 10, n = 2K, main
 # preset's D = 64 case: forward 286 vs 281, step 195 vs 177 with Triton's forward; other lengths
 # not measured). The kernels cover every head dim listed in SUPPORTED_HEAD_DIMS.
-SUPPORTED_HEAD_DIMS = {"fwd": (64, 128, 256), "bwd": (64, 128)}
+SUPPORTED_HEAD_DIMS = {"fwd": (64, 128, 256), "bwd": (64, 128, 256)}
 FORWARD_HEAD_DIMS = (64, 128, 256)
-BACKWARD_HEAD_DIMS = (64, 128)
+BACKWARD_HEAD_DIMS = (64, 128, 256)
 
 # The forward's grid: one CTA per SM walking its work items (the next item's Q and K/V load while
 # this one's last P V and stores run), or one CTA per query tile. Forward v5 on the H200
@@ -126,9 +126,9 @@ def _persistent_dkdv(longest_half: int, head_dim: int) -> bool:
 
 
 @lru_cache(maxsize=64)
-def _bwd_tile_orders(n_noisy: int, n_clean: int, block_size: int, device: str):
+def _bwd_tile_orders(n_noisy: int, n_clean: int, block_size: int, head_dim: int, device: str):
     """(key tiles of the dK/dV kernel, query tiles of the dQ kernel), most expensive first."""
-    return tuple(t.to(device) for t in _EXT.bwd_tile_orders(n_noisy, n_clean, block_size))
+    return tuple(t.to(device) for t in _EXT.bwd_tile_orders(n_noisy, n_clean, block_size, head_dim))
 
 
 class VarlenTables(NamedTuple):
@@ -151,7 +151,7 @@ def _varlen_tables(cu_seqlens: tuple[int, ...], block_size: int, head_dim: int,
     cu = list(cu_seqlens)
     parts = [torch.tensor(cu, dtype=torch.int32),
              *_EXT.varlen_tile_order(cu, block_size, head_dim),
-             *_EXT.varlen_bwd_tile_orders(cu, block_size)]
+             *_EXT.varlen_bwd_tile_orders(cu, block_size, head_dim)]
     flat = torch.cat(parts).to(device)
     cu_d, *tables = flat.split([p.numel() for p in parts])
     longest_half = max((b - a for a, b in zip(cu, cu[1:])), default=0) // 2
@@ -260,7 +260,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
             STATS["bwd_fallback"] += 1
             return super().bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic)
         dkdv_order, dq_order = _bwd_tile_orders(mask.n_noisy, mask.n_clean, mask.block_size,
-                                                str(q.device))
+                                                q.shape[-1], str(q.device))
         grads = self._run_bwd(ext, dout, q, k, v, out, lse, dlse, mask.n_noisy, mask.block_size,
                               scale, (dkdv_order, None), (dq_order, None),
                               max(mask.n_noisy, mask.n_clean))

@@ -10,6 +10,8 @@
 //   ./bwd_standalone check      # checks only;  ./bwd_standalone time: timing only
 //   ./bwd_standalone dkdv3      # checks + timing of dK/dV with a 3-stage ring (the shipped loop)
 //   ./bwd_standalone dq64       # checks + timing of dQ over 64-key tiles
+//   ./bwd_standalone d256       # the D = 256 kernels: checks (batched, odd, varlen), then timing;
+//                               # d256-small: two small checks, for compute-sanitizer
 //   ./bwd_standalone small      # two small checks, for compute-sanitizer (memcheck, racecheck)
 //   ./bwd_standalone probe      # timing of each gradient kernel without its stores (what they cost)
 //   ./bwd_standalone tma-store  # the TMA-store epilogues (default off): checks, then the A/B
@@ -46,6 +48,8 @@ template cudaError_t dlm::sm90::launch_fwd<bf16, 64>(const dlm::sm90::FwdArgs&);
 template cudaError_t dlm::sm90::launch_fwd<bf16, 128>(const dlm::sm90::FwdArgs&);
 template cudaError_t dlm::sm90::launch_fwd<fp16, 64>(const dlm::sm90::FwdArgs&);
 template cudaError_t dlm::sm90::launch_fwd<fp16, 128>(const dlm::sm90::FwdArgs&);
+template cudaError_t dlm::sm90::launch_fwd<bf16, 256>(const dlm::sm90::FwdArgs&);
+template cudaError_t dlm::sm90::launch_fwd<fp16, 256>(const dlm::sm90::FwdArgs&);
 
 struct Run {
   int B, n, H, Hkv, bs;
@@ -388,6 +392,31 @@ float time_ms(F f, int iters) {
 const Run kTimingRuns[] = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
                            {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4},  {4, 2048, 32, 8, 16}};
 
+// D = 256 (DkDvConfig kRoles: its dK/dV kernel runs 5 matmuls; DqConfig kSplitKeys: dQ its 3), bf16,
+// 16K tokens: the main preset's D = 256 case (n = 2K) and its neighbours.
+void timing256() {
+  using namespace dlm::sm90;
+  using Dk = DkDvShipped<bf16, 256, kStartTile>;
+  using Dq = DqShipped<bf16, 256, kStartTile>;
+  printf("== timing D=256 (bf16, 16K tokens, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n");
+  for (const Run& r : {Run{8, 1024, 16, 16, 16}, Run{4, 2048, 16, 16, 16}, Run{1, 8192, 16, 16, 16},
+                       Run{4, 2048, 32, 8, 16}}) {
+    Problem<bf16> P(r, 256);
+    P.to_device();
+    Bwd<bf16, 256, Dk, Dq> bwd(P);
+    const float t_all = time_ms([&] { bwd.all(); }, 20);
+    const float t_pre = time_ms([&] { bwd.pre(); }, 20);
+    const float t_dkdv = time_ms([&] { bwd.dkdv(); }, 20);
+    const float t_dq = time_ms([&] { bwd.dq(); }, 20);
+    CK(cudaGetLastError());
+    const double matmul = 2.0 * (double)P.mask.num_pairs() * 256 * r.H * r.B / 1e9;
+    printf("time D=256 B=%d n=%d H=%d/%d bs=%d: bwd %.3f ms = %.0f TFLOPS (preprocess %.3f ms; dK/dV %.3f ms, "
+           "%.0f TFLOPS of its 5 matmuls; dQ %.3f ms, %.0f TFLOPS of its 3)\n",
+           r.B, r.n, r.H, r.Hkv, r.bs, t_all, 5 * matmul / t_all, t_pre, t_dkdv, 5 * matmul / t_dkdv,
+           t_dq, 3 * matmul / t_dq);
+  }
+}
+
 template <class DkCfg, class DqCfg>
 void timing(const char* name) {
   printf("== timing %s (bf16, D=128, 16K tokens, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n", name);
@@ -606,8 +635,10 @@ void make_entries(const std::vector<dlm::SequenceMask>& masks, bool varlen, F pl
 template <class Elem, int D, int START, bool FUSED = false, bool TMA_STORE = false, bool PERSISTENT = false>
 struct VarRun {
   using FwdCfg = dlm::sm90::FwdConfig<Elem, D, 128, dlm::sm90::fwd_block_n(D), 2, true, START>;
-  using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, 128, 2, START, FUSED, TMA_STORE, PERSISTENT>;
-  using DqCfg = dlm::sm90::DqConfig<Elem, D, 128, 128, 2, START, TMA_STORE>;
+  using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, dlm::sm90::bwd_block_n(D), 2, START, FUSED, TMA_STORE,
+                                      PERSISTENT>;
+  using DqCfg = dlm::sm90::DqConfig<Elem, D, dlm::sm90::dq_block_m(D), dlm::sm90::dq_block_n(D), 2, START,
+                                    TMA_STORE>;
   VarSpec v;
   std::vector<int32_t> off;                // sequence offsets (+ total)
   std::vector<dlm::SequenceMask> masks;
@@ -998,6 +1029,21 @@ int main(int argc, char** argv) {
     using Dq64 = DqShipped<bf16, 64, kBatchedStart>;
     timing_ab<Dk64, Dq64, DkDvPersistent<bf16, 64, kBatchedStart>, Dq64>("persistent dK/dV", "shipped",
                                                                         "persistent TMA-store dK/dV");
+  }
+  if (mode == "d256" || mode == "d256-small") {  // the D = 256 kernels (kRoles dK/dV, kSplitKeys dQ)
+    using Dk256 = DkDvShipped<bf16, 256, kStartTile>;
+    using Dq256 = DqShipped<bf16, 256, kStartTile>;
+    if (mode == "d256-small") {  // e.g. under compute-sanitizer
+      check<bf16, 256, Dk256, Dq256>("bf16 D=256", {1, 128, 2, 1, 16});
+      VarRun<fp16, 256, kStartVarlen>(VarSpec{true, {0, 100, 37, 0, 130}, 2, 1, 16}).check("fp16 D=256");
+      return g_failures ? 1 : 0;
+    }
+    checks<bf16, 256, Dk256, Dq256>("bf16 D=256", true);
+    checks<fp16, 256, DkDvShipped<fp16, 256, kStartTile>, DqShipped<fp16, 256, kStartTile>>("fp16 D=256", false);
+    odd_varlen_checks<bf16, 256>("bf16 D=256");
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing256();
   }
   if (mode == "dkdv3") {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;
