@@ -4,8 +4,8 @@ warpgroups), JIT-built on first use by ``cutlass.build``; everything else runs t
 (this backend subclasses the Triton one).
 
 Which kernel runs where is data (FORWARD_HEAD_DIMS, BACKWARD_HEAD_DIMS below): each CUTLASS kernel
-runs for the head dims where it measured faster than Triton's on the H200, the forward at D = 64 /
-128 / 256 and the backward at D = 64 / 128 (Triton's backward at D = 256). The
+runs for the head dims where it measured faster than Triton's on the H200: the forward and the
+backward at D = 64 / 128 / 256. The
 same split holds for batched calls (halves of any length, incl. block-causal with n_noisy 0: the
 kernels' kBatchedStart, hopper/common.cuh) and for packed samples (``varlen_fwd`` /
 ``varlen_bwd``: the kStartVarlen instantiations, zero-length samples included). Both need sm90,
@@ -25,8 +25,8 @@ persistent (one CTA per SM) at D = 128 and, at other head dims, where halves are
 (PERSISTENT_MAX_HALF; varlen: the longest sample's half); the backward's dK/dV kernel is the
 persistent one at D = 64 / 128 where halves are at most PERSISTENT_DKDV_MAX_HALF long.
 
-The build happens at the first call (one WARNING line; 23 translation units compiled in parallel
-by ninja: 121 s on the H200 machine's 16 cores since the persistent dK/dV kernels, 107 s before).
+The build happens at the first call (one WARNING line; 27 translation units compiled in parallel
+by ninja: 121 s on the H200 machine's 16 cores with 23 of them, before the D = 256 backward).
 If it fails, the failure is remembered, reported by ``unavailable_reason`` (so ``python -m
 dlm_ops`` shows it and dispatch picks Triton from then on) and warned once. Dispatch picks this
 backend automatically wherever it can be built; ``DLM_OPS_CUTLASS=0`` opts out (no build, Triton
@@ -85,7 +85,9 @@ def _tile_order(n_noisy: int, n_clean: int, block_size: int, head_dim: int,
 # D = 256 (n = 2K: 439 vs 243). At D = 64 v5 lost (n = 2K: 257 vs 292); since v6's TMA-store
 # epilogue and the snake walk it is level and the step with it faster (session 10, n = 2K, main
 # preset's D = 64 case: forward 286 vs 281, step 195 vs 177 with Triton's forward; other lengths
-# not measured). The kernels cover every head dim listed in SUPPORTED_HEAD_DIMS.
+# not measured). The D = 256 backward (session 12: role-split dK/dV, key-split dQ) runs at 289
+# TFLOPS in the harness at n = 2K where Triton's ran 102-111 through torch. The kernels cover
+# every head dim listed in SUPPORTED_HEAD_DIMS.
 SUPPORTED_HEAD_DIMS = {"fwd": (64, 128, 256), "bwd": (64, 128, 256)}
 FORWARD_HEAD_DIMS = (64, 128, 256)
 BACKWARD_HEAD_DIMS = (64, 128, 256)

@@ -11,7 +11,8 @@
 //   ./bwd_standalone dkdv3      # checks + timing of dK/dV with a 3-stage ring (the shipped loop)
 //   ./bwd_standalone dq64       # checks + timing of dQ over 64-key tiles
 //   ./bwd_standalone d256       # the D = 256 kernels: checks (batched, odd, varlen), then timing;
-//                               # d256-small: two small checks, for compute-sanitizer
+//                               # d256-small: two small checks, for compute-sanitizer; d256-time:
+//                               # the timing alone
 //   ./bwd_standalone small      # two small checks, for compute-sanitizer (memcheck, racecheck)
 //   ./bwd_standalone probe      # timing of each gradient kernel without its stores (what they cost)
 //   ./bwd_standalone tma-store  # the TMA-store epilogues (default off): checks, then the A/B
@@ -1030,6 +1031,7 @@ int main(int argc, char** argv) {
     timing_ab<Dk64, Dq64, DkDvPersistent<bf16, 64, kBatchedStart>, Dq64>("persistent dK/dV", "shipped",
                                                                         "persistent TMA-store dK/dV");
   }
+  if (mode == "d256-time") timing256();  // the timing alone (`d256` checks first)
   if (mode == "d256" || mode == "d256-small") {  // the D = 256 kernels (kRoles dK/dV, kSplitKeys dQ)
     using Dk256 = DkDvShipped<bf16, 256, kStartTile>;
     using Dq256 = DqShipped<bf16, 256, kStartTile>;
