@@ -393,38 +393,20 @@ float time_ms(F f, int iters) {
 const Run kTimingRuns[] = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
                            {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4},  {4, 2048, 32, 8, 16}};
 
-// D = 256 (DkDvConfig kRoles: its dK/dV kernel runs 5 matmuls; DqConfig kSplitKeys: dQ its 3), bf16,
-// 16K tokens: the main preset's D = 256 case (n = 2K) and its neighbours.
-void timing256() {
-  using namespace dlm::sm90;
-  using Dk = DkDvShipped<bf16, 256, kStartTile>;
-  using Dq = DqShipped<bf16, 256, kStartTile>;
-  printf("== timing D=256 (bf16, 16K tokens, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n");
-  for (const Run& r : {Run{8, 1024, 16, 16, 16}, Run{4, 2048, 16, 16, 16}, Run{1, 8192, 16, 16, 16},
-                       Run{4, 2048, 32, 8, 16}}) {
-    Problem<bf16> P(r, 256);
-    P.to_device();
-    Bwd<bf16, 256, Dk, Dq> bwd(P);
-    const float t_all = time_ms([&] { bwd.all(); }, 20);
-    const float t_pre = time_ms([&] { bwd.pre(); }, 20);
-    const float t_dkdv = time_ms([&] { bwd.dkdv(); }, 20);
-    const float t_dq = time_ms([&] { bwd.dq(); }, 20);
-    CK(cudaGetLastError());
-    const double matmul = 2.0 * (double)P.mask.num_pairs() * 256 * r.H * r.B / 1e9;
-    printf("time D=256 B=%d n=%d H=%d/%d bs=%d: bwd %.3f ms = %.0f TFLOPS (preprocess %.3f ms; dK/dV %.3f ms, "
-           "%.0f TFLOPS of its 5 matmuls; dQ %.3f ms, %.0f TFLOPS of its 3)\n",
-           r.B, r.n, r.H, r.Hkv, r.bs, t_all, 5 * matmul / t_all, t_pre, t_dkdv, 5 * matmul / t_dkdv,
-           t_dq, 3 * matmul / t_dq);
-  }
-}
+// The timed shapes at D = 256 (the main preset's D = 256 case is n = 2K): block 16, 16K tokens.
+const std::vector<Run> kTimingRuns256 = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16},
+                                         {1, 8192, 16, 16, 16}, {4, 2048, 32, 8, 16}};
 
+// The whole backward and each kernel alone (bf16, D = DkCfg::D, 16K tokens; `runs`: the shapes).
+// The dK/dV kernel runs 4 matmuls per tile pair, 5 at D = 256 (DkDvConfig kRoles), dQ 3.
 template <class DkCfg, class DqCfg>
-void timing(const char* name) {
-  printf("== timing %s (bf16, D=128, 16K tokens, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n", name);
-  for (const Run& r : kTimingRuns) {
-    Problem<bf16> P(r, 128);
+void timing(const char* name, const std::vector<Run>& runs = {std::begin(kTimingRuns), std::end(kTimingRuns)}) {
+  constexpr int D = DkCfg::D, kDkDvMatmuls = DkCfg::kRoles ? 5 : 4;
+  printf("== timing %s (bf16, D=%d, 16K tokens, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n", name, D);
+  for (const Run& r : runs) {
+    Problem<bf16> P(r, D);
     P.to_device();
-    Bwd<bf16, 128, DkCfg, DqCfg> bwd(P);
+    Bwd<bf16, D, DkCfg, DqCfg> bwd(P);
     const float t_all = time_ms([&] { bwd.all(); }, 20);
     const float t_two = time_ms([&] { bwd.all_two_streams(); }, 20);
     const float t_pre = time_ms([&] { bwd.pre(); }, 20);
@@ -432,13 +414,13 @@ void timing(const char* name) {
     const float t_dq = time_ms([&] { bwd.dq(); }, 20);
     CK(cudaGetLastError());
     // One matmul over the visible pairs: 2 * pairs * D * H flops. The backward counts 5 (2.5x the
-    // forward's 2); the dK/dV kernel runs 4 of them, the dQ kernel 3.
-    const double matmul = 2.0 * (double)P.mask.num_pairs() * 128 * r.H * r.B / 1e9;
+    // forward's 2).
+    const double matmul = 2.0 * (double)P.mask.num_pairs() * D * r.H * r.B / 1e9;
     printf("time B=%d n=%d H=%d/%d bs=%d: bwd %.3f ms = %.0f TFLOPS (preprocess %.3f ms; dK/dV %.3f ms, "
-           "%.0f TFLOPS of its 4 matmuls; dQ %.3f ms, %.0f TFLOPS of its 3; dQ on a second stream: "
+           "%.0f TFLOPS of its %d matmuls; dQ %.3f ms, %.0f TFLOPS of its 3; dQ on a second stream: "
            "%.3f ms = %.0f TFLOPS)\n",
-           r.B, r.n, r.H, r.Hkv, r.bs, t_all, 5 * matmul / t_all, t_pre, t_dkdv, 4 * matmul / t_dkdv,
-           t_dq, 3 * matmul / t_dq, t_two, 5 * matmul / t_two);
+           r.B, r.n, r.H, r.Hkv, r.bs, t_all, 5 * matmul / t_all, t_pre, t_dkdv,
+           kDkDvMatmuls * matmul / t_dkdv, kDkDvMatmuls, t_dq, 3 * matmul / t_dq, t_two, 5 * matmul / t_two);
   }
 }
 
@@ -1031,7 +1013,8 @@ int main(int argc, char** argv) {
     timing_ab<Dk64, Dq64, DkDvPersistent<bf16, 64, kBatchedStart>, Dq64>("persistent dK/dV", "shipped",
                                                                         "persistent TMA-store dK/dV");
   }
-  if (mode == "d256-time") timing256();  // the timing alone (`d256` checks first)
+  if (mode == "d256-time")  // the timing alone (`d256` checks first)
+    timing<DkDvShipped<bf16, 256, kStartTile>, DqShipped<bf16, 256, kStartTile>>("D=256", kTimingRuns256);
   if (mode == "d256" || mode == "d256-small") {  // the D = 256 kernels (kRoles dK/dV, kSplitKeys dQ)
     using Dk256 = DkDvShipped<bf16, 256, kStartTile>;
     using Dq256 = DqShipped<bf16, 256, kStartTile>;
@@ -1045,7 +1028,7 @@ int main(int argc, char** argv) {
     odd_varlen_checks<bf16, 256>("bf16 D=256");
     printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
     if (g_failures) return 1;
-    timing256();
+    timing<Dk256, Dq256>("D=256", kTimingRuns256);
   }
   if (mode == "dkdv3") {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;
