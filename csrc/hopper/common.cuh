@@ -91,6 +91,10 @@ CUTE_DEVICE bool probe_stores(Acc const& acc) {
 CUTE_DEVICE void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// Arrives without waiting; the threads that bar_sync the same id see this thread's earlier writes.
+CUTE_DEVICE void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 // Register fragments into swizzled shared memory through 32-bit shared addresses: a plain C++
 // store through the tensor's element pointer compiled to generic ST with 64-bit addresses held
 // over the loop (the fused dK/dV/dQ kernel: 404 bytes spilled). The address must come from the

@@ -136,8 +136,21 @@ struct NoFusedDq {  // what the unfused configs hold in the fused pieces' places
   using MmaDq = Smem;
 };
 
+// HANDOFF_ (an experiment of the D = 256 role split, harness `d256-handoff`; not shipped): consumer
+// 0 hands its P^T (fp32, in its accumulator's per-thread order) to consumer 1 through two shared
+// buffers, so that consumer 1 computes dP^T but not S^T: 4 matmuls per tile pair instead of 5.
+// One-directional, two buffers deep (named barriers kHandoffReady / kHandoffFree + buffer):
+// consumer 0 may run a tile ahead, which the fused dQ's two-way per-tile barrier did not allow.
+template <int kElems>
+struct PHandoff {
+  struct Smem {
+    alignas(16) float p[2][kElems];
+  };
+};
+constexpr int kHandoffReady = 1, kHandoffFree = 3;  // named barriers (+ buffer), 256 threads
+
 template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, int START_ = kStartTile,
-          bool FUSED_DQ_ = false, bool TMA_STORE_ = false, bool PERSISTENT_ = false>
+          bool FUSED_DQ_ = false, bool TMA_STORE_ = false, bool PERSISTENT_ = false, bool HANDOFF_ = false>
 struct DkDvConfig {
   using Elem = Elem_;
   static constexpr int kStart = START_;
@@ -169,6 +182,9 @@ struct DkDvConfig {
   static_assert(kConsumers == 2, "the register split below assumes two consumer warpgroups");
   static_assert(!kRoles || (BN == kConsumerRows && !FUSED_DQ_ && !TMA_STORE_ && !PERSISTENT_),
                 "D = 256: 64 keys per CTA, register stores, one CTA per key tile");
+  static constexpr bool kHandoff = HANDOFF_;  // PHandoff above
+  static_assert(!kHandoff || kRoles, "the P^T hand-over is a variant of the role split");
+  using Handoff = std::conditional_t<kHandoff, PHandoff<kConsumerRows * BM>, NoFusedDq>;
   // D = 64 would give each warpgroup a 32-column slice of K^T, half a 128-byte swizzle row, which
   // a wgmma descriptor cannot address.
   static_assert(!kFusedDq || D == 128, "the fused dQ splits D = 128 between the consumers");
@@ -205,6 +221,7 @@ struct DkDvConfig {
     alignas(8) uint64_t kv_full[kKvBufs], kv_empty[kKvBufs];
     uint64_t q_full[STAGES], do_full[STAGES], empty[STAGES];
     typename Fused::Smem fused;
+    typename Handoff::Smem handoff;
   };
   static constexpr int kTileBytesQ = BM * D * sizeof(Elem);
   static constexpr int kTileBytesKV = BN * D * sizeof(Elem);
@@ -658,6 +675,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   [[maybe_unused]] auto fp = fused_parts();
 
   int it = 0;  // the Q / dO ring position, continued across items
+  // Cfg::kHandoff: both P^T buffers start free (the dK warpgroup arrives once for each; after that
+  // each buffer's free and ready phases alternate, so no warpgroup can arrive twice on one phase).
+  if constexpr (Cfg::kHandoff) {
+    if (grad_dk) bar_arrive(kHandoffFree + 0, 256), bar_arrive(kHandoffFree + 1, 256);
+  }
   // Cfg::kPersistent: the K / V buffer whose epilogue TMA store (issued by tid 0) may still be
   // reading it. Its kv_empty arrival waits for that read, one tile into the next item, so the store
   // drains behind that item's first matmuls.
@@ -705,12 +727,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
           Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
           // S^T and dP^T issued back to back: P^T's exponentials run while dP^T is computed.
-          Barrier::wait(&ss.q_full[stage], phase);
-          gemm_fresh(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
+          // Cfg::kHandoff: the dK warpgroup receives P^T from the dV one instead of computing S^T.
+          const bool computes_s = !Cfg::kHandoff || !grad_dk;
+          if (computes_s) {
+            Barrier::wait(&ss.q_full[stage], phase);
+            gemm_fresh(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
+          }
           Barrier::wait(&ss.do_full[stage], phase);
           if (!Cfg::kRoles || grad_dk) {  // the dV-only warpgroup needs no dP^T
             gemm_fresh(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
-            warpgroup_wait<1>();
+            if (computes_s) warpgroup_wait<1>(); else warpgroup_wait<0>();
           } else {
             warpgroup_wait<0>();
           }
@@ -750,7 +776,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               }
             }
           };
-          with_mask_decided(masked, exponentiate);
+          if (computes_s) with_mask_decided(masked, exponentiate);
+          if constexpr (Cfg::kHandoff) {  // P^T from the dV warpgroup to the dK one, fp32, thread to thread
+            const int hb = it & 1;
+            float4* hand = reinterpret_cast<float4*>(ss.handoff.p[hb]);
+            if (!grad_dk) {
+              bar_sync(kHandoffFree + hb, 256);
+              CUTE_UNROLL
+              for (int i = 0; i < size(acc_s); i += 4)
+                hand[i / 4 * 128 + tid] = make_float4(acc_s(i), acc_s(i + 1), acc_s(i + 2), acc_s(i + 3));
+              bar_arrive(kHandoffReady + hb, 256);
+            } else {
+              bar_sync(kHandoffReady + hb, 256);
+              CUTE_UNROLL
+              for (int i = 0; i < size(acc_s); i += 4) {
+                const float4 x = hand[i / 4 * 128 + tid];
+                acc_s(i) = x.x, acc_s(i + 1) = x.y, acc_s(i + 2) = x.z, acc_s(i + 3) = x.w;
+              }
+              bar_arrive(kHandoffFree + hb, 256);
+            }
+          }
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_dp);
           // dS^T = P^T (dP^T - delta[query]), in dP^T's registers.
@@ -774,6 +819,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               for (int i = 0; i < size(acc_s); ++i) g_elem(i) = Elem(acc_s(i));
             }
             Tensor tGa = make_tensor(g_elem.data(), acc_as_operand_a(g_elem.layout()));
+            if (!computes_s) Barrier::wait(&ss.q_full[stage], phase);  // dK's Q^T
             warpgroup_fence_operand(acc_dv);
             warpgroup_arrive();
             CUTE_UNROLL

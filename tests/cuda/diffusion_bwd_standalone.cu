@@ -13,6 +13,8 @@
 //   ./bwd_standalone d256       # the D = 256 kernels: checks (batched, odd, varlen), then timing;
 //                               # d256-small: two small checks, for compute-sanitizer; d256-time:
 //                               # the timing alone
+//   ./bwd_standalone d256-handoff # an experiment: P^T handed from the dV to the dK warpgroup (checks,
+//                               # then the A/B against the shipped role split); -small for sanitizers
 //   ./bwd_standalone small      # two small checks, for compute-sanitizer (memcheck, racecheck)
 //   ./bwd_standalone probe      # timing of each gradient kernel without its stores (what they cost)
 //   ./bwd_standalone tma-store  # the TMA-store epilogues (default off): checks, then the A/B
@@ -515,12 +517,13 @@ void timing_kernel_order(const char* what) {
 // dK/dV kernel and the dQ kernel of each, at the configs' dtype and head dim (DkA's), 16K tokens
 // (kTimingRuns); TFLOPS and the ratio of B to A.
 template <class DkA, class DqA, class DkB, class DqB>
-void timing_ab(const char* what, const char* a_name, const char* b_name) {
+void timing_ab(const char* what, const char* a_name, const char* b_name,
+               const std::vector<Run>& runs = {std::begin(kTimingRuns), std::end(kTimingRuns)}) {
   using Elem = typename DkA::Elem;
   constexpr int D = DkA::D;
   printf("== timing, %s (%s, D=%d, 16K tokens; TFLOPS of the backward's 5 matmuls, of dK/dV's 4 and of dQ's "
          "3: %s -> %s (ratio))\n", what, std::is_same_v<Elem, bf16> ? "bf16" : "fp16", D, a_name, b_name);
-  for (const Run& r : kTimingRuns) {
+  for (const Run& r : runs) {
     Problem<Elem> P(r, D);
     P.to_device();
     Bwd<Elem, D, DkA, DqA> va(P);
@@ -615,11 +618,12 @@ void make_entries(const std::vector<dlm::SequenceMask>& masks, bool varlen, F pl
   e.upload();
 }
 
-template <class Elem, int D, int START, bool FUSED = false, bool TMA_STORE = false, bool PERSISTENT = false>
+template <class Elem, int D, int START, bool FUSED = false, bool TMA_STORE = false, bool PERSISTENT = false,
+          bool HANDOFF = false>
 struct VarRun {
   using FwdCfg = dlm::sm90::FwdConfig<Elem, D, 128, dlm::sm90::fwd_block_n(D), 2, true, START>;
   using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, dlm::sm90::bwd_block_n(D), 2, START, FUSED, TMA_STORE,
-                                      PERSISTENT>;
+                                      PERSISTENT, HANDOFF>;
   using DqCfg = dlm::sm90::DqConfig<Elem, D, dlm::sm90::dq_block_m(D), dlm::sm90::dq_block_n(D), 2, START,
                                     TMA_STORE>;
   VarSpec v;
@@ -791,7 +795,8 @@ struct VarRun {
   }
 };
 
-template <class Elem, int D, bool FUSED = false, bool TMA_STORE = false, bool PERSISTENT = false>
+template <class Elem, int D, bool FUSED = false, bool TMA_STORE = false, bool PERSISTENT = false,
+          bool HANDOFF = false>
 void odd_varlen_checks(const char* name) {
   using namespace dlm::sm90;
   auto batched = [](int B, int n, int H, int Hkv, int bs, bool causal = false, int stride = 1) {
@@ -808,7 +813,7 @@ void odd_varlen_checks(const char* name) {
                            batched(3, 70, 2, 2, 100), batched(1, 250, 2, 1, 128, false, 2),
                            batched(4, 33, 2, 1, 40), batched(1, 200, 2, 1, 150, false, 2),
                            batched(1, 129, 2, 2, 100, false, 2)})
-    VarRun<Elem, D, kStartAny, FUSED, TMA_STORE, PERSISTENT>(s).check(name);
+    VarRun<Elem, D, kStartAny, FUSED, TMA_STORE, PERSISTENT, HANDOFF>(s).check(name);
   std::vector<int> many(30);
   uint32_t st = 12345;
   for (auto& x : many) st = st * 1664525u + 1013904223u, x = (st >> 8) % 5 == 0 ? 0 : (int)((st >> 12) % 150);
@@ -818,7 +823,7 @@ void odd_varlen_checks(const char* name) {
                            VarSpec{true, {500}, 2, 1, 300, false, 5},
                            VarSpec{true, {200, 70, 0, 33, 160, 129, 250, 180, 1}, 2, 1, 100, false, 2},
                            VarSpec{true, many, 2, 1, 5, false, 2}})
-    VarRun<Elem, D, kStartVarlen, FUSED, TMA_STORE, PERSISTENT>(s).check(name);
+    VarRun<Elem, D, kStartVarlen, FUSED, TMA_STORE, PERSISTENT, HANDOFF>(s).check(name);
 }
 
 // Forward and backward at 16K tokens (bf16 D=128 H=16 bs=16): the shipped batched kernels (Bwd),
@@ -1029,6 +1034,23 @@ int main(int argc, char** argv) {
     printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
     if (g_failures) return 1;
     timing<Dk256, Dq256>("D=256", kTimingRuns256);
+  }
+  if (mode == "d256-handoff") {  // the role split with P^T handed to the dK warpgroup (4 matmuls, not 5)
+    using Dk256 = DkDvShipped<bf16, 256, kStartTile>;
+    using Dq256 = DqShipped<bf16, 256, kStartTile>;
+    using DkH = DkDvConfig<bf16, 256, kBwdBlockM, 64, kBwdStages, kStartTile, false, false, false, true>;
+    using DkH16 = DkDvConfig<fp16, 256, kBwdBlockM, 64, kBwdStages, kStartTile, false, false, false, true>;
+    checks<bf16, 256, DkH, Dq256>("bf16 D=256 P^T hand-over", true);
+    checks<fp16, 256, DkH16, DqShipped<fp16, 256, kStartTile>>("fp16 D=256 P^T hand-over", false);
+    odd_varlen_checks<bf16, 256, false, false, false, true>("bf16 D=256 P^T hand-over");
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_ab<Dk256, Dq256, DkH, Dq256>("P^T hand-over", "role split (shipped)", "P^T hand-over", kTimingRuns256);
+  }
+  if (mode == "d256-handoff-small") {  // e.g. under compute-sanitizer (racecheck: the hand-over buffers)
+    using DkH = DkDvConfig<bf16, 256, kBwdBlockM, 64, kBwdStages, kStartTile, false, false, false, true>;
+    check<bf16, 256, DkH, DqShipped<bf16, 256, kStartTile>>("bf16 D=256 P^T hand-over", {1, 256, 2, 1, 16});
+    return g_failures ? 1 : 0;
   }
   if (mode == "dkdv3") {
     using Dk3 = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, 3>;
