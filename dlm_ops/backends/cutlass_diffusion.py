@@ -85,9 +85,9 @@ def _tile_order(n_noisy: int, n_clean: int, block_size: int, head_dim: int,
 # D = 256 (n = 2K: 439 vs 243). At D = 64 v5 lost (n = 2K: 257 vs 292); since v6's TMA-store
 # epilogue and the snake walk it is level and the step with it faster (session 10, n = 2K, main
 # preset's D = 64 case: forward 286 vs 281, step 195 vs 177 with Triton's forward; other lengths
-# not measured). The D = 256 backward (session 12: role-split dK/dV, key-split dQ) runs at 289
-# TFLOPS in the harness at n = 2K where Triton's ran 102-111 through torch. The kernels cover
-# every head dim listed in SUPPORTED_HEAD_DIMS.
+# not measured). The D = 256 backward (session 12: role-split dK/dV, key-split dQ): 268 TFLOPS
+# against Triton's 104 through torch (main preset, n = 2K; the step 288 against 125). The kernels
+# cover every head dim listed in SUPPORTED_HEAD_DIMS.
 SUPPORTED_HEAD_DIMS = {"fwd": (64, 128, 256), "bwd": (64, 128, 256)}
 FORWARD_HEAD_DIMS = (64, 128, 256)
 BACKWARD_HEAD_DIMS = (64, 128, 256)
