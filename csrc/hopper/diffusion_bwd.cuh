@@ -174,7 +174,7 @@ struct DkDvConfig {
   // 64 x 256 accumulator, 128 registers: dK and dV of 64 keys in one warpgroup would need 256).
   // Both compute S^T, consumer 1 also dP^T: 5 matmuls per tile pair where D <= 128 does 4, and
   // no data passes between the warpgroups (a lockstep barrier per tile cost the fused dQ 1.9x,
-  // csrc/NOTES.md "Fused dQ"). 193 KB of shared memory (K, V 32 KB each; Q, dO 2 x 32 KB each).
+  // csrc/NOTES.md "Fused dQ"). 194 KB of shared memory (K, V 32 KB each; Q, dO 2 x 32 KB each).
   static constexpr bool kRoles = D == 256;
   static constexpr int kConsumerRows = 64;  // keys per consumer warpgroup
   static constexpr int kConsumers = kRoles ? 2 : BN / kConsumerRows;
