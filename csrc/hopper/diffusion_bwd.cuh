@@ -70,6 +70,28 @@ CUTE_DEVICE void st_shared_f32x2(uint32_t addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y));
 }
 
+// An fp32 register fragment passed between the two consumer warpgroups (same fragment layout):
+// thread t of the sender writes its values where thread t of the receiver reads them, as float4s
+// in [value / 4][thread] order (consecutive threads, consecutive 16 bytes: no bank conflicts).
+// fragment_take stores them into the receiver's fragment, or (kAdd) adds them to it.
+template <class Frag>
+CUTE_DEVICE void fragment_give(float4* buf, Frag const& f, int tid) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(f); i += 4) buf[i / 4 * 128 + tid] = make_float4(f(i), f(i + 1), f(i + 2), f(i + 3));
+}
+template <bool kAdd, class Frag>
+CUTE_DEVICE void fragment_take(float4 const* buf, Frag& f, int tid) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(f); i += 4) {
+    const float4 x = buf[i / 4 * 128 + tid];
+    if constexpr (kAdd) {
+      f(i) += x.x, f(i + 1) += x.y, f(i + 2) += x.z, f(i + 3) += x.w;
+    } else {
+      f(i) = x.x, f(i + 1) = x.y, f(i + 2) = x.z, f(i + 3) = x.w;
+    }
+  }
+}
+
 // f(true_type) or f(false_type): a tile's element loop compiled once with and once without the
 // mask, so the test is made per tile rather than per score (a per-score test compiled to a
 // predicated branch around every score, FULL tiles included: csrc/NOTES.md "Per-tile mask").
@@ -782,17 +804,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             float4* hand = reinterpret_cast<float4*>(ss.handoff.p[hb]);
             if (!grad_dk) {
               bar_sync(kHandoffFree + hb, 256);
-              CUTE_UNROLL
-              for (int i = 0; i < size(acc_s); i += 4)
-                hand[i / 4 * 128 + tid] = make_float4(acc_s(i), acc_s(i + 1), acc_s(i + 2), acc_s(i + 3));
+              fragment_give(hand, acc_s, tid);
               bar_arrive(kHandoffReady + hb, 256);
             } else {
               bar_sync(kHandoffReady + hb, 256);
-              CUTE_UNROLL
-              for (int i = 0; i < size(acc_s); i += 4) {
-                const float4 x = hand[i / 4 * 128 + tid];
-                acc_s(i) = x.x, acc_s(i + 1) = x.y, acc_s(i + 2) = x.z, acc_s(i + 3) = x.w;
-              }
+              fragment_take<false>(hand, acc_s, tid);
               bar_arrive(kHandoffFree + hb, 256);
             }
           }
@@ -1119,23 +1135,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if constexpr (Cfg::kSplitKeys) {
     // dQ = consumer 0's partial + consumer 1's, through the K ring (64 KB; every load has been
-    // consumed once both consumers are past their last matmul): thread t of consumer 1 writes its
-    // accumulator values where thread t of consumer 0 (the same fragment layout) reads them.
+    // consumed once both consumers are past their last matmul).
     static_assert(sizeof(ss.k) >= decltype(size(acc_dq))::value * 128 * sizeof(float));
     float4* xfer = reinterpret_cast<float4*>(ss.k);
     bar_sync(kDqSumBarrier, 256);
-    if (consumer == 1) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); i += 4)
-        xfer[i / 4 * 128 + tid] = make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
-    }
+    if (consumer == 1) fragment_give(xfer, acc_dq, tid);
     bar_sync(kDqSumBarrier, 256);
     if (consumer == 1) return;
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); i += 4) {
-      const float4 x = xfer[i / 4 * 128 + tid];
-      acc_dq(i) += x.x, acc_dq(i + 1) += x.y, acc_dq(i + 2) += x.z, acc_dq(i + 3) += x.w;
-    }
+    fragment_take<true>(xfer, acc_dq, tid);
   }
   Tensor tQcQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));
   // Rows of the tile past its half (or sample) are not stored (row_end = q_tile.hi).
