@@ -143,9 +143,9 @@ def test_batched_halves_of_any_length_run_cutlass(nn, nc, bs, d, any_length):
         assert call["n_noisy"] == nn and call["tile_sample"] is None and call["cu_seqlens"] is None
         assert call["order"].tolist() == _order(SequenceMask(nn, nc, bs).fwd_tiles(128, 64 if d > 128 else 128))
         assert not fwd[0].isnan().any() and not fwd[1].isnan().any()
-        # the persistent rules: the forward at D = 128 always (else up to PERSISTENT_MAX_HALF),
-        # the dK/dV kernel at D = 64 / 128 up to PERSISTENT_DKDV_MAX_HALF
-        assert call["max_ctas"] == (132 if d == 128 or max(nn, nc) <= cd.PERSISTENT_MAX_HALF else 0)
+        # the persistent rules: the forward always, the dK/dV kernel at D = 64 / 128 up to
+        # PERSISTENT_DKDV_MAX_HALF
+        assert call["max_ctas"] == 132
     if bwd[0] != "triton" and nn + nc:
         call = dict(ext.calls)["bwd"]
         assert call["persistent_dkdv"] == (d in (64, 128)

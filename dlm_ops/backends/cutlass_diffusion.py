@@ -21,9 +21,8 @@ Work tables (the CTA schedules, most expensive tile first) are built in C++ from
 and cached here: batched per (halves, block_size[, head dim], device), varlen per (cu_seqlens,
 block_size, head dim, device), the host tuple of VarlenMask (no device sync), each entry one
 host-to-device copy of the offsets and every kernel's (tile, sample) table. The forward's grid is
-persistent (one CTA per SM) at D = 128 and, at other head dims, where halves are short
-(PERSISTENT_MAX_HALF; varlen: the longest sample's half); the backward's dK/dV kernel is the
-persistent one at D = 64 / 128 where halves are at most PERSISTENT_DKDV_MAX_HALF long.
+persistent (one CTA per SM); the backward's dK/dV kernel is the persistent one at D = 64 / 128
+where halves are at most PERSISTENT_DKDV_MAX_HALF long (varlen: the longest sample's half).
 
 The build happens at the first call (one WARNING line; 27 translation units compiled in parallel
 by ninja: 121 s on the H200 machine's 16 cores with 23 of them, before the D = 256 backward).
@@ -92,18 +91,15 @@ SUPPORTED_HEAD_DIMS = {"fwd": (64, 128, 256), "bwd": (64, 128, 256)}
 FORWARD_HEAD_DIMS = (64, 128, 256)
 BACKWARD_HEAD_DIMS = (64, 128, 256)
 
-# The forward's grid: one CTA per SM walking its work items (the next item's Q and K/V load while
-# this one's last P V and stores run), or one CTA per query tile. Forward v5 on the H200
-# (standalone, bf16 D=128, 16K tokens), persistent against one CTA per tile: +7.5% at n = 1K,
-# +1.7% at 2K, -0.6% at 4K, -3.7% at 8K, +7% for GQA 32/8 at 2K: long halves balanced worse under
-# the persistent round-robin than under the hardware's CTA scheduler, hence persistent only up to
-# PERSISTENT_MAX_HALF. The round-robin gave CTA 0 the dearest item of every round (items come most
-# expensive first); since session 9 the CTAs walk them in a snake (hopper/common.cuh snake_item),
-# and persistent everywhere beats that rule at D = 128 (harness `snake`: +7 % at n = 4K, +3.4 % at
-# 8K, block size 16 and 4; 1.00x at n <= 2K, the same grid). D = 64 (the CUTLASS forward runs
-# there only when forced) and D = 256 were not measured with the snake: they keep the rule.
-PERSISTENT_MAX_HALF = 2048
-PERSISTENT_HEAD_DIMS = (128,)  # persistent at every length
+# The forward's grid: one CTA per SM walking its work items in a snake (hopper/common.cuh
+# snake_item; the next item's Q and K/V load while this one's last P V and stores run), at every
+# length and head dim. Forward v5 (session 5) was persistent only up to halves of 2048: long halves
+# balanced worse under a round-robin that gave CTA 0 the dearest item of every round than under the
+# hardware's CTA scheduler (-3.7 % at n = 8K). With the snake, persistent everywhere against one
+# CTA per query tile above 2048 (harness `snake` / `snake64` / `snake256`, bf16, 16K tokens, block
+# size 16 and 4): D = 128 +7 % at n = 4K, +3.4 % at 8K (session 9); D = 64 +6.5 % at 4K, +3.1 % at
+# 8K; D = 256 +3 % at 4K, +1 % at 8K (session 13); the same grid, 1.00x, at n <= 2K.
+
 
 # The backward's dK/dV kernel: the persistent one (two K / V buffers, TMA-store epilogue, snake
 # walk; DkDvPersistent in diffusion_bwd.cuh, D = 64 / 128) when every half is at most this long,
@@ -115,11 +111,10 @@ PERSISTENT_DKDV_MAX_HALF = 1024
 PERSISTENT_DKDV_HEAD_DIMS = (64, 128)
 
 
-def _max_ctas(longest_half: int, head_dim: int, device: torch.device) -> int:
-    """The forward's grid bound for halves up to ``longest_half`` long: the SM count (persistent)
-    or 0 (one CTA per work item)."""
-    persistent = head_dim in PERSISTENT_HEAD_DIMS or longest_half <= PERSISTENT_MAX_HALF
-    return _sm_count(device) if persistent else 0
+def _max_ctas(device: torch.device) -> int:
+    """The forward's grid bound: the SM count (persistent; the launcher takes fewer CTAs when there
+    are fewer work items)."""
+    return _sm_count(device)
 
 
 def _persistent_dkdv(longest_half: int, head_dim: int) -> bool:
@@ -178,7 +173,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         device_types=frozenset({"cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         max_head_dim=256,
-        head_dim_multiple=64,  # 64, 128, 256 (the forward; the backward 64, 128): 192 runs Triton
+        head_dim_multiple=64,  # 64, 128, 256 (forward and backward); 192 runs Triton
         features=frozenset({GQA, DETERMINISTIC, VARLEN}),
     )
 
@@ -216,7 +211,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         lse = new_output(q, (b, h, s), torch.float32)
         order = _tile_order(mask.n_noisy, mask.n_clean, mask.block_size, q.shape[-1], str(q.device))
         ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale,
-                _max_ctas(max(mask.n_noisy, mask.n_clean), q.shape[-1], q.device))
+                _max_ctas(q.device))
         STATS["fwd"] += 1
         return out, lse
 
@@ -230,7 +225,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         lse = new_output(q, (h, total), torch.float32)
         t = _varlen_tables(mask.cu_seqlens, mask.block_size, d, str(q.device))
         ext.fwd(q[None], k[None], v[None], out[None], lse[None], t.fwd[0], 0, mask.block_size, scale,
-                _max_ctas(t.longest_half, d, q.device),
+                _max_ctas(q.device),
                 tile_sample=t.fwd[1], cu_seqlens=t.cu_seqlens)
         STATS["varlen_fwd"] += 1
         return out, lse

@@ -17,6 +17,7 @@
 //                               # then the A/B against the shipped role split); -small for sanitizers
 //   ./bwd_standalone small      # two small checks, for compute-sanitizer (memcheck, racecheck)
 //   ./bwd_standalone probe      # timing of each gradient kernel without its stores (what they cost)
+//   ./bwd_standalone prof       # the shipped backward twice at n = 4K, for ncu (L2 left by dK/dV for dQ)
 //   ./bwd_standalone tma-store  # the TMA-store epilogues (default off): checks, then the A/B
 //   ./bwd_standalone persistent # the persistent dK/dV kernel (two K / V buffers): checks, then A/Bs
 //   ./bwd_standalone persistent64 # its A/B at D = 64 (bf16)
@@ -902,6 +903,15 @@ int main(int argc, char** argv) {
   }
   using Dk = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages>;
   using Dq = DqConfig<bf16, 128, kDqBlockM, kDqBlockN, kDqStages>;
+  if (mode == "prof") {  // the whole backward twice at n = 4K (B = 2, bs 16), for ncu: the second
+    // pass sees the L2 the first left, as a training step's backward does
+    Problem<bf16> P({2, 4096, 16, 16, 16}, 128);
+    P.to_device();
+    Bwd<bf16, 128, Dk, Dq> bwd(P);
+    bwd.all(), bwd.all();
+    CK(cudaDeviceSynchronize());
+    return 0;
+  }
   if (mode == "shipped" || mode == "check") {
     const bool all = mode == "check";
     checks<bf16, 128, Dk, Dq>("bf16 D=128", true);

@@ -9,8 +9,9 @@
 //   ./fwd_standalone shipped       # the four shipped instantiations (checks; bf16 D=128 timed)
 //   ./fwd_standalone plain2        # or plain3, bn64, nopp: the variants of NOTES.md
 //   ./fwd_standalone persist       # a persistent grid (one CTA per SM): checks, then timing
-//   ./fwd_standalone snake         # the shipped grid rule against persistent everywhere (snake walk)
-//   ./fwd_standalone snake64 / snake256  # the same at D = 64 / 256 (bf16)
+//   ./fwd_standalone snake         # the 2K grid rule against persistent everywhere (snake walk)
+//   ./fwd_standalone snake64 / snake256  # the same at D = 64 / 256 (bf16); "backend's grid" in
+//                                  # these tables is the 2K rule, persistent everywhere since session 13
 //   ./fwd_standalone d256          # head dim 256 (128 x 64 tiles): checks, then timing
 //   ./fwd_standalone ab            # the shipped config against 3 stages and no ping-pong: checks of
 //                                  # each, then all timed shape by shape on the same inputs, a
@@ -241,7 +242,7 @@ struct Variants {
     }
   }
 };
-int g_backend_grid = 0;  // ab_timing: the backend's grid (persistent, the SM count, for n <= 2048)
+int g_backend_grid = 0;  // ab_timing: the 2K rule's grid (persistent, the SM count, for n <= 2048)
 
 template <class V, int D = 128>  // D: the variants' head dim (bf16)
 void ab_timing(const char* const* names) {
