@@ -308,15 +308,18 @@ def test_the_cutlass_backend_is_the_default_unless_opted_out(monkeypatch):
 
 def test_the_persistent_rules(monkeypatch):
     """The forward: one CTA per SM walking the work items, whatever the length and head dim; the
-    dK/dV kernel: the persistent one at D = 64 / 128 up to PERSISTENT_DKDV_MAX_HALF (the measured
-    crossovers: cutlass_diffusion's comments; D = 256 has its own role-split kernel, one CTA per
-    key tile)."""
+    dK/dV kernel: the persistent one at D = 64 / 128 up to PERSISTENT_DKDV_MAX_HALF, or _GQA where
+    query heads share a K / V head (the measured crossovers: cutlass_diffusion's comments; D = 256
+    has its own role-split kernel, one CTA per key tile); the main limit at 0 turns it off."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
     monkeypatch.setattr(cd, "_sm_count", lambda device: 132)
     assert cd._max_ctas("cuda") == 132
-    limit = cd.PERSISTENT_DKDV_MAX_HALF
-    for d in (64, 128):
-        assert cd._persistent_dkdv(1, d) and cd._persistent_dkdv(limit, d)
-        assert not cd._persistent_dkdv(limit + 1, d)
-    assert not cd._persistent_dkdv(1, 256)
+    assert cd.PERSISTENT_DKDV_MAX_HALF == 2048 and cd.PERSISTENT_DKDV_MAX_HALF_GQA == 1024
+    for group, limit in ((1, cd.PERSISTENT_DKDV_MAX_HALF), (4, cd.PERSISTENT_DKDV_MAX_HALF_GQA)):
+        for d in (64, 128):
+            assert cd._persistent_dkdv(1, d, group) and cd._persistent_dkdv(limit, d, group)
+            assert not cd._persistent_dkdv(limit + 1, d, group)
+        assert not cd._persistent_dkdv(1, 256, group)
+    monkeypatch.setattr(cd, "PERSISTENT_DKDV_MAX_HALF", 0)
+    assert not cd._persistent_dkdv(1, 128, 1) and not cd._persistent_dkdv(1, 128, 4)

@@ -144,12 +144,12 @@ def test_batched_halves_of_any_length_run_cutlass(nn, nc, bs, d, any_length):
         assert call["order"].tolist() == _order(SequenceMask(nn, nc, bs).fwd_tiles(128, 64 if d > 128 else 128))
         assert not fwd[0].isnan().any() and not fwd[1].isnan().any()
         # the persistent rules: the forward always, the dK/dV kernel at D = 64 / 128 up to
-        # PERSISTENT_DKDV_MAX_HALF
+        # PERSISTENT_DKDV_MAX_HALF_GQA (two query heads share the K / V head here)
         assert call["max_ctas"] == 132
     if bwd[0] != "triton" and nn + nc:
         call = dict(ext.calls)["bwd"]
         assert call["persistent_dkdv"] == (d in (64, 128)
-                                           and max(nn, nc) <= cd.PERSISTENT_DKDV_MAX_HALF)
+                                           and max(nn, nc) <= cd.PERSISTENT_DKDV_MAX_HALF_GQA)
 
 
 def test_softcap_head_dims_alignment_and_failed_builds_fall_back(fake, monkeypatch):
@@ -217,10 +217,11 @@ def test_varlen_runs_cutlass_with_its_tables(fake, halves, hkv):
     cu = list(mask.cu_seqlens)
     assert f["q"].shape == (1, *q.shape) and f["lse"].shape == (1, 4, q.shape[0])
     assert f["cu_seqlens"].tolist() == cu and b["cu_seqlens"].tolist() == cu
-    # the persistent rules as batched, by the longest sample's half: the forward at D = 128 always,
-    # the dK/dV kernel up to PERSISTENT_DKDV_MAX_HALF
+    # the persistent rules as batched, by the longest sample's half: the forward always, the dK/dV
+    # kernel up to PERSISTENT_DKDV_MAX_HALF (one query head per K / V head) or _GQA
     assert f["max_ctas"] == 132
-    assert b["persistent_dkdv"] == (max(halves, default=0) <= cd.PERSISTENT_DKDV_MAX_HALF)
+    limit = cd.PERSISTENT_DKDV_MAX_HALF if hkv == 4 else cd.PERSISTENT_DKDV_MAX_HALF_GQA
+    assert b["persistent_dkdv"] == (max(halves, default=0) <= limit)
     assert (f["order"].tolist(), f["tile_sample"].tolist()) == entries(cu, 16, lambda m: m.fwd_tiles(128, 128))
     assert (b["dkdv_order"].tolist(), b["dkdv_sample"].tolist()) == entries(cu, 16, lambda m: m.bwd_tiles(64, 128))
     assert (b["dq_order"].tolist(), b["dq_sample"].tolist()) == entries(cu, 16, lambda m: m.fwd_tiles(128, 128))

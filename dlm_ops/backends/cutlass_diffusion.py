@@ -22,7 +22,8 @@ and cached here: batched per (halves, block_size[, head dim], device), varlen pe
 block_size, head dim, device), the host tuple of VarlenMask (no device sync), each entry one
 host-to-device copy of the offsets and every kernel's (tile, sample) table. The forward's grid is
 persistent (one CTA per SM); the backward's dK/dV kernel is the persistent one at D = 64 / 128
-where halves are at most PERSISTENT_DKDV_MAX_HALF long (varlen: the longest sample's half).
+where halves are at most PERSISTENT_DKDV_MAX_HALF long (_GQA with grouped heads; varlen: the
+longest sample's half).
 
 The build happens at the first call (one WARNING line; 27 translation units compiled in parallel
 by ninja: 121 s on the H200 machine's 16 cores with 23 of them, before the D = 256 backward).
@@ -106,8 +107,12 @@ BACKWARD_HEAD_DIMS = (64, 128, 256)
 # else one CTA per key tile. Harness `persistent` (session 9, bf16 D = 128, 16K tokens), the whole
 # backward against one CTA per tile: 1.07x / 1.10x at n = 1K (block 16 / 4), 1.03x at 2K, 0.91x at
 # 4K, 0.93x at 8K, 0.90x for GQA 32/8 at 2K. D = 64 (session 10, `persistent64`): 1.055x / 1.058x
-# at 1K, 1.01x at 2K, 0.97x at 4K, 0.91x at 8K, 0.94x GQA: the same crossover.
-PERSISTENT_DKDV_MAX_HALF = 1024
+# at 1K, 1.01x at 2K, 0.97x at 4K, 0.91x at 8K, 0.94x GQA. Through torch (session 13, the op's
+# backward, 10 interleaved rounds, B = 4, n = 2K): 1.067x / 1.054x (block 16 / 4; the step 1.020x /
+# 1.025x), GQA 32/8 0.980x, D = 64 1.009x; hence 2048 for one query head per K / V head and 1024
+# (_GQA) where a group of query heads shares them.
+PERSISTENT_DKDV_MAX_HALF = 2048
+PERSISTENT_DKDV_MAX_HALF_GQA = 1024
 PERSISTENT_DKDV_HEAD_DIMS = (64, 128)
 
 
@@ -117,9 +122,13 @@ def _max_ctas(device: torch.device) -> int:
     return _sm_count(device)
 
 
-def _persistent_dkdv(longest_half: int, head_dim: int) -> bool:
-    """Whether the backward runs the persistent dK/dV kernel for halves up to ``longest_half``."""
-    return head_dim in PERSISTENT_DKDV_HEAD_DIMS and longest_half <= PERSISTENT_DKDV_MAX_HALF
+def _persistent_dkdv(longest_half: int, head_dim: int, group: int) -> bool:
+    """Whether the backward runs the persistent dK/dV kernel for halves up to ``longest_half``,
+    ``group`` query heads per K / V head (PERSISTENT_DKDV_MAX_HALF bounds both limits, so that
+    setting it to 0 turns the persistent kernel off everywhere)."""
+    limit = PERSISTENT_DKDV_MAX_HALF if group == 1 else min(PERSISTENT_DKDV_MAX_HALF,
+                                                            PERSISTENT_DKDV_MAX_HALF_GQA)
+    return head_dim in PERSISTENT_DKDV_HEAD_DIMS and longest_half <= limit
 
 
 @lru_cache(maxsize=64)
@@ -248,7 +257,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv[0], dq_tables[0],
                 n_noisy, block_size, scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1],
                 cu_seqlens=cu_seqlens,
-                persistent_dkdv=_persistent_dkdv(longest_half, q.shape[-1]))
+                persistent_dkdv=_persistent_dkdv(longest_half, q.shape[-1], q.shape[2] // k.shape[2]))
         return dq, dk, dv
 
     def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
