@@ -100,3 +100,20 @@ def test_host_path_measures_both_ways_and_restores_the_backend(capsys):
     q = torch.randn(1, 8, 2, 16)
     assert select(_problem(q, q, 0.0, False, False)).name == "torch"  # CPU: cutlass not eligible
     assert dlm_ops.diffusion_attn_func(q, q, q, 2).shape == q.shape
+
+
+def test_ncu_stalls_reads_the_source_page():
+    """benchmarks.ncu_stalls: ncu's log lines before the table are skipped, predicated opcodes
+    counted by their opcode, shares in % of all samples."""
+    from benchmarks.ncu_stalls import read, report
+
+    lines = ['==PROF== Connected to process 1', '"Kernel Name","k"',
+             '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
+             '"0x10","STL [R1+0x100], R6","6","5"',
+             '"0x20","@!P0  BRA 0x40","3","1"',
+             '"0x30","HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24","1,000","0"']
+    got = read(lines)
+    assert [(i.opcode, i.samples) for i in got] == [("STL", 6), ("BRA", 3), ("HGMMA.64x64x16.F32.BF16", 1000)]
+    text = report(got, top=2)
+    assert "1009 samples" in text and "HGMMA.64x64x16.F32.BF16 99.1%" in text
+    assert text.splitlines()[-1].startswith("  0.6%   0.5%     0x10 STL")

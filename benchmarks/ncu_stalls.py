@@ -1,0 +1,87 @@
+"""Where a kernel's warps wait, instruction by instruction, from Nsight Compute's source page.
+``python -m benchmarks.ncu_stalls FILE.csv [--top 30]``
+
+FILE.csv is what ``ncu --section SourceCounters --section WarpStateStats --page source
+--print-source sass --csv -k regex:NAME --launch-count 1 PROGRAM`` prints (add
+``--clock-control none`` on the lent H200, device METHOD.md). Printed: the share of the warp-stall
+samples per opcode, then the most sampled instructions (all samples and not-issued samples, in %
+of all). csrc/NOTES.md session 13 read the fused dK/dV/dQ kernel's register pressure off it: LDL /
+STL 10.8 % of the samples, R2UR 13.9 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sampled:
+    samples: float      # warp-stall samples at this instruction (all)
+    not_issued: float   # of which the warp was not issued
+    address: str
+    sass: str
+
+    @property
+    def opcode(self) -> str:
+        words = self.sass.split()
+        return words[1] if words and words[0].startswith("@") and len(words) > 1 else (words or [""])[0]
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", "")) if text.strip() else 0.0
+
+
+def read(lines: list[str]) -> list[Sampled]:
+    """The instructions of the source page's CSV (the lines before its header are ncu's log)."""
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if start is None:
+        raise ValueError("no source-page table: run ncu with --page source --print-source sass --csv")
+    rows = list(csv.reader(lines[start:]))
+    header = rows[0]
+
+    def column(prefix: str) -> int | None:
+        return next((i for i, h in enumerate(header) if h.startswith(prefix)), None)
+
+    src, every, idle = column("Source"), column("Warp Stall Sampling (All"), column("Warp Stall Sampling (Not")
+    if src is None or every is None:
+        raise ValueError(f"the table has no Source / Warp Stall Sampling columns: {header[:6]}")
+    out = []
+    for row in rows[1:]:
+        if len(row) <= max(src, every):
+            continue
+        try:
+            out.append(Sampled(_number(row[every]), _number(row[idle]) if idle is not None else 0.0,
+                               row[0], row[src].strip()))
+        except ValueError:  # a section's summary line, not an instruction
+            continue
+    return out
+
+
+def report(instructions: list[Sampled], top: int = 30) -> str:
+    total = sum(i.samples for i in instructions) or 1.0
+    by_op = collections.Counter()
+    for i in instructions:
+        by_op[i.opcode] += i.samples
+    lines = [f"{len(instructions)} instructions, {total:.0f} samples",
+             "by opcode: " + ", ".join(f"{op} {100 * v / total:.1f}%" for op, v in by_op.most_common(14))]
+    for i in sorted(instructions, key=lambda i: -i.samples)[:top]:
+        lines.append(f"{100 * i.samples / total:5.1f}% {100 * i.not_issued / total:5.1f}% "
+                     f"{i.address:>8} {i.sass[:90]}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ncu_stalls", description=__doc__.splitlines()[0])
+    p.add_argument("csv", help="ncu --page source --print-source sass --csv output")
+    p.add_argument("--top", type=int, default=30, help="instructions to list")
+    a = p.parse_args(argv)
+    with open(a.csv) as f:
+        print(report(read(f.read().splitlines()), a.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
