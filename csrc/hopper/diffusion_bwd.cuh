@@ -181,7 +181,8 @@ struct DkDvConfig {
   static constexpr bool kTmaStore = TMA_STORE_;
   // FUSED_DQ_: the kernel also computes dQ (one more matmul per tile, fp32 reduce-adds; the dQ
   // kernel does not run; not deterministic). Correct but measured 0.79-0.90x of the two kernels on
-  // the H200, so only the harness runs it (launch_bwd_fused; csrc/NOTES.md "Fused dQ").
+  // the H200, so only the harness runs it (launch_bwd_fused; csrc/NOTES.md "Fused dQ"). Session 13
+  // found register pressure behind it and cut the spills (kStartAny: 228 -> 8 bytes); not timed yet.
   static constexpr bool kFusedDq = FUSED_DQ_;
   // Bulk copies need 16-byte aligned sources: a query tile starting anywhere copies its lse2 / delta
   // from the aligned element at or before its first row, kRowPad more floats, and the consumers
@@ -664,10 +665,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   [[maybe_unused]] Tensor tGrB = thr_kv.partition_fragment_B(
       make_tensor(make_smem_ptr(grad_dk ? ss.q : ss.dout), typename Cfg::SmemLayoutQt{}));
   // This warpgroup's rows of K / V in buffer 0: smem descriptors (MMA, M, K).
+  // Cfg::kFusedDq: key slot 0's descriptors (constants), moved per tile by the slot's row offset
+  // (kSlotShift): per-consumer descriptors held over the loop were 12 spilled registers there.
+  const int desc_slot = Cfg::kFusedDq ? 0 : key_slot;
   Tensor tSrK0 = thr_sdp.partition_fragment_A(
-      local_tile(kv_tile(ss.k, 0), Shape<Int<kRowsW>, Int<D>>{}, make_coord(key_slot, 0)));
+      local_tile(kv_tile(ss.k, 0), Shape<Int<kRowsW>, Int<D>>{}, make_coord(desc_slot, 0)));
   Tensor tSrV0 = thr_sdp.partition_fragment_A(
-      local_tile(kv_tile(ss.v, 0), Shape<Int<kRowsW>, Int<D>>{}, make_coord(key_slot, 0)));
+      local_tile(kv_tile(ss.v, 0), Shape<Int<kRowsW>, Int<D>>{}, make_coord(desc_slot, 0)));
   // (key, query) of every score this thread holds, relative to (key_base, query tile start).
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<BM>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
@@ -676,20 +680,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // multiplies the whole tile by its D / 2 columns of K: dQ[:, cols] = dS K[:, cols].
   using Fused = typename Cfg::Fused;
   [[maybe_unused]] typename Fused::MmaDq mma_dq;
+  // Register pressure (session 13: 444 bytes of spills, LDL / STL and R2UR the most sampled stalls):
+  // the K^T descriptors are consumer 0's (constants) moved by the consumer's column offset at each
+  // use, and the staging addresses of dS^T and dQ are computed where they are stored, from an
+  // opaque thread index (stage_parts), not held over the tile loop (32 registers).
   auto fused_parts = [&] {
     if constexpr (Cfg::kFusedDq) {
       auto thr_dq = mma_dq.get_thread_slice(tid);
       Tensor sdS = make_tensor(make_smem_ptr(ss.fused.ds), typename Fused::SmemLayoutdS{});
-      Tensor sdSt = make_tensor(make_smem_ptr(ss.fused.ds), typename Fused::SmemLayoutdSt{});
       Tensor sKt = make_tensor(make_smem_ptr(ss.k[0]), typename Fused::SmemLayoutKt{});
       Tensor sdQ = make_tensor(make_smem_ptr(ss.fused.dq[consumer]), typename Fused::SmemLayoutdQ{});
       return make_tuple(
           thr_dq.partition_fragment_A(sdS),  // (MMA, M, K, buffer) descriptors
           thr_dq.partition_fragment_B(
-              local_tile(sKt, Shape<Int<Fused::kCols>, Int<BN>>{}, make_coord(consumer, 0))),
-          thr_sdp.partition_C(local_tile(sdSt, Shape<Int<kRowsW>, Int<BM>, _2>{},
-                                         make_coord(consumer, 0, 0))),  // where dS^T goes
-          thr_dq.partition_C(sdQ), sdQ);
+              local_tile(sKt, Shape<Int<Fused::kCols>, Int<BN>>{}, make_coord(0, 0))),  // consumer 0's
+          sdQ);
+    } else {
+      return 0;
+    }
+  };
+  // (where this thread's dS^T goes, where its dQ partial goes): built at the stores.
+  [[maybe_unused]] auto stage_parts = [&] {
+    if constexpr (Cfg::kFusedDq) {
+      const int t = opaque(tid);
+      Tensor sdSt = make_tensor(make_smem_ptr(ss.fused.ds), typename Fused::SmemLayoutdSt{});
+      Tensor sdQ = make_tensor(make_smem_ptr(ss.fused.dq[consumer]), typename Fused::SmemLayoutdQ{});
+      return make_tuple(mma_sdp.get_thread_slice(t).partition_C(
+                            local_tile(sdSt, Shape<Int<kRowsW>, Int<BM>, _2>{}, make_coord(consumer, 0, 0))),
+                        mma_dq.get_thread_slice(t).partition_C(sdQ));
     } else {
       return 0;
     }
@@ -743,7 +761,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // item and holds them across the tile loop: ~40 registers, 160 bytes of spills (build 1,
           // csrc/NOTES.md session 9); built per tile from the buffer index they took tens of
           // instructions per tile.
-          const uint32_t kv_shift = Cfg::kPersistent ? opaque(buf) * uint32_t(Cfg::kTileBytesKV / 16) : 0u;
+          constexpr uint32_t kSlotShift =
+              uint32_t(typename Cfg::SmemLayoutKV{}(kRowsW, 0) * sizeof(Elem) / 16);
+          const uint32_t kv_shift = (Cfg::kPersistent ? opaque(buf) * uint32_t(Cfg::kTileBytesKV / 16) : 0u) +
+                                    (Cfg::kFusedDq ? opaque(key_slot) * kSlotShift : 0u);
           Tensor tSrK = make_tensor(tSrK0.data() + kv_shift, tSrK0.layout());
           Tensor tSrV = make_tensor(tSrV0.data() + kv_shift, tSrV0.layout());
           Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{});
@@ -861,7 +882,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             // Keys of the box past the key tile (the next half's or sample's, where tiles start
             // anywhere) are not masked in S^T: their dK / dV rows are simply not stored, but dQ sums
             // over every key of the box, so their dS^T must be 0 here.
-            auto& tdSs = get<2>(fp);
+            auto tdSs = get<0>(stage_parts());
             const uint32_t buffer = (it & 1) * uint32_t(BM * BN * sizeof(Elem));
             [[maybe_unused]] const int keys_live = k_tile.hi - key_base;
             CUTE_UNROLL
@@ -891,7 +912,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             bar_sync(kFusedDsBarrier, 256);
             Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<Fused::kCols>>{});
             auto& tdQrdS = get<0>(fp);
-            gemm_fresh(mma_dq, tdQrdS(_, _, _, it & 1), get<1>(fp), acc_dq);
+            // This consumer's D / 2 columns of K^T: consumer 0's descriptors moved by the columns'
+            // offset in K's tile (16-byte units, the descriptor's start-address field).
+            constexpr uint32_t kColsShift =
+                uint32_t(typename Cfg::SmemLayoutKV{}(0, Fused::kCols) * sizeof(Elem) / 16);
+            Tensor tdQrK = make_tensor(get<1>(fp).data() + opaque(consumer) * kColsShift, get<1>(fp).layout());
+            gemm_fresh(mma_dq, tdQrdS(_, _, _, it & 1), tdQrK, acc_dq);
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_dq);
             warpgroup_fence_operand(acc_dv);
@@ -899,7 +925,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             Barrier::arrive(&ss.empty[stage]);
             // Stage the partial, then one thread reduce-adds it at the tile's rows; rows past the
             // visit (next half, sample or S) hold exact zeros (P^T = 0 there) or fall off the tensor.
-            auto& tdQs = get<3>(fp);
+            auto tdQs = get<1>(stage_parts());
             CUTE_UNROLL
             for (int e = 0; e < size(acc_dq); e += 2)
               st_shared_f32x2(smem_addr(&tdQs(e)), acc_dq(e), acc_dq(e + 1));
@@ -912,7 +938,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                   domain_offset(make_coord(offset + visit.start, consumer * Fused::kCols), mdQ(_, _, h, b)),
                   Shape<Int<BM>, Int<Fused::kCols>>{}, make_coord(0, 0));
               auto tma_dq = p.tma_dq.get_slice(0);
-              copy(p.tma_dq, tma_dq.partition_S(get<4>(fp)), tma_dq.partition_D(gdQ));
+              copy(p.tma_dq, tma_dq.partition_S(get<2>(fp)), tma_dq.partition_D(gdQ));
               tma_store_arrive();
             }
           } else {

@@ -18,6 +18,8 @@
 //   ./bwd_standalone small      # two small checks, for compute-sanitizer (memcheck, racecheck)
 //   ./bwd_standalone probe      # timing of each gradient kernel without its stores (what they cost)
 //   ./bwd_standalone prof       # the shipped backward twice at n = 4K, for ncu (L2 left by dK/dV for dQ)
+//   ./bwd_standalone fused-any  # the fused dK/dV/dQ kernel at kStartAny (the extension's batched
+//                               # start): odd / varlen checks, then the A/B against two kernels
 //   ./bwd_standalone tma-store  # the TMA-store epilogues (default off): checks, then the A/B
 //   ./bwd_standalone persistent # the persistent dK/dV kernel (two K / V buffers): checks, then A/Bs
 //   ./bwd_standalone persistent64 # its A/B at D = 64 (bf16)
@@ -946,14 +948,29 @@ int main(int argc, char** argv) {
     printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
     return g_failures != 0;
   }
+  if (mode == "fused-any") {  // the fused A/B at the extension's batched start (kStartAny: the producer
+    // of the kStartTile configs spills, session 13), after the fused checks at that start
+    using DkA = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartAny>;
+    using DkFA = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartAny, true>;
+    using DqA = DqConfig<bf16, 128, kDqBlockM, kDqBlockN, kDqStages, kStartAny>;
+    odd_varlen_checks<bf16, 128, true>("bf16 D=128 fused");
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_fused<DkA, DkFA, DqA>();
+    return 0;
+  }
   if (mode == "fused" || mode == "fused-small" || mode == "fused-prof") {
     using DkF = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, true>;
     using DkF16 = DkDvConfig<fp16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, true>;
-    if (mode == "fused-prof") {  // one launch of each dK/dV kernel at n = 4K bs 16 B = 2, for ncu
+    if (mode == "fused-prof") {  // one launch of each dK/dV kernel at n = 4K bs 16 B = 2, for ncu, at
+      // the extension's batched start (kStartAny: the kStartTile producer spills, session 13)
+      using DkA = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartAny>;
+      using DkFA = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartAny, true>;
+      using DqA = DqConfig<bf16, 128, kDqBlockM, kDqBlockN, kDqStages, kStartAny>;
       Problem<bf16> P({2, 4096, 16, 16, 16}, 128);
       P.to_device();
-      Bwd<bf16, 128, Dk, Dq> ship(P);
-      Bwd<bf16, 128, DkF, Dq> fused(P);
+      Bwd<bf16, 128, DkA, DqA> ship(P);
+      Bwd<bf16, 128, DkFA, DqA> fused(P);
       ship.dkdv(), fused.dkdv();
       CK(cudaDeviceSynchronize());
       return 0;
