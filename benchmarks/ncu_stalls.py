@@ -45,7 +45,8 @@ def read(lines: list[str]) -> list[Sampled]:
     def column(prefix: str) -> int | None:
         return next((i for i, h in enumerate(header) if h.startswith(prefix)), None)
 
-    src, every, idle = column("Source"), column("Warp Stall Sampling (All"), column("Warp Stall Sampling (Not")
+    src, every = column("Source"), column("Warp Stall Sampling (All")
+    idle = column("Warp Stall Sampling (Not")
     if src is None or every is None:
         raise ValueError(f"the table has no Source / Warp Stall Sampling columns: {header[:6]}")
     out = []

@@ -92,16 +92,6 @@ SUPPORTED_HEAD_DIMS = {"fwd": (64, 128, 256), "bwd": (64, 128, 256)}
 FORWARD_HEAD_DIMS = (64, 128, 256)
 BACKWARD_HEAD_DIMS = (64, 128, 256)
 
-# The forward's grid: one CTA per SM walking its work items in a snake (hopper/common.cuh
-# snake_item; the next item's Q and K/V load while this one's last P V and stores run), at every
-# length and head dim. Forward v5 (session 5) was persistent only up to halves of 2048: long halves
-# balanced worse under a round-robin that gave CTA 0 the dearest item of every round than under the
-# hardware's CTA scheduler (-3.7 % at n = 8K). With the snake, persistent everywhere against one
-# CTA per query tile above 2048 (harness `snake` / `snake64` / `snake256`, bf16, 16K tokens, block
-# size 16 and 4): D = 128 +7 % at n = 4K, +3.4 % at 8K (session 9); D = 64 +6.5 % at 4K, +3.1 % at
-# 8K; D = 256 +3 % at 4K, +1 % at 8K (session 13); the same grid, 1.00x, at n <= 2K.
-
-
 # The backward's dK/dV kernel: the persistent one (two K / V buffers, TMA-store epilogue, snake
 # walk; DkDvPersistent in diffusion_bwd.cuh, D = 64 / 128) when every half is at most this long,
 # else one CTA per key tile. Harness `persistent` (session 9, bf16 D = 128, 16K tokens), the whole
@@ -116,6 +106,14 @@ PERSISTENT_DKDV_MAX_HALF_GQA = 1024
 PERSISTENT_DKDV_HEAD_DIMS = (64, 128)
 
 
+# The forward's grid: one CTA per SM walking its work items in a snake (hopper/common.cuh
+# snake_item; the next item's Q and K/V load while this one's last P V and stores run), at every
+# length and head dim. Forward v5 (session 5) was persistent only up to halves of 2048: long halves
+# balanced worse under a round-robin that gave CTA 0 the dearest item of every round than under the
+# hardware's CTA scheduler (-3.7 % at n = 8K). With the snake, persistent everywhere against one
+# CTA per query tile above 2048 (harness `snake` / `snake64` / `snake256`, bf16, 16K tokens, block
+# size 16 and 4): D = 128 +7 % at n = 4K, +3.4 % at 8K (session 9); D = 64 +6.5 % at 4K, +3.1 % at
+# 8K; D = 256 +3 % at 4K, +1 % at 8K (session 13); the same grid, 1.00x, at n <= 2K.
 def _max_ctas(device: torch.device) -> int:
     """The forward's grid bound: the SM count (persistent; the launcher takes fewer CTAs when there
     are fewer work items)."""

@@ -20,18 +20,11 @@ from .base import new_output
 MAX_TRAIN_BLOCK = 64
 # On sm90 blocks of 33-64 tokens (one 64-row tile, wgmma) run the torch path: there the 64-row
 # bwd_q faulted with an illegal memory access at bs = 64 and 100 (H200, triton 3.6, D = 128,
-# F = 64; session 13's GPU tests), the fault issue 6 traced to ptxas building a wgmma descriptor
-# from the stack pointer in a spilling 64-row kernel (the session-4 probe had passed those shapes).
-# 32-row tiles (mma.sync) ran correct at every shape; under TRITON_INTERPRET the 64-row kernels
-# are correct, and GPUs without wgmma compile them to mma.sync.
+# F = 64; session 13's GPU tests; the session-4 probe had passed those shapes). Issue 6's fault in a
+# spilling 64-row kernel had a signature, wgmma descriptors built from the stack pointer, that
+# tests/hybrid_sm90_compile.py does not find here; both shapes pass under TRITON_INTERPRET: the
+# cause is open. 32-row tiles (mma.sync) ran correct at every GPU-test shape.
 MAX_TRAIN_BLOCK_SM90 = 32
-
-
-def max_train_block(device_type: str) -> int:
-    """The longest block the training kernels take on this device type (the current GPU's arch)."""
-    if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
-        return MAX_TRAIN_BLOCK_SM90
-    return MAX_TRAIN_BLOCK
 MAX_FEATURES = 64  # each (rows, F) fp32 tile costs F/2 registers per thread (launch_config)
 MAX_STATE = 64 * 128  # BLOCK_F * BLOCK_D: the compiled and checked sizes (F=64/D=128, 32/256)
 PACK_BLOCK, PACKED_ROWS = 16, 32  # blocks of <= 16 tokens are packed 32 // bs to a 32-row tile
@@ -49,9 +42,17 @@ def _pow2(x: int) -> int:
 
 
 # On by default since they ran on the H200 (issue 6, benchmarks/results/hybrid_train_probe_h200.txt:
-# correct on all ten GPU-test shapes (but see MAX_TRAIN_BLOCK_SM90), fwd + bwd 1.12-1.22x faster than the torch path at bs=32 and
-# 2.55x at bs=4). DLM_OPS_HYBRID_TRAIN_TRITON=0 sends CUDA training back to the torch path.
+# correct on all ten GPU-test shapes, but see MAX_TRAIN_BLOCK_SM90; fwd + bwd 1.12-1.22x faster
+# than the torch path at bs=32 and 2.55x at bs=4). DLM_OPS_HYBRID_TRAIN_TRITON=0 sends CUDA
+# training back to the torch path.
 OPT_IN = "DLM_OPS_HYBRID_TRAIN_TRITON"
+
+
+def max_train_block(device_type: str) -> int:
+    """The longest block the training kernels take on this device type (the current GPU's arch)."""
+    if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        return MAX_TRAIN_BLOCK_SM90
+    return MAX_TRAIN_BLOCK
 
 
 def reasons(block: int, head_dim: int, features: int, device_type: str = "cpu") -> list[str]:
