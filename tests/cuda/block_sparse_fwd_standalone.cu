@@ -15,6 +15,8 @@
 //   ./sparse_fwd time     # the timing table only
 //   ./sparse_fwd small    # one small check per (dtype, head dim), for compute-sanitizer
 //   ./sparse_fwd probe    # what the O / lse stores cost per item (knockout, timing only)
+//   ./sparse_fwd prof     # one persistent launch at 16K, density 0.1 and 0.5, for ncu: the kernel's
+//                         # 6th and 12th launches (ncu --launch-skip 5 / 11 --launch-count 1)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -509,8 +511,30 @@ void timing_probe() {
     }
 }
 
+// One persistent launch at S = 16K, density 0.1 and 0.5 each (bf16, D = 128, H = 32/8, after the
+// entry point's own launch), for ncu's stall profile: what an item's start and end cost at 10 %
+// density that 50 % hides (csrc/NOTES.md "Next"; benchmarks/ncu_stalls.py reads the source page).
+void prof() {
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  for (double d : {0.1, 0.5}) {
+    const Case c{1, 16384, 16384, 32, 8, "density", d, 0, false};
+    std::mt19937 g(16384 + (int)(d * 1000));
+    const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
+    Bufs<bf16, 128> b;
+    fill_and_time(b, c, p, c.sk, 1);
+    CK(dlm::sm90::launch_block_sparse_fwd_cfg<HarnessCfg<bf16, 128>>(b.args, sms));
+    CK(cudaDeviceSynchronize());
+  }
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "all";
+  if (mode == "prof") {
+    prof();
+    return 0;
+  }
   if (mode == "probe") {
     timing_probe();
     return 0;
