@@ -66,6 +66,14 @@ CUTE_DEVICE int opaque(int x) {
   asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
   return y;
 }
+// Element (row, col) of a swizzled shared tile (layout Layout, element Elem) from the tile's start,
+// in a GMMA descriptor's start-address units (16 bytes): added to the descriptors of the tile's
+// first sub-tile, it gives those of the sub-tile there (rows and columns at multiples of the
+// swizzle's 1 KB period keep its phase).
+template <class Layout, class Elem>
+constexpr uint32_t desc_units(int row, int col) {
+  return uint32_t(Layout{}(row, col) * sizeof(Elem) / 16);
+}
 CUTE_DEVICE void st_shared_f32x2(uint32_t addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y));
 }
@@ -761,8 +769,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // item and holds them across the tile loop: ~40 registers, 160 bytes of spills (build 1,
           // csrc/NOTES.md session 9); built per tile from the buffer index they took tens of
           // instructions per tile.
-          constexpr uint32_t kSlotShift =
-              uint32_t(typename Cfg::SmemLayoutKV{}(kRowsW, 0) * sizeof(Elem) / 16);
+          constexpr uint32_t kSlotShift = desc_units<typename Cfg::SmemLayoutKV, Elem>(kRowsW, 0);
           const uint32_t kv_shift = (Cfg::kPersistent ? opaque(buf) * uint32_t(Cfg::kTileBytesKV / 16) : 0u) +
                                     (Cfg::kFusedDq ? opaque(key_slot) * kSlotShift : 0u);
           Tensor tSrK = make_tensor(tSrK0.data() + kv_shift, tSrK0.layout());
@@ -914,8 +921,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             auto& tdQrdS = get<0>(fp);
             // This consumer's D / 2 columns of K^T: consumer 0's descriptors moved by the columns'
             // offset in K's tile (16-byte units, the descriptor's start-address field).
-            constexpr uint32_t kColsShift =
-                uint32_t(typename Cfg::SmemLayoutKV{}(0, Fused::kCols) * sizeof(Elem) / 16);
+            constexpr uint32_t kColsShift = desc_units<typename Cfg::SmemLayoutKV, Elem>(0, Fused::kCols);
             Tensor tdQrK = make_tensor(get<1>(fp).data() + opaque(consumer) * kColsShift, get<1>(fp).layout());
             gemm_fresh(mma_dq, tdQrdS(_, _, _, it & 1), tdQrK, acc_dq);
             warpgroup_wait<0>();
