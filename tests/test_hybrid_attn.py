@@ -62,15 +62,6 @@ def _grads(fn, inputs, dout):
 def _check_train(b, n, h, hkv, d, f, bs, dtype, seed, device="cpu", backend=None):
     """The accuracy rule on out and the gradients of q, k, v, feature_weight and gate."""
     inputs = (*_seq(b, 2 * n, h, hkv, d, dtype, seed, device), *_params(h, d, f, seed, device))
-    if backend == "triton":  # forced: where the kernels decline the block (sm90, > 32 tokens), say so
-        from dlm_ops.backends.hybrid_train import MAX_TRAIN_BLOCK, max_train_block
-        from dlm_ops.errors import UnsupportedConfig
-
-        limit = max_train_block(torch.device(device).type)
-        if limit < MAX_TRAIN_BLOCK and min(bs, n) > limit:
-            with pytest.raises(UnsupportedConfig, match="64-row tiles fault on sm90"):
-                dlm_ops.block_hybrid_train_attn(*inputs, bs, backend=backend)
-            return
     dout = torch.randn(b, 2 * n, h, d, generator=torch.Generator().manual_seed(seed + 7))
     dout = dout.to(device=device, dtype=dtype)
     ours = _grads(lambda *t: dlm_ops.block_hybrid_train_attn(*t, bs, backend=backend), inputs, dout)
@@ -335,25 +326,25 @@ def test_triton_train_declines_and_torch_takes_over(monkeypatch):
     many = HybridProblem("cuda", torch.bfloat16, 64, frozenset(), num_features=128, train_block=32)
     assert "take F <= 64" in " ".join(triton.not_supported_reasons(many))
     fits = HybridProblem("cuda", torch.bfloat16, 128, frozenset(), num_features=64, train_block=64)
-    if not CUDA:  # (on an sm90 GPU a 64-token block is declined: below)
+    if not CUDA:  # (on a GPU the capability checks may add their own reasons)
         assert not triton.not_supported_reasons(fits)
     if not CUDA:  # the decision itself; on a GPU the capability checks add their own reasons
         assert select(big, family="hybrid").name == "torch"
         assert select(fits, family="hybrid").name == "triton"
-    # sm90: blocks of 33-64 tokens (64-row tiles) run the torch path (hybrid_train.MAX_TRAIN_BLOCK_SM90)
+    # sm90: 64-token blocks run the kernels, their bwd_q with IEEE dots (hybrid_train.EXACT_BWD_Q_SM90_ROWS)
     from dlm_ops.backends import hybrid_train
 
     with pytest.MonkeyPatch.context() as arch:
         arch.setattr(torch.cuda, "is_available", lambda: True)
         arch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-        assert hybrid_train.max_train_block("cuda") == 32 and hybrid_train.max_train_block("cpu") == 64
-        assert "training block of 33 tokens > 32 (one tile per block; 64-row tiles fault on sm90)" in (
-            " ".join(triton.not_supported_reasons(HybridProblem(
-                "cuda", torch.bfloat16, 128, frozenset(), num_features=64, train_block=33))))
         assert not triton.not_supported_reasons(HybridProblem(
-            "cuda", torch.bfloat16, 128, frozenset(), num_features=64, train_block=32))
+            "cuda", torch.bfloat16, 128, frozenset(), num_features=64, train_block=64))
+        cuda = torch.device("cuda")
+        assert hybrid_train.exact_bwd_q(cuda, 64) and not hybrid_train.exact_bwd_q(cuda, 32)
+        assert not hybrid_train.exact_bwd_q(torch.device("cpu"), 64)
         arch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
         assert not triton.not_supported_reasons(fits)
+        assert not hybrid_train.exact_bwd_q(cuda, 64)
     q, k, v = _seq(1, 2 * 70, 2, 1, 16, torch.float32, 0)
     w, gate = _params(2, 16, 8, 0)
     with pytest.raises(UnsupportedConfig, match="training block of 65 tokens"):
@@ -498,7 +489,7 @@ def test_gpu_decode_accuracy_and_triton_vs_torch(dtype, b, bs, h, hkv, d, f, blo
                                         (1024, 4, (4, 1)), (256, 64, (2, 2)), (97, 16, (3, 1))])
 def test_gpu_train_accuracy(monkeypatch, dtype, n, bs, heads):
     """The fused Triton kernels (the default on CUDA); on sm90 the 64-token blocks (bs 64 and 100)
-    run the torch path (hybrid_train.MAX_TRAIN_BLOCK_SM90 says why)."""
+    take IEEE dots in bwd_q (hybrid_train.EXACT_BWD_Q_SM90_ROWS says why)."""
     monkeypatch.delenv("DLM_OPS_HYBRID_TRAIN_TRITON", raising=False)
     _check_train(2, n, *heads, 128, 64, bs, dtype, n, device="cuda")
 

@@ -18,13 +18,13 @@ from ..templates import hybrid_train as kernels
 from .base import new_output
 
 MAX_TRAIN_BLOCK = 64
-# On sm90 blocks of 33-64 tokens (one 64-row tile, wgmma) run the torch path: there the 64-row
-# bwd_q faulted with an illegal memory access at bs = 64 and 100 (H200, triton 3.6, D = 128,
-# F = 64; session 13's GPU tests; the session-4 probe had passed those shapes). Issue 6's fault in a
-# spilling 64-row kernel had a signature, wgmma descriptors built from the stack pointer, that
-# tests/hybrid_sm90_compile.py does not find here; both shapes pass under TRITON_INTERPRET: the
-# cause is open. 32-row tiles (mma.sync) ran correct at every GPU-test shape.
-MAX_TRAIN_BLOCK_SM90 = 32
+# On sm90 the 64-row tiles' bwd_q (blocks of 33-64 tokens) takes IEEE fp32 dots for its fp32
+# operands instead of tf32x3: with tf32x3 it faulted on the H200 (triton 3.6, D = 128, F = 64,
+# bs = 64 and 100; session 13's GPU tests), compute-sanitizer: "out-of-range shared or local
+# address" at a tf32x3 tl.dot (session 14). With IEEE dots it is correct and a training step at
+# block 64 runs 3.4x faster than the torch path (B=2, n=1024, H=8/2, D=128, F=64, bf16).
+# 32-row tiles (mma.sync) run tf32x3 correctly at every GPU-test shape.
+EXACT_BWD_Q_SM90_ROWS = 64
 MAX_FEATURES = 64  # each (rows, F) fp32 tile costs F/2 registers per thread (launch_config)
 MAX_STATE = 64 * 128  # BLOCK_F * BLOCK_D: the compiled and checked sizes (F=64/D=128, 32/256)
 PACK_BLOCK, PACKED_ROWS = 16, 32  # blocks of <= 16 tokens are packed 32 // bs to a 32-row tile
@@ -42,17 +42,16 @@ def _pow2(x: int) -> int:
 
 
 # On by default since they ran on the H200 (issue 6, benchmarks/results/hybrid_train_probe_h200.txt:
-# correct on all ten GPU-test shapes, but see MAX_TRAIN_BLOCK_SM90; fwd + bwd 1.12-1.22x faster
+# correct on all ten GPU-test shapes, see EXACT_BWD_Q_SM90_ROWS; fwd + bwd 1.12-1.22x faster
 # than the torch path at bs=32 and 2.55x at bs=4). DLM_OPS_HYBRID_TRAIN_TRITON=0 sends CUDA
 # training back to the torch path.
 OPT_IN = "DLM_OPS_HYBRID_TRAIN_TRITON"
 
 
-def max_train_block(device_type: str) -> int:
-    """The longest block the training kernels take on this device type (the current GPU's arch)."""
-    if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
-        return MAX_TRAIN_BLOCK_SM90
-    return MAX_TRAIN_BLOCK
+def exact_bwd_q(device: torch.device, block_t: int) -> bool:
+    """Whether bwd_q takes IEEE fp32 dots where it would take tf32x3 (EXACT_BWD_Q_SM90_ROWS)."""
+    return (device.type == "cuda" and block_t >= EXACT_BWD_Q_SM90_ROWS
+            and torch.cuda.get_device_capability(device)[0] == 9)
 
 
 def reasons(block: int, head_dim: int, features: int, device_type: str = "cpu") -> list[str]:
@@ -60,10 +59,8 @@ def reasons(block: int, head_dim: int, features: int, device_type: str = "cpu") 
     out = []
     if device_type == "cuda" and os.environ.get(OPT_IN) == "0":
         out.append(f"the fused training kernels are switched off ({OPT_IN}=0)")
-    limit = max_train_block(device_type)
-    if block > limit:
-        why = "one tile per block" + ("; 64-row tiles fault on sm90" if limit < MAX_TRAIN_BLOCK else "")
-        out.append(f"training block of {block} tokens > {limit} ({why})")
+    if block > MAX_TRAIN_BLOCK:
+        out.append(f"training block of {block} tokens > {MAX_TRAIN_BLOCK} (one tile per block)")
     if features > MAX_FEATURES or _pow2(features) * _pow2(head_dim) > MAX_STATE:
         out.append(f"training F x D = {features} x {head_dim}: the kernels hold (rows, F) fp32 "
                    f"tiles and take F <= {MAX_FEATURES} and F x D <= {MAX_STATE} (padded "
@@ -207,7 +204,8 @@ def train_bwd(dout, q, k, v, feature_weight, gate, block_size, scale, eps):
     kernels.hybrid_train_bwd_q_kernel[(nt, b * h, 2)](
         q, k, v, dout, u_q, u_k, w32, gate, s_st, z_st, dq, dk, dv, du_q, rden, dlin, dgv,
         *_strides(q, k, v, dout), h, h // hkv, n, geo.bs, geo.tile_len, nt, f, scale, eps,
-        BLOCK_D=block_d, num_warps=warps, num_stages=stages, **consts)
+        BLOCK_D=block_d, num_warps=warps, num_stages=stages,
+        **{**consts, "IEEE": ieee or exact_bwd_q(q.device, geo.block_t)})
     du_st, dz_st = _scan(u_q, dout, rden, dlin, 0, 0, 2, True, geo, h, f, block_f, ds, ieee)
     warps, stages = launch_config("bwd_k", block_f, block_d)
     kernels.hybrid_train_bwd_k_kernel[(nt, b * h)](
