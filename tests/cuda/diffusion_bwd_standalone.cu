@@ -519,11 +519,16 @@ void timing_kernel_order(const char* what) {
 
 // Two backwards on the same inputs, alternating order (ABBA): the whole backward, the dK/dV kernel
 // and the dQ kernel of each, at the configs' dtype and head dim (DkA's), 16K tokens (kTimingRuns);
-// TFLOPS and the ratio of B to A. Each arm runs in two instances, allocated first in one and second
-// in the other of two phases (3 rounds each), and keeps its best time: session 14's A/A controls
-// (one instance per arm, A allocated first) read the second arm up to 13 % slower, identical
-// kernels included. The per-phase ratios of the whole backward are printed too (a/b: A allocated
-// first / second), so a remaining placement bias shows as their difference.
+// TFLOPS of the median times and the ratio of B to A. Each arm runs in two instances, allocated
+// first in one phase and second in the other (3 rounds each), after one untimed round of both.
+// Why: session 14's A/A controls (one instance per arm, A first, no warm-up, best of 6 rounds)
+// read the second arm up to 13 % slower, identical kernels included; with both allocation orders
+// (best of each arm's 6 rounds) the bias stayed in the first phase only (a/b 0.89-1.00 / 0.99-1.00).
+// The likely cause: arm A's first round ran on a GPU that had idled while the host built the
+// problem, before its clocks settled to the power limit, and the best-of took that sample. This
+// version (warm-up, medians) compiled but did not run in session 14 (no device time left): run
+// `aa` before trusting it. The two phases' ratios of the whole backward are printed (a/b: A
+// allocated first / second).
 template <class DkA, class DqA, class DkB, class DqB>
 void timing_ab(const char* what, const char* a_name, const char* b_name,
                const std::vector<Run>& runs = {std::begin(kTimingRuns), std::end(kTimingRuns)}) {
@@ -531,26 +536,31 @@ void timing_ab(const char* what, const char* a_name, const char* b_name,
   constexpr int D = DkA::D;
   printf("== timing, %s (%s, D=%d, 16K tokens; TFLOPS of the backward's 5 matmuls, of dK/dV's 4 and of dQ's "
          "3: %s -> %s (ratio))\n", what, std::is_same_v<Elem, bf16> ? "bf16" : "fp16", D, a_name, b_name);
+  auto median = [](std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : 0.5f * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
   for (const Run& r : runs) {
     Problem<Elem> P(r, D);
     P.to_device();
-    float t[2][3] = {{1e9f, 1e9f, 1e9f}, {1e9f, 1e9f, 1e9f}};  // [A, B][bwd, dK/dV, dQ]
-    float phase_bwd[2][2] = {{1e9f, 1e9f}, {1e9f, 1e9f}};      // [phase][A, B]: the whole backward
-    auto run = [&](auto& bwd, float* x, float& whole) {
+    std::vector<float> t[2][3];                 // [A, B][bwd, dK/dV, dQ]: every round's time
+    std::vector<float> phase_bwd[2][2];         // [phase][A, B]: the whole backward
+    auto run = [&](auto& bwd, std::vector<float>* x, std::vector<float>* whole) {
       const float w = time_ms([&] { bwd.all(); }, 20);
-      x[0] = std::min(x[0], w), whole = std::min(whole, w);
-      x[1] = std::min(x[1], time_ms([&] { bwd.dkdv(); }, 20));
-      x[2] = std::min(x[2], time_ms([&] { bwd.dq(); }, 20));
+      const float k = time_ms([&] { bwd.dkdv(); }, 20), q = time_ms([&] { bwd.dq(); }, 20);
+      if (!whole) return;  // the warm-up round
+      x[0].push_back(w), x[1].push_back(k), x[2].push_back(q), whole->push_back(w);
     };
-    auto rounds = [&](auto& va, auto& vb, float (&whole)[2]) {
+    auto rounds = [&](auto& va, auto& vb, std::vector<float> (&whole)[2]) {
       for (int round = 0; round < 3; ++round)
         for (int j = 0; j < 2; ++j) {
-          if ((round & 1 ? 1 - j : j) == 0) run(va, t[0], whole[0]); else run(vb, t[1], whole[1]);
+          if ((round & 1 ? 1 - j : j) == 0) run(va, t[0], &whole[0]); else run(vb, t[1], &whole[1]);
         }
     };
     {
       Bwd<Elem, D, DkA, DqA> va(P);
       Bwd<Elem, D, DkB, DqB> vb(P);
+      run(va, nullptr, nullptr), run(vb, nullptr, nullptr);
       rounds(va, vb, phase_bwd[0]);
     }
     {
@@ -559,12 +569,15 @@ void timing_ab(const char* what, const char* a_name, const char* b_name,
       rounds(va, vb, phase_bwd[1]);
     }
     CK(cudaGetLastError());
+    float m[2][3];
+    for (int arm = 0; arm < 2; ++arm)
+      for (int i = 0; i < 3; ++i) m[arm][i] = median(t[arm][i]);
     const double matmul = 2.0 * (double)P.mask.num_pairs() * D * r.H * r.B / 1e9;
     printf("B=%d n=%d H=%d/%d bs=%d: bwd %4.0f -> %4.0f (%.3fx; a/b %.3f / %.3f); dK/dV %4.0f -> %4.0f (%.3fx); "
-           "dQ %4.0f -> %4.0f (%.3fx)\n", r.B, r.n, r.H, r.Hkv, r.bs, 5 * matmul / t[0][0], 5 * matmul / t[1][0],
-           t[0][0] / t[1][0], phase_bwd[0][0] / phase_bwd[0][1], phase_bwd[1][0] / phase_bwd[1][1],
-           4 * matmul / t[0][1], 4 * matmul / t[1][1], t[0][1] / t[1][1], 3 * matmul / t[0][2],
-           3 * matmul / t[1][2], t[0][2] / t[1][2]);
+           "dQ %4.0f -> %4.0f (%.3fx)\n", r.B, r.n, r.H, r.Hkv, r.bs, 5 * matmul / m[0][0], 5 * matmul / m[1][0],
+           m[0][0] / m[1][0], median(phase_bwd[0][0]) / median(phase_bwd[0][1]),
+           median(phase_bwd[1][0]) / median(phase_bwd[1][1]), 4 * matmul / m[0][1], 4 * matmul / m[1][1],
+           m[0][1] / m[1][1], 3 * matmul / m[0][2], 3 * matmul / m[1][2], m[0][2] / m[1][2]);
   }
 }
 
