@@ -27,6 +27,7 @@ SIGNATURES = {
     "dlm_varlen_plan": [I32, _INT, _INT, _INT, _INT, _INT, I64, I32, I64, I32],
     "dlm_work_order": [_INT, _INT, _INT, _INT, I32],
     "dlm_snake_walk": [_INT, _INT, _INT, I32],
+    "dlm_part_runs": [_INT, _INT, _INT, _INT, _INT, _INT, _INT, ctypes.POINTER(ctypes.c_int), I32],
 }
 
 
@@ -108,6 +109,39 @@ def test_intervals_visibility_and_pairs(lib, mask):
     pairs = torch.full((1,), -7, dtype=torch.int64)
     _call(lib.dlm_num_pairs, *args, _p(pairs))
     assert pairs.item() == mask.num_pairs
+
+
+@given(sequence_masks(), TILE, TILE, st.integers(1, 70))
+def test_runs_of_a_tile_part_are_the_other_tiles_it_sees(lib, mask, block_m, block_n, part):
+    """TilePlans::runs_of (a dK/dV warpgroup's own keys): for every part of every tile, exactly the
+    other side's tiles with a visible pair, from the definition, as two runs inside the tile's."""
+    args = (mask.n_noisy, mask.n_clean, mask.block_size)
+    for transpose in (False, True):
+        plans = mask.bwd_tiles(block_m, block_n) if transpose else mask.fwd_tiles(block_m, block_n)
+        size = block_m if transpose else block_n  # the other side's tiles, in index order
+        other_tiles = [(lo, min(lo + size, end)) for start, end in
+                       ((0, mask.n_noisy), (mask.n_noisy, mask.seqlen)) for lo in range(start, end, size)]
+        count = ctypes.c_int(-7)
+        _call(lib.dlm_part_runs, *args, block_m, block_n, int(transpose), part, ctypes.byref(count), None)
+        got = torch.full((max(count.value, 1), 4), -7, dtype=torch.int32)
+        _call(lib.dlm_part_runs, *args, block_m, block_n, int(transpose), part, ctypes.byref(count), _p(got))
+        i = 0
+        for p in sorted(plans, key=lambda p: p.start):
+            tile_runs = {o for o, (s, e) in enumerate(other_tiles)
+                         if any(v.start == s and v.end == e for v in p.visits)}
+            for lo in range(p.start, p.end, part):
+                own = torch.arange(lo, min(lo + part, p.end))
+                b0, e0, b1, e1 = got[i].tolist()
+                assert b0 <= e0 and b1 <= e1 and (e0 <= b1 or b1 == e1 or b0 == e0)
+                runs = set(range(b0, e0)) | set(range(b1, e1))
+                want = set()
+                for o, (s, e) in enumerate(other_tiles):
+                    rows, cols = (torch.arange(s, e), own) if transpose else (own, torch.arange(s, e))
+                    if mask.visible(rows, cols).any():
+                        want.add(o)
+                assert runs == want and runs <= tile_runs, (mask, transpose, lo, got[i].tolist())
+                i += 1
+        assert i == count.value
 
 
 @given(sequence_masks(), TILE, TILE)

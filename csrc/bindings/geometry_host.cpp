@@ -110,6 +110,28 @@ int dlm_varlen_plan(const int32_t* cu, int num_samples, int bs, int block_m, int
   return plan(samples, block_m, block_n, transpose, sizes, tiles, areas, visits);
 }
 
+// The runs of every part of `part` own positions of every own tile (a tile's last part may be
+// short), in tile order: out[4*i ..] = [begin0, end0, begin1, end1] of part i (TilePlans::runs_of,
+// what a dK/dV warpgroup visits of its 64 keys). Called with a null out it only counts (*count).
+int dlm_part_runs(int nn, int nc, int bs, int block_m, int block_n, int transpose, int part,
+                  int* count, int32_t* out) {
+  if (!valid(nn, nc, bs) || block_m < 1 || block_n < 1 || part < 1) return -1;
+  const dlm::SequenceMask m{nn, nc, bs};
+  const dlm::TilePlans p = transpose ? m.bwd_tiles(block_m, block_n) : m.fwd_tiles(block_m, block_n);
+  int i = 0;
+  for (int t = 0; t < p.count(); ++t) {
+    const dlm::Interval tile = p.tile(t);
+    for (int lo = tile.lo; lo < tile.hi; lo += part, ++i) {
+      if (!out) continue;
+      const dlm::TileRuns r = p.runs_of({lo, dlm::imin(lo + part, tile.hi)});
+      const int32_t row[4] = {r.begin[0], r.end[0], r.begin[1], r.end[1]};
+      for (int j = 0; j < 4; ++j) out[4 * i + j] = row[j];
+    }
+  }
+  *count = i;
+  return 0;
+}
+
 // out[2*w ..] = (entry, slot) of work index w of WorkOrder{slots, chunk, block} over `entries`.
 int dlm_work_order(int entries, int slots, int chunk, int block, int32_t* out) {
   if (entries < 1 || slots < 1 || chunk < 1 || chunk > slots || block < 1) return -1;

@@ -166,6 +166,15 @@ struct NoFusedDq {  // what the unfused configs hold in the fused pieces' places
   using MmaDq = Smem;
 };
 
+// DkDvConfig OWN_KIND_: each consumer thread's copy of its warpgroup's sub-runs of the item
+// ([begin0, end0, begin1, end1] of TilePlans::runs_of over the warpgroup's keys).
+template <int kThreads>
+struct OwnRuns {
+  struct Smem {
+    alignas(16) int32_t runs[kThreads][4];
+  };
+};
+
 // HANDOFF_ (an experiment of the D = 256 role split, harness `d256-handoff`; not shipped): consumer
 // 0 hands its P^T (fp32, in its accumulator's per-thread order) to consumer 1 through two shared
 // buffers, so that consumer 1 computes dP^T but not S^T: 4 matmuls per tile pair instead of 5.
@@ -180,7 +189,8 @@ struct PHandoff {
 constexpr int kHandoffReady = 1, kHandoffFree = 3;  // named barriers (+ buffer), 256 threads
 
 template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, int START_ = kStartTile,
-          bool FUSED_DQ_ = false, bool TMA_STORE_ = false, bool PERSISTENT_ = false, bool HANDOFF_ = false>
+          bool FUSED_DQ_ = false, bool TMA_STORE_ = false, bool PERSISTENT_ = false, bool HANDOFF_ = false,
+          bool OWN_KIND_ = false>
 struct DkDvConfig {
   using Elem = Elem_;
   static constexpr int kStart = START_;
@@ -214,6 +224,13 @@ struct DkDvConfig {
   static_assert(!kRoles || (BN == kConsumerRows && !FUSED_DQ_ && !TMA_STORE_ && !PERSISTENT_),
                 "D = 256: 64 keys per CTA, register stores, one CTA per key tile");
   static constexpr bool kHandoff = HANDOFF_;  // PHandoff above
+  // OWN_KIND_ (harness only, not measured yet): each consumer skips the visits that its own 64
+  // keys see none of where the CTA's 128 see some (the noisy diagonal's other half, the
+  // staircase's upper half when block_size divides 64: 10 % of the warpgroup visits at n = 1K,
+  // 5.6 % at 2K, 2.9 % at 4K). Session 14's two versions kept the warpgroup's sub-run in registers
+  // and lost 3-17 % to the spills (csrc/NOTES.md); this one keeps it in shared memory, one slot per
+  // consumer thread (written and read by that thread only: no synchronisation), read per visit.
+  static constexpr bool kOwnKind = OWN_KIND_ && !kRoles && !FUSED_DQ_;
   static_assert(!kHandoff || kRoles, "the P^T hand-over is a variant of the role split");
   using Handoff = std::conditional_t<kHandoff, PHandoff<kConsumerRows * BM>, NoFusedDq>;
   // D = 64 would give each warpgroup a 32-column slice of K^T, half a 128-byte swizzle row, which
@@ -253,6 +270,7 @@ struct DkDvConfig {
     uint64_t q_full[STAGES], do_full[STAGES], empty[STAGES];
     typename Fused::Smem fused;
     typename Handoff::Smem handoff;
+    typename std::conditional_t<kOwnKind, OwnRuns<128 * kConsumers>, NoFusedDq>::Smem own;
   };
   static constexpr int kTileBytesQ = BM * D * sizeof(Elem);
   static constexpr int kTileBytesKV = BN * D * sizeof(Elem);
@@ -757,12 +775,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kRowsW>, Int<D>>{});
     if constexpr (!Cfg::kRoles) clear(acc_dk);
     clear(acc_dv);
+    // Cfg::kOwnKind: this warpgroup's sub-runs (empty when it has no keys), to this thread's slot.
+    [[maybe_unused]] const uint32_t own_slot = smem_addr(&ss.own) + 16u * (128u * consumer + tid);
+    if constexpr (Cfg::kOwnKind) {
+      const Interval own{key_base, imin(key_base + kRowsW, k_tile.hi)};
+      const TileRuns mine = own.empty() ? TileRuns{} : plans.runs_of(own);
+      asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};" ::"r"(own_slot), "r"(mine.begin[0]),
+                   "r"(mine.end[0]), "r"(mine.begin[1]), "r"(mine.end[1]) : "memory");
+    }
     Barrier::wait(&ss.kv_full[buf], (item / Cfg::kKvBufs) & 1);
     for (int g = 0; g < group; ++g) {
       for (int r = 0; r < 2; ++r) {
         for (int qt = run_begin(runs, r); qt < run_end(runs, r); ++qt, ++it) {
           const int stage = it % STAGES, phase = (it / STAGES) & 1;
           const Visit visit = plans.visit(kt, qt);
+          if constexpr (Cfg::kOwnKind) {
+            int b0, e0, b1, e1;  // read per visit (volatile): nothing held over the loop
+            asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(b0), "=r"(e0), "=r"(b1), "=r"(e1) : "r"(own_slot) : "memory");
+            if (r ? (qt < b1 || qt >= e1) : (qt < b0 || qt >= e0)) {
+              // None of this warpgroup's keys is seen by the tile's queries: the stage is released
+              // as a computed one is, after its loads landed, so that both warpgroups still wait
+              // every phase of the ring's barriers.
+              Barrier::wait(&ss.q_full[stage], phase);
+              Barrier::wait(&ss.do_full[stage], phase);
+              Barrier::arrive(&ss.empty[stage]);
+              release_pending();
+              continue;
+            }
+          }
           // K / V smem descriptors of this item's buffer: buffer 0's (constants) with the start
           // address moved by the buffer's offset (16-byte units, the descriptor's low field). The
           // offset is opaque per tile, else the compiler builds every k-block's descriptor once per

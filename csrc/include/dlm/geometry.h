@@ -96,7 +96,9 @@ struct TilePlans {
 
   DLM_HD int count() const { return own.count(); }
   DLM_HD Interval tile(int t) const { return own.tile(t); }
-  DLM_HD TileRuns runs(int t) const;
+  DLM_HD TileRuns runs(int t) const { return runs_of(own.tile(t)); }
+  // The same for any range of own positions inside one half (e.g. one warpgroup's part of a tile).
+  DLM_HD TileRuns runs_of(Interval own_range) const;
   DLM_HD Visit visit(int t, int other_tile) const;
   // Pairs covered by tile t's visits (geometry.TilePlan.area): the cost used to order the work.
   DLM_HD int64_t area(int t) const;
@@ -182,9 +184,8 @@ DLM_HD SequenceMask block_diffusion(int seqlen, int block_size) {
 // Key block <= query block over seqlen tokens (block_size 1 is causal attention).
 DLM_HD SequenceMask block_causal(int seqlen, int block_size) { return {0, seqlen, block_size}; }
 
-DLM_HD TileRuns TilePlans::runs(int t) const {
+DLM_HD TileRuns TilePlans::runs_of(Interval own_tile) const {
   const SequenceMask mask{n_noisy, n_clean, block_size};
-  const Interval own_tile = own.tile(t);
   const Intervals first = transpose ? mask.col_intervals(own_tile.lo) : mask.row_intervals(own_tile.lo);
   const Intervals last = transpose ? mask.col_intervals(own_tile.hi - 1)
                                    : mask.row_intervals(own_tile.hi - 1);
