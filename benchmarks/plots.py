@@ -63,7 +63,8 @@ def hybrid(rows: list[dict], plt, path: Path) -> None:
 def sparse(rows: list[dict], plt, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for contender, style in (("dlm_ops", "o-"), ("dlm_ops triton", "d:"), ("flex", "x--"),
-                             ("dlm_ops column", "s-."), ("dlm_ops column triton", "v:")):
+                             ("dlm_ops column", "s-."), ("dlm_ops column triton", "v:"),
+                             ("cudnn equal work", "^--")):
         for s in sorted({r["seqlen"] for r in rows}):
             pts = sorted((r["true_density"], r["ratio"]) for r in rows
                          if r["contender"] == contender and r["seqlen"] == s)
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
         return 1
     drawn = []
     for stem, draw in (("h200_cached_decode", cached_decode), ("h200_hybrid", hybrid),
-                       ("h200_sparse", sparse)):
+                       ("h200_sparse", sparse), ("h200_sparse_quick", sparse)):
         rows = _rows(folder, stem)
         if rows:
             draw(rows, plt, folder / f"{stem}.png")

@@ -252,35 +252,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kRowsW>, Int<D>>{});
     if constexpr (!Cfg::kRoles) clear(acc_dk);
     clear(acc_dv);
-    // Cfg::kOwnKind: this warpgroup's sub-runs (empty when it has no keys), to this thread's slot.
-    [[maybe_unused]] const uint32_t own_slot = smem_addr(&ss.own) + 16u * (128u * consumer + tid);
-    if constexpr (Cfg::kOwnKind) {
-      const Interval own{key_base, imin(key_base + kRowsW, k_tile.hi)};
-      const TileRuns mine = own.empty() ? TileRuns{} : plans.runs_of(own);
-      asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};" ::"r"(own_slot), "r"(mine.begin[0]),
-                   "r"(mine.end[0]), "r"(mine.begin[1]), "r"(mine.end[1]) : "memory");
-    }
     Barrier::wait(&ss.kv_full[buf], (item / Cfg::kKvBufs) & 1);
     for (int g = 0; g < group; ++g) {
       for (int r = 0; r < 2; ++r) {
         for (int qt = run_begin(runs, r); qt < run_end(runs, r); ++qt, ++it) {
           const int stage = it % STAGES, phase = (it / STAGES) & 1;
           const Visit visit = plans.visit(kt, qt);
-          if constexpr (Cfg::kOwnKind) {
-            int b0, e0, b1, e1;  // read per visit (volatile): nothing held over the loop
-            asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(b0), "=r"(e0), "=r"(b1), "=r"(e1) : "r"(own_slot) : "memory");
-            if (r ? (qt < b1 || qt >= e1) : (qt < b0 || qt >= e0)) {
-              // None of this warpgroup's keys is seen by the tile's queries: the stage is released
-              // as a computed one is, after its loads landed, so that both warpgroups still wait
-              // every phase of the ring's barriers.
-              Barrier::wait(&ss.q_full[stage], phase);
-              Barrier::wait(&ss.do_full[stage], phase);
-              Barrier::arrive(&ss.empty[stage]);
-              release_pending();
-              continue;
-            }
-          }
           // K / V smem descriptors of this item's buffer: buffer 0's (constants) with the start
           // address moved by the buffer's offset (16-byte units, the descriptor's low field). The
           // offset is opaque per tile, else the compiler builds every k-block's descriptor once per

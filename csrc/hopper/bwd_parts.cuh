@@ -130,15 +130,6 @@ struct NoFusedDq {  // what the unfused configs hold in the fused pieces' places
   using MmaDq = Smem;
 };
 
-// DkDvConfig OWN_KIND_: each consumer thread's copy of its warpgroup's sub-runs of the item
-// ([begin0, end0, begin1, end1] of TilePlans::runs_of over the warpgroup's keys).
-template <int kThreads>
-struct OwnRuns {
-  struct Smem {
-    alignas(16) int32_t runs[kThreads][4];
-  };
-};
-
 // HANDOFF_ (an experiment of the D = 256 role split, harness `d256-handoff`; not shipped): consumer
 // 0 hands its P^T (fp32, in its accumulator's per-thread order) to consumer 1 through two shared
 // buffers, so that consumer 1 computes dP^T but not S^T: 4 matmuls per tile pair instead of 5.
@@ -153,8 +144,7 @@ struct PHandoff {
 constexpr int kHandoffReady = 1, kHandoffFree = 3;  // named barriers (+ buffer), 256 threads
 
 template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, int START_ = kStartTile,
-          bool FUSED_DQ_ = false, bool TMA_STORE_ = false, bool PERSISTENT_ = false, bool HANDOFF_ = false,
-          bool OWN_KIND_ = false>
+          bool FUSED_DQ_ = false, bool TMA_STORE_ = false, bool PERSISTENT_ = false, bool HANDOFF_ = false>
 struct DkDvConfig {
   using Elem = Elem_;
   static constexpr int kStart = START_;
@@ -188,13 +178,6 @@ struct DkDvConfig {
   static_assert(!kRoles || (BN == kConsumerRows && !FUSED_DQ_ && !TMA_STORE_ && !PERSISTENT_),
                 "D = 256: 64 keys per CTA, register stores, one CTA per key tile");
   static constexpr bool kHandoff = HANDOFF_;  // PHandoff above
-  // OWN_KIND_ (harness only, not measured yet): each consumer skips the visits that its own 64
-  // keys see none of where the CTA's 128 see some (the noisy diagonal's other half, the
-  // staircase's upper half when block_size divides 64: 10 % of the warpgroup visits at n = 1K,
-  // 5.6 % at 2K, 2.9 % at 4K). Session 14's two versions kept the warpgroup's sub-run in registers
-  // and lost 3-17 % to the spills (csrc/NOTES.md); this one keeps it in shared memory, one slot per
-  // consumer thread (written and read by that thread only: no synchronisation), read per visit.
-  static constexpr bool kOwnKind = OWN_KIND_ && !kRoles && !FUSED_DQ_;
   static_assert(!kHandoff || kRoles, "the P^T hand-over is a variant of the role split");
   using Handoff = std::conditional_t<kHandoff, PHandoff<kConsumerRows * BM>, NoFusedDq>;
   // D = 64 would give each warpgroup a 32-column slice of K^T, half a 128-byte swizzle row, which
@@ -234,7 +217,6 @@ struct DkDvConfig {
     uint64_t q_full[STAGES], do_full[STAGES], empty[STAGES];
     typename Fused::Smem fused;
     typename Handoff::Smem handoff;
-    typename std::conditional_t<kOwnKind, OwnRuns<128 * kConsumers>, NoFusedDq>::Smem own;
   };
   static constexpr int kTileBytesQ = BM * D * sizeof(Elem);
   static constexpr int kTileBytesKV = BN * D * sizeof(Elem);

@@ -25,7 +25,6 @@
 //   ./bwd_standalone persistent64 # its A/B at D = 64 (bf16)
 //   ./bwd_standalone kernel-order # the whole backward with dQ before dK/dV (shipped and persistent)
 //   ./bwd_standalone aa         # A/A controls of timing_ab (the shipped configs in both arms)
-//   ./bwd_standalone own-kind   # DkDvConfig OWN_KIND_: checks, then A/Bs; own-kind-small: sanitizers
 //   ./bwd_standalone varlen     # odd lengths (kStartAny) and varlen (kStartVarlen), forward and
 //                               # backward: checks of every output element's poison and sampled
 //                               # rows against fp64, then varlen vs batched timing at 16K tokens
@@ -654,11 +653,11 @@ void make_entries(const std::vector<dlm::SequenceMask>& masks, bool varlen, F pl
 }
 
 template <class Elem, int D, int START, bool FUSED = false, bool TMA_STORE = false, bool PERSISTENT = false,
-          bool HANDOFF = false, bool OWN_KIND = false>
+          bool HANDOFF = false>
 struct VarRun {
   using FwdCfg = dlm::sm90::FwdConfig<Elem, D, 128, dlm::sm90::fwd_block_n(D), 2, true, START>;
   using DkCfg = dlm::sm90::DkDvConfig<Elem, D, 64, dlm::sm90::bwd_block_n(D), 2, START, FUSED, TMA_STORE,
-                                      PERSISTENT, HANDOFF, OWN_KIND>;
+                                      PERSISTENT, HANDOFF>;
   using DqCfg = dlm::sm90::DqConfig<Elem, D, dlm::sm90::dq_block_m(D), dlm::sm90::dq_block_n(D), 2, START,
                                     TMA_STORE>;
   VarSpec v;
@@ -831,7 +830,7 @@ struct VarRun {
 };
 
 template <class Elem, int D, bool FUSED = false, bool TMA_STORE = false, bool PERSISTENT = false,
-          bool HANDOFF = false, bool OWN_KIND = false>
+          bool HANDOFF = false>
 void odd_varlen_checks(const char* name) {
   using namespace dlm::sm90;
   auto batched = [](int B, int n, int H, int Hkv, int bs, bool causal = false, int stride = 1) {
@@ -848,7 +847,7 @@ void odd_varlen_checks(const char* name) {
                            batched(3, 70, 2, 2, 100), batched(1, 250, 2, 1, 128, false, 2),
                            batched(4, 33, 2, 1, 40), batched(1, 200, 2, 1, 150, false, 2),
                            batched(1, 129, 2, 2, 100, false, 2)})
-    VarRun<Elem, D, kStartAny, FUSED, TMA_STORE, PERSISTENT, HANDOFF, OWN_KIND>(s).check(name);
+    VarRun<Elem, D, kStartAny, FUSED, TMA_STORE, PERSISTENT, HANDOFF>(s).check(name);
   std::vector<int> many(30);
   uint32_t st = 12345;
   for (auto& x : many) st = st * 1664525u + 1013904223u, x = (st >> 8) % 5 == 0 ? 0 : (int)((st >> 12) % 150);
@@ -858,7 +857,7 @@ void odd_varlen_checks(const char* name) {
                            VarSpec{true, {500}, 2, 1, 300, false, 5},
                            VarSpec{true, {200, 70, 0, 33, 160, 129, 250, 180, 1}, 2, 1, 100, false, 2},
                            VarSpec{true, many, 2, 1, 5, false, 2}})
-    VarRun<Elem, D, kStartVarlen, FUSED, TMA_STORE, PERSISTENT, HANDOFF, OWN_KIND>(s).check(name);
+    VarRun<Elem, D, kStartVarlen, FUSED, TMA_STORE, PERSISTENT, HANDOFF>(s).check(name);
 }
 
 // Forward and backward at 16K tokens (bf16 D=128 H=16 bs=16): the shipped batched kernels (Bwd),
@@ -1066,31 +1065,6 @@ int main(int argc, char** argv) {
     using DkTP = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kBatchedStart, false, true, true>;
     timing_ab<DkT, DqShip, DkTP, DqShip>("persistent dK/dV", "TMA-store dK/dV", "persistent TMA-store dK/dV");
     timing_ab<DkShip, DqShip, DkTP, DqShip>("persistent dK/dV", "shipped", "persistent TMA-store dK/dV");
-  }
-  if (mode == "own-kind" || mode == "own-kind-small") {  // DkDvConfig OWN_KIND_ (session 14's third
-    // version, not run yet): checks (batched, odd, varlen, persistent), then the A/Bs; -small: sanitizers
-    using DkO = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false, false, false, false, true>;
-    using DkOP = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false, true, true, false, true>;
-    if (mode == "own-kind-small") {
-      check<bf16, 128, DkO, Dq>("bf16 D=128 own kind", {1, 256, 2, 1, 16});
-      check<bf16, 128, DkOP, Dq>("bf16 D=128 own kind persistent", {2, 1024, 8, 8, 16, false, 31});
-      VarRun<bf16, 128, kStartVarlen, false, false, false, false, true>(VarSpec{true, {0, 100, 37, 0, 130}, 2, 1, 16})
-          .check("bf16 D=128 own kind varlen");
-      printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
-      return g_failures != 0;
-    }
-    checks<bf16, 128, DkO, Dq>("bf16 D=128 own kind", true);
-    checks<bf16, 128, DkOP, Dq>("bf16 D=128 own kind persistent", true);
-    checks<fp16, 64, DkDvConfig<fp16, 64, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false, false, false, false, true>,
-           DqConfig<fp16, 64, kDqBlockM, kDqBlockN, kDqStages>>("fp16 D=64 own kind", true);
-    odd_varlen_checks<bf16, 128, false, false, false, false, true>("bf16 D=128 own kind");
-    odd_varlen_checks<bf16, 128, false, true, true, false, true>("bf16 D=128 own kind persistent");
-    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
-    if (g_failures) return 1;
-    using DkOA = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kBatchedStart, false, false, false, false, true>;
-    using DkOPA = DkDvConfig<bf16, 128, kBwdBlockM, kBwdBlockN, kBwdStages, kBatchedStart, false, true, true, false, true>;
-    timing_ab<DkDvPersistent<bf16, 128, kBatchedStart>, DqShip, DkOPA, DqShip>("own kind", "persistent", "own kind");
-    timing_ab<DkShip, DqShip, DkOA, DqShip>("own kind", "shipped", "own kind");
   }
   if (mode == "aa") {  // A/A controls of timing_ab: the same configs in both arms (ratios should be 1)
     timing_ab<DkDvPersistent<bf16, 128, kBatchedStart>, DqShip, DkDvPersistent<bf16, 128, kBatchedStart>, DqShip>(
