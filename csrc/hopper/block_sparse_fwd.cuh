@@ -74,8 +74,12 @@ inline bool block_sparse_fwd_supports(int block_q, int block_k, int d) {
 }
 
 // The diffusion forward's tiles: 128 x 128, 2 stages, ping-pong, its TMA-store epilogue. One Q
-// buffer: two (the persistent producer loading the next item's Q during this one; 230 KB of smem
-// at D = 128) measured 0.93-0.97x at densities 0.3 / 0.5 and 0.97-1.04x at 0.1 (session 10).
+// buffer: two (the persistent producer loading the next item's Q during this one; 224 KB of smem
+// at D = 128) measured 0.985-1.005x (session 15; session 10's 0.93-1.04x was a biased A/B); a
+// third K / V stage in place of the O staging 0.96-1.03x. The softmax in four chains (SOFTMAX_ILP_,
+// online_softmax_tile_ilp) measured 1.013-1.032x at 16K-64K, densities 0.1-0.5, except 1.000 at
+// 64K / 0.3, and passed the harness checks (session 15, csrc/NOTES.md); it stays off until the GPU
+// tests have run it through torch (no device time was left in session 15).
 template <class Elem, int D>
 using SparseFwdConfig = FwdConfig<Elem, D, 128, 128, 2, true, kStartTile, 1, true>;
 

@@ -15,6 +15,8 @@
 //   ./sparse_fwd time     # the timing table only
 //   ./sparse_fwd small    # one small check per (dtype, head dim), for compute-sanitizer
 //   ./sparse_fwd probe    # what the O / lse stores cost per item (knockout, timing only)
+//   ./sparse_fwd stages-ab  # a third K / V stage in the O staging's shared memory: checks + A/B
+//   ./sparse_fwd softmax-ab  # FwdConfig SOFTMAX_ILP_ (the softmax in four chains): checks + A/B
 //   ./sparse_fwd prof     # one persistent launch at 16K, density 0.1 and 0.5, for ncu: the kernel's
 //                         # 6th and 12th launches (ncu --launch-skip 5 / 11 --launch-count 1)
 #include <algorithm>
@@ -173,7 +175,7 @@ struct Bufs {
   ~Bufs() { cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(lse); cudaFree(idx); cudaFree(cnt); cudaFree(order); cudaFree(lens); }
 };
 
-template <class Elem, int D>
+template <class Elem, int D, class Cfg = HarnessCfg<Elem, D>>
 void check(const Case& c, const char* name) {
   std::mt19937 g(c.sq * 7919 + c.sk * 31 + c.H + D);
   const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g, c.key_len);
@@ -191,8 +193,8 @@ void check(const Case& c, const char* name) {
     CK(cudaMemcpy(b.v, hv.data(), nk * sizeof(Elem), cudaMemcpyHostToDevice));
   }
   b.poison(c);
-  if (c.ctas > 0)
-    CK(dlm::sm90::launch_block_sparse_fwd_cfg<HarnessCfg<Elem, D>>(b.args, c.ctas));
+  if (c.ctas > 0 || !std::is_same_v<Cfg, HarnessCfg<Elem, D>>)
+    CK(dlm::sm90::launch_block_sparse_fwd_cfg<Cfg>(b.args, c.ctas));
   else
     CK(dlm::sm90::launch_block_sparse_fwd<Elem, D>(b.args));
   CK(cudaDeviceSynchronize());
@@ -267,21 +269,21 @@ void check(const Case& c, const char* name) {
          empty_rows, max_err, max_lse_err, bad, unwritten);
 }
 
-template <class Elem, int D>
+template <class Elem, int D, class Cfg = HarnessCfg<Elem, D>>
 void checks(const char* name) {
-  check<Elem, D>({2, 1000, 1300, 32, 8, "mix", 0, 0, false}, name);    // GQA 32/8, both ends short
-  check<Elem, D>({1, 640, 389, 4, 4, "mix", 0, 3, true}, name);        // Sk < Sq, padding, work order
-  check<Elem, D>({1, 512, 512, 4, 4, "density", 1.0, 0, false}, name); // all blocks, multiples of 128
-  check<Elem, D>({2, 257, 1000, 4, 4, "density", 0.3, 1, false}, name);
-  check<Elem, D>({1, 129, 100, 8, 2, "mix", 0, 0, true}, name);        // one short key block only
-  check<Elem, D>({1, 1, 1, 2, 1, "density", 1.0, 0, false}, name);     // one query, one key
-  check<Elem, D>({1, 300, 700, 4, 4, "density", 0.0, 0, false}, name); // every list empty
-  check<Elem, D>({2, 700, 900, 8, 2, "mix", 0, 0, true, 7}, name);     // persistent: 7 CTAs, ring across items
+  check<Elem, D, Cfg>({2, 1000, 1300, 32, 8, "mix", 0, 0, false}, name);    // GQA 32/8, both ends short
+  check<Elem, D, Cfg>({1, 640, 389, 4, 4, "mix", 0, 3, true}, name);        // Sk < Sq, padding, work order
+  check<Elem, D, Cfg>({1, 512, 512, 4, 4, "density", 1.0, 0, false}, name); // all blocks, multiples of 128
+  check<Elem, D, Cfg>({2, 257, 1000, 4, 4, "density", 0.3, 1, false}, name);
+  check<Elem, D, Cfg>({1, 129, 100, 8, 2, "mix", 0, 0, true}, name);        // one short key block only
+  check<Elem, D, Cfg>({1, 1, 1, 2, 1, "density", 1.0, 0, false}, name);     // one query, one key
+  check<Elem, D, Cfg>({1, 300, 700, 4, 4, "density", 0.0, 0, false}, name); // every list empty
+  check<Elem, D, Cfg>({2, 700, 900, 8, 2, "mix", 0, 0, true, 7}, name);     // persistent: 7 CTAs, ring across items
   // key_len: lengths 0, 1, 127, 128, 129, Sk, then random, per (b, h)
-  check<Elem, D>({2, 300, 700, 8, 8, "mix", 0, 0, true, 0, 1}, name);      // own lists below each length
-  check<Elem, D>({1, 257, 1000, 16, 16, "mix", 0, 0, true, 0, 2}, name);   // shared list (column-sparse)
-  check<Elem, D>({2, 129, 256, 8, 8, "mix", 0, 0, false, 0, 2}, name);     // Sk a multiple of 128
-  check<Elem, D>({2, 700, 900, 8, 8, "mix", 0, 0, true, 7, 2}, name);      // persistent, shared list
+  check<Elem, D, Cfg>({2, 300, 700, 8, 8, "mix", 0, 0, true, 0, 1}, name);      // own lists below each length
+  check<Elem, D, Cfg>({1, 257, 1000, 16, 16, "mix", 0, 0, true, 0, 2}, name);   // shared list (column-sparse)
+  check<Elem, D, Cfg>({2, 129, 256, 8, 8, "mix", 0, 0, false, 0, 2}, name);     // Sk a multiple of 128
+  check<Elem, D, Cfg>({2, 700, 900, 8, 8, "mix", 0, 0, true, 7, 2}, name);      // persistent, shared list
 }
 
 // ------------------------------------------------------------------------------------- timing
@@ -511,6 +513,101 @@ void timing_probe() {
     }
 }
 
+// Mode `stages-ab`: the shared memory cuDNN's forward takes (232 KB; ours 192), spent on a third
+// K / V stage instead of the O staging: shipped (2 stages, O through smem), 2 stages with register
+// stores (the staging's own share), 3 stages with register stores (224 KB). Persistent grid, the
+// quick preset's shapes, the configs in 6 rounds at alternating order (forward in even rounds,
+// reversed in odd ones), ~20 ms of launches per measurement, medians; checks first.
+template <int STAGES, bool SMEM_O>
+using StageCfg = dlm::sm90::FwdConfig<bf16, 128, 128, 128, STAGES, true, dlm::sm90::kStartTile, 1, SMEM_O>;
+
+// Mode `softmax-ab`: FwdConfig SOFTMAX_ILP_ (online_softmax_tile_ilp, the softmax in four chains)
+// against the shipped one-chain softmax, the shipped config otherwise; same method as stages-ab.
+template <class Elem, int D, bool ILP>
+using IlpCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 1, true, ILP>;
+
+int softmax_ab() {
+  checks<bf16, 128, IlpCfg<bf16, 128, true>>("bf16 ILP softmax");
+  checks<fp16, 128, IlpCfg<fp16, 128, true>>("fp16 ILP softmax");
+  checks<bf16, 64, IlpCfg<bf16, 64, true>>("bf16 D64 ILP softmax");
+  printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
+  if (g_failed) return 1;
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  printf("\n| S | density | one-chain softmax ms | four chains ms | one / four (>1: four faster) | a/b of the two orders |\n"
+         "|---|---|---|---|---|---|\n");
+  for (int s : {16384, 32768, 65536})
+    for (double d : {0.1, 0.3, 0.5}) {
+      const Case c{1, s, s, 32, 8, "density", d, 0, true};
+      std::mt19937 g(s + (int)(d * 1000));
+      const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
+      Bufs<bf16, 128> b;
+      const float first = fill_and_time(b, c, p, s, 3);
+      const int iters = std::max(3, (int)(20.f / first));
+      auto run = [&](int v) {
+        if (v == 0) return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, false>>(b.args, sms)); });
+        return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, true>>(b.args, sms)); });
+      };
+      run(0);  // warm-up: clocks settle before the first timed arm
+      std::vector<float> t[2], order[2][2];
+      for (int r = 0; r < 8; ++r)
+        for (int i = 0; i < 2; ++i) {
+          const int v = r % 2 ? 1 - i : i;
+          const float ms = run(v);
+          t[v].push_back(ms);
+          order[r % 2][v].push_back(ms);
+        }
+      auto med = [](std::vector<float> x) { std::sort(x.begin(), x.end()); return 0.5f * (x[(x.size() - 1) / 2] + x[x.size() / 2]); };
+      const float m0 = med(t[0]), m1 = med(t[1]);
+      printf("| %dK | %.1f | %.3f | %.3f | %.3f | %.3f / %.3f |\n", s / 1024, d, m0, m1, m0 / m1,
+             med(order[0][0]) / med(order[0][1]), med(order[1][0]) / med(order[1][1]));
+      fflush(stdout);
+    }
+  return 0;
+}
+
+int stages_ab() {
+  checks<bf16, 128, StageCfg<2, false>>("bf16 2 stages, register stores");
+  checks<bf16, 128, StageCfg<3, false>>("bf16 3 stages, register stores");
+  printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
+  if (g_failed) return 1;
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  printf("\n| S | density | shipped ms | 2 stages, register stores | 3 stages, register stores | (shipped ms / config ms; >1 faster) |\n"
+         "|---|---|---|---|---|---|\n");
+  for (int s : {16384, 32768, 65536})
+    for (double d : {0.1, 0.3, 0.5}) {
+      const Case c{1, s, s, 32, 8, "density", d, 0, true};
+      std::mt19937 g(s + (int)(d * 1000));
+      const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
+      Bufs<bf16, 128> b;
+      const float first = fill_and_time(b, c, p, s, 3);
+      const int iters = std::max(3, (int)(20.f / first));
+      auto run = [&](int v) {
+        if (v == 0) return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<StageCfg<2, true>>(b.args, sms)); });
+        if (v == 1) return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<StageCfg<2, false>>(b.args, sms)); });
+        return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<StageCfg<3, false>>(b.args, sms)); });
+      };
+      run(0);  // warm-up: clocks settle before the first timed arm
+      std::vector<float> t[3];
+      for (int r = 0; r < 6; ++r)
+        for (int i = 0; i < 3; ++i) {
+          const int v = r % 2 ? 2 - i : i;
+          t[v].push_back(run(v));
+        }
+      float m[3];
+      for (int v = 0; v < 3; ++v) {
+        std::sort(t[v].begin(), t[v].end());
+        m[v] = 0.5f * (t[v][2] + t[v][3]);
+      }
+      printf("| %dK | %.1f | %.3f | %.3f | %.3f | |\n", s / 1024, d, m[0], m[0] / m[1], m[0] / m[2]);
+      fflush(stdout);
+    }
+  return 0;
+}
+
 // One persistent launch at S = 16K, density 0.1 and 0.5 each (bf16, D = 128, H = 32/8, after the
 // entry point's own launch), for ncu's stall profile: what an item's start and end cost at 10 %
 // density that 50 % hides (csrc/NOTES.md "Next"; benchmarks/ncu_stalls.py reads the source page).
@@ -539,6 +636,8 @@ int main(int argc, char** argv) {
     timing_probe();
     return 0;
   }
+  if (mode == "stages-ab") return stages_ab();
+  if (mode == "softmax-ab") return softmax_ab();
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
     check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");
