@@ -40,15 +40,18 @@ struct OStaging<Elem, 0> {};
 // SMEM_O_: the epilogue writes O to shared memory and stores it with TMA (store_o_lse_tma), so the
 // consumers start their next work item while the copy drains; otherwise each thread stores its O
 // values to global memory itself (store_o_lse).
-// SOFTMAX_ILP_ (fwd_consumers only): online_softmax_tile_ilp, the tile's softmax with its row max
-// and row sum in four independent chains and the scale folded into the exponent's FFMA.
+// SOFTMAX_ILP_: online_softmax_tile_ilp, the tile's softmax with its row max and row sum in four
+// independent chains and the scale folded into the exponent's FFMA. STALE_MAX_ (with it): a warp
+// keeps its rows' maxima while none grows by more than kStaleMaxBound, and then skips the O rescale.
 template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true,
-          int START_ = kStartTile, int QSTAGES_ = 1, bool SMEM_O_ = false, bool SOFTMAX_ILP_ = false>
+          int START_ = kStartTile, int QSTAGES_ = 1, bool SMEM_O_ = false, bool SOFTMAX_ILP_ = false,
+          bool STALE_MAX_ = false>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_, QSTAGES = QSTAGES_;
   static constexpr bool kSmemO = SMEM_O_;
-  static constexpr bool kSoftmaxIlp = SOFTMAX_ILP_;
+  static constexpr bool kSoftmaxIlp = SOFTMAX_ILP_ || STALE_MAX_;
+  static constexpr bool kStaleMax = STALE_MAX_;
   static constexpr bool kPingPong = PINGPONG_;  // the consumers take turns at the tensor cores
   static constexpr int kStart = START_;
   static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
@@ -201,13 +204,26 @@ CUTE_DEVICE void online_softmax_tile(Scores& acc_s, Coords const& tScS_rc, Bound
 // positive, so max(s) * scale equals max(s * scale) (rounding is monotonic); the sums associate
 // differently (fp32, 32 terms). Session 15: ncu had our consumers stalled on fixed-latency
 // dependencies 1.57 cycles per issued instruction where cuDNN's forward doing the same work had 0.90.
-template <bool kMasked, class Scores, class Coords, class Bounds, int kRows>
-CUTE_DEVICE void online_softmax_tile_ilp(Scores& acc_s, Coords const& tScS_rc, Bounds const& bounds,
+//
+// kStale (FlashAttention-4's conditional rescaling): the max a row's exponentials are taken against
+// need not be the row's running max, only bound it from below by little; the result is the same
+// (out = acc / l and lse = m + log2 l hold for any m; the epilogue uses the m kept here). So while
+// no row of the warp sees its max grow by more than kStaleMaxBound (log2 units) the warp keeps the
+// old maxima: scale_row is 1, the caller skips the O rescale (64 FMUL per tile and thread at
+// D = 128), and P stays below 2^kStaleMaxBound = 256 (bf16 / fp16 P, fp32 sums: no overflow). The
+// decision is warp-uniform (one vote), so the skip is a uniform branch. A row's first visible tile
+// always sets its max (old - new is -inf or NaN there: the comparison fails).
+// Returns whether the caller must rescale O (always without kStale).
+constexpr float kStaleMaxBound = 8.f;
+template <bool kMasked, bool kStale = false, class Scores, class Coords, class Bounds, int kRows>
+CUTE_DEVICE bool online_softmax_tile_ilp(Scores& acc_s, Coords const& tScS_rc, Bounds const& bounds,
                                          float scale_log2, float (&row_max)[kRows],
                                          float (&row_sum)[kRows], float (&scale_row)[kRows]) {
   constexpr int kChains = 4;
   Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
   static_assert(size<1>(decltype(s){}) % kChains == 0, "columns per thread: a multiple of the chains");
+  float new_max[kRows];
+  bool keep = kStale;
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
     [[maybe_unused]] int lo = 0, hi = 0;
@@ -224,10 +240,23 @@ CUTE_DEVICE void online_softmax_tile_ilp(Scores& acc_s, Coords const& tScS_rc, B
       part[j % kChains] = fmaxf(part[j % kChains], s(i, j));
     }
     const float raw_max = quad_max(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
-    const float mx = fmaxf(row_max[i], raw_max * scale_log2);
-    const float m_use = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet
-    scale_row[i] = exp2_approx(row_max[i] - m_use);
-    row_max[i] = mx;
+    new_max[i] = fmaxf(row_max[i], raw_max * scale_log2);
+    if constexpr (kStale) keep = keep && new_max[i] - row_max[i] <= kStaleMaxBound;
+  }
+  if constexpr (kStale) keep = __all_sync(0xffffffffu, keep);
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    float m_use;
+    if (keep) {
+      m_use = row_max[i];
+      scale_row[i] = 1.f;
+    } else {
+      const float mx = new_max[i];
+      m_use = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet
+      scale_row[i] = exp2_approx(row_max[i] - m_use);
+      row_max[i] = mx;
+    }
+    float part[kChains];
     CUTE_UNROLL
     for (int c = 0; c < kChains; ++c) part[c] = 0.f;
     CUTE_UNROLL
@@ -237,6 +266,7 @@ CUTE_DEVICE void online_softmax_tile_ilp(Scores& acc_s, Coords const& tScS_rc, B
     }
     row_sum[i] = row_sum[i] * scale_row[i] + ((part[0] + part[1]) + (part[2] + part[3]));
   }
+  return !keep;
 }
 
 // Epilogue: O = acc / l straight from registers, lse = (m + log2 l) * ln 2 (natural log; -inf and
@@ -454,11 +484,13 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       Barrier::arrive(&ss.k_empty[stage]);
 
       const auto bounds = kernel.bounds(wi, tile, tScS_rc);
+      [[maybe_unused]] bool rescale = true;
       if constexpr (Cfg::kSoftmaxIlp) {
+        constexpr bool kStale = Cfg::kStaleMax;
         if (masked)
-          online_softmax_tile_ilp<true>(acc_s, tScS_rc, bounds, p.scale_log2, row_max, row_sum, scale_row);
+          rescale = online_softmax_tile_ilp<true, kStale>(acc_s, tScS_rc, bounds, p.scale_log2, row_max, row_sum, scale_row);
         else
-          online_softmax_tile_ilp<false>(acc_s, tScS_rc, bounds, p.scale_log2, row_max, row_sum, scale_row);
+          rescale = online_softmax_tile_ilp<false, kStale>(acc_s, tScS_rc, bounds, p.scale_log2, row_max, row_sum, scale_row);
       } else {
         if (masked)
           online_softmax_tile<true>(acc_s, tScS_rc, bounds, p.scale_log2, row_max, row_sum, scale_row);
@@ -470,10 +502,12 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       warpgroup_fence_operand(acc_o);
       if (j > 0) Barrier::arrive(&ss.v_empty[prev]);
       Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-      CUTE_UNROLL
-      for (int i = 0; i < kRows; ++i)
+      if (!Cfg::kStaleMax || rescale) {  // kStaleMax: a warp-uniform branch
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= scale_row[i];
+        for (int i = 0; i < kRows; ++i)
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= scale_row[i];
+      }
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
     }

@@ -79,7 +79,7 @@ inline bool block_sparse_fwd_supports(int block_q, int block_k, int d) {
 // third K / V stage in place of the O staging 0.96-1.03x. The softmax in four chains (SOFTMAX_ILP_,
 // online_softmax_tile_ilp) measured 1.013-1.032x at 16K-64K, densities 0.1-0.5, except 1.000 at
 // 64K / 0.3, and passed the harness checks (session 15, csrc/NOTES.md); it stays off until the GPU
-// tests have run it through torch (no device time was left in session 15).
+// tests have run it through torch (no device time was left in session 15), as does STALE_MAX_.
 template <class Elem, int D>
 using SparseFwdConfig = FwdConfig<Elem, D, 128, 128, 2, true, kStartTile, 1, true>;
 

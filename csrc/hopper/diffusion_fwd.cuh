@@ -115,8 +115,10 @@ CUTE_DEVICE ItemGeom item_geom(Params const& p, int w) {
 // online_softmax_tile with the block-diffusion mask (kMasked: PARTIAL tiles and tiles cut short
 // by their half's end). A visit lies inside one half and each of the row's two key ranges inside
 // another, so one range holds all its visible keys: the mask is one interval of the row's columns.
-template <bool kMasked, class Scores, class Coords, int kRows>
-CUTE_DEVICE void online_softmax(Scores& acc_s, Coords const& tScS_rc, Visit const& visit,
+// Cfg::kSoftmaxIlp: online_softmax_tile_ilp (attn_common.cuh), whose return value says whether O
+// needs its rescale (always true without Cfg::kStaleMax); the shipped configs take neither.
+template <bool kMasked, class Cfg = void, class Scores, class Coords, int kRows>
+CUTE_DEVICE bool online_softmax(Scores& acc_s, Coords const& tScS_rc, Visit const& visit,
                                   Intervals const (&seen)[kRows], float scale_log2,
                                   float (&row_max)[kRows], float (&row_sum)[kRows],
                                   float (&scale_row)[kRows]) {
@@ -126,7 +128,13 @@ CUTE_DEVICE void online_softmax(Scores& acc_s, Coords const& tScS_rc, Visit cons
     lo = (first ? seen[i].first.lo : seen[i].second.lo) - base;
     hi = imin(first ? seen[i].first.hi : seen[i].second.hi, visit.end) - base;
   };
-  online_softmax_tile<kMasked>(acc_s, tScS_rc, bounds, scale_log2, row_max, row_sum, scale_row);
+  if constexpr (!std::is_void_v<Cfg>) {
+    return online_softmax_tile_ilp<kMasked, Cfg::kStaleMax>(acc_s, tScS_rc, bounds, scale_log2, row_max,
+                                                            row_sum, scale_row);
+  } else {
+    online_softmax_tile<kMasked>(acc_s, tScS_rc, bounds, scale_log2, row_max, row_sum, scale_row);
+    return true;
+  }
 }
 
 // A visit of key run r is FULL iff its keys lie in the part of range r that every row
@@ -296,8 +304,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       warpgroup_fence_operand(acc_s);
       Barrier::arrive(&ss.k_empty[stage]);
 
+      [[maybe_unused]] bool rescale = true;
       if constexpr (probe_of<Cfg> & kProbeNoSoftmax) {
         for (int i = 0; i < kRows; ++i) scale_row[i] = 1.f;
+      } else if constexpr (Cfg::kSoftmaxIlp) {
+        if (!(probe_of<Cfg> & kProbeNoMask) && (!visit.full || visit.end - visit.start < BN))
+          rescale = online_softmax<true, Cfg>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
+        else
+          rescale = online_softmax<false, Cfg>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
       } else if (!(probe_of<Cfg> & kProbeNoMask) && (!visit.full || visit.end - visit.start < BN)) {
         online_softmax<true>(acc_s, tScS_rc, visit, seen, p.scale_log2, row_max, row_sum, scale_row);
       } else {
@@ -308,10 +322,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       warpgroup_fence_operand(acc_o);
       if (j > 0) Barrier::arrive(&ss.v_empty[prev]);
       Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-      CUTE_UNROLL
-      for (int i = 0; i < kRows; ++i)
+      if (!Cfg::kStaleMax || rescale) {  // kStaleMax: a warp-uniform branch
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= scale_row[i];
+        for (int i = 0; i < kRows; ++i)
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= scale_row[i];
+      }
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
     }

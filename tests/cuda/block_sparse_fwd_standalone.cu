@@ -16,7 +16,8 @@
 //   ./sparse_fwd small    # one small check per (dtype, head dim), for compute-sanitizer
 //   ./sparse_fwd probe    # what the O / lse stores cost per item (knockout, timing only)
 //   ./sparse_fwd stages-ab  # a third K / V stage in the O staging's shared memory: checks + A/B
-//   ./sparse_fwd softmax-ab  # FwdConfig SOFTMAX_ILP_ (the softmax in four chains): checks + A/B
+//   ./sparse_fwd softmax-ab  # FwdConfig SOFTMAX_ILP_ / STALE_MAX_ (the softmax in four chains, the
+//                         # O rescale skipped while the max is stale): checks + A/B
 //   ./sparse_fwd prof     # one persistent launch at 16K, density 0.1 and 0.5, for ncu: the kernel's
 //                         # 6th and 12th launches (ncu --launch-skip 5 / 11 --launch-count 1)
 #include <algorithm>
@@ -513,29 +514,26 @@ void timing_probe() {
     }
 }
 
-// Mode `stages-ab`: the shared memory cuDNN's forward takes (232 KB; ours 192), spent on a third
-// K / V stage instead of the O staging: shipped (2 stages, O through smem), 2 stages with register
-// stores (the staging's own share), 3 stages with register stores (224 KB). Persistent grid, the
-// quick preset's shapes, the configs in 6 rounds at alternating order (forward in even rounds,
-// reversed in odd ones), ~20 ms of launches per measurement, medians; checks first.
-template <int STAGES, bool SMEM_O>
-using StageCfg = dlm::sm90::FwdConfig<bf16, 128, 128, 128, STAGES, true, dlm::sm90::kStartTile, 1, SMEM_O>;
-
 // Mode `softmax-ab`: FwdConfig SOFTMAX_ILP_ (online_softmax_tile_ilp, the softmax in four chains)
-// against the shipped one-chain softmax, the shipped config otherwise; same method as stages-ab.
-template <class Elem, int D, bool ILP>
-using IlpCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 1, true, ILP>;
+// and STALE_MAX_ (its maxima kept while they grow by <= 8 in log2 units, the O rescale skipped)
+// against the shipped one-chain softmax, the shipped config otherwise; checks first, then the
+// configs in 8 rounds at alternating order, medians, the ratio of each order's medians too.
+template <class Elem, int D, bool ILP, bool STALE = false>
+using IlpCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 1, true, ILP, STALE>;
 
 int softmax_ab() {
-  checks<bf16, 128, IlpCfg<bf16, 128, true>>("bf16 ILP softmax");
-  checks<fp16, 128, IlpCfg<fp16, 128, true>>("fp16 ILP softmax");
-  checks<bf16, 64, IlpCfg<bf16, 64, true>>("bf16 D64 ILP softmax");
+  checks<bf16, 128, IlpCfg<bf16, 128, true>>("bf16 four chains");
+  checks<fp16, 128, IlpCfg<fp16, 128, true>>("fp16 four chains");
+  checks<bf16, 64, IlpCfg<bf16, 64, true>>("bf16 D64 four chains");
+  checks<bf16, 128, IlpCfg<bf16, 128, true, true>>("bf16 stale max");
+  checks<fp16, 128, IlpCfg<fp16, 128, true, true>>("fp16 stale max");
+  checks<fp16, 64, IlpCfg<fp16, 64, true, true>>("fp16 D64 stale max");
   printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
   if (g_failed) return 1;
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  printf("\n| S | density | one-chain softmax ms | four chains ms | one / four (>1: four faster) | a/b of the two orders |\n"
+  printf("\n| S | density | one chain (shipped) ms | four chains | four chains + stale max | (shipped ms / config ms, >1 faster; per order) |\n"
          "|---|---|---|---|---|---|\n");
   for (int s : {16384, 32768, 65536})
     for (double d : {0.1, 0.3, 0.5}) {
@@ -547,25 +545,36 @@ int softmax_ab() {
       const int iters = std::max(3, (int)(20.f / first));
       auto run = [&](int v) {
         if (v == 0) return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, false>>(b.args, sms)); });
-        return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, true>>(b.args, sms)); });
+        if (v == 1) return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, true>>(b.args, sms)); });
+        return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, true, true>>(b.args, sms)); });
       };
       run(0);  // warm-up: clocks settle before the first timed arm
-      std::vector<float> t[2], order[2][2];
+      std::vector<float> t[3], order[2][3];
       for (int r = 0; r < 8; ++r)
-        for (int i = 0; i < 2; ++i) {
-          const int v = r % 2 ? 1 - i : i;
+        for (int i = 0; i < 3; ++i) {
+          const int v = r % 2 ? 2 - i : i;
           const float ms = run(v);
           t[v].push_back(ms);
           order[r % 2][v].push_back(ms);
         }
       auto med = [](std::vector<float> x) { std::sort(x.begin(), x.end()); return 0.5f * (x[(x.size() - 1) / 2] + x[x.size() / 2]); };
-      const float m0 = med(t[0]), m1 = med(t[1]);
-      printf("| %dK | %.1f | %.3f | %.3f | %.3f | %.3f / %.3f |\n", s / 1024, d, m0, m1, m0 / m1,
-             med(order[0][0]) / med(order[0][1]), med(order[1][0]) / med(order[1][1]));
+      const float m0 = med(t[0]);
+      printf("| %dK | %.1f | %.3f |", s / 1024, d, m0);
+      for (int v = 1; v < 3; ++v)
+        printf(" %.3f (%.3f / %.3f) |", m0 / med(t[v]), med(order[0][0]) / med(order[0][v]), med(order[1][0]) / med(order[1][v]));
+      printf(" |\n");
       fflush(stdout);
     }
   return 0;
 }
+
+// Mode `stages-ab`: the shared memory cuDNN's forward takes (232 KB; ours 192), spent on a third
+// K / V stage instead of the O staging: shipped (2 stages, O through smem), 2 stages with register
+// stores (the staging's own share), 3 stages with register stores (224 KB). Persistent grid, the
+// quick preset's shapes, the configs in 6 rounds at alternating order (forward in even rounds,
+// reversed in odd ones), ~20 ms of launches per measurement, medians; checks first.
+template <int STAGES, bool SMEM_O>
+using StageCfg = dlm::sm90::FwdConfig<bf16, 128, 128, 128, STAGES, true, dlm::sm90::kStartTile, 1, SMEM_O>;
 
 int stages_ab() {
   checks<bf16, 128, StageCfg<2, false>>("bf16 2 stages, register stores");
