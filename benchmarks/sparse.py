@@ -14,8 +14,14 @@ block-sparse contender; outputs are checked against the torch backend in fp32 on
 the ``cutlass`` backend: the listed K / V gathered per head, then the block-sparse kernel with a
 key length per head), ``dlm_ops column triton`` the same call forced to Triton's kernel, and,
 where the cutlass extension is built, ``dlm_ops column gather`` times that backend's gather and
-plan alone (``gather ms``: one launch of column_gather); no other contender (flex would need a
+plan alone (``gather ms``: one launch of column_gather) and its kernel alone on inputs prepared once
+(``kernel ms``; the last column is what the op adds to both); no other contender (flex would need a
 per-token mask_mod over a column table, evaluated inside every visited block).
+
+``cudnn equal work`` is dense cuDNN over the first listed x block_size keys: the same key tiles per
+query block as a block-sparse item, none of the list's cost; its time / (dense time x density) is
+what the fastest dense kernel reaches with that much work per query block (session 15: 1.12x at
+16K / 10 %, where ours read 1.29-1.37x).
 
 Patterns: block-sparse, per (head, query block) a uniformly random set of round(density * nKb) key
 blocks, listed in ascending order (what a table-to-indices conversion produces), selection blocks
@@ -59,6 +65,7 @@ TRITON = "dlm_ops triton"  # block-sparse forced to the Triton kernels (dlm_ops:
 COLUMN = "dlm_ops column"
 COLUMN_TRITON = "dlm_ops column triton"  # column-sparse forced to the Triton kernel
 COLUMN_GATHER = "dlm_ops column gather"  # the cutlass column forward's input preparation alone
+COLUMN_KERNEL = "dlm_ops column kernel"  # its kernel alone, on inputs prepared once
 EQUAL_WORK = "cudnn equal work"  # dense cuDNN over the first listed * block keys: the same tiles per query block
 
 
@@ -154,6 +161,24 @@ def make_column_gather(case: SparseCase, k, v, idx, counts):
         return None
     ext, nqb = cs._extension(), -(-case.seqlen // cs.BLOCK)
     return lambda: cs.column_inputs(ext, k, v, idx, counts, nqb)
+
+
+def make_column_kernel(case: SparseCase, q, k, v, idx, counts):
+    """The cutlass column forward's kernel alone: column_inputs once (untimed), then ext.fwd into
+    preallocated out / lse, as the backend calls it; None where the extension is not built. With
+    the gather's row, says how much of the op's time is neither (session 15: the op read 5-10 %
+    above the standalone harness's gather + kernel at 32K)."""
+    from dlm_ops.backends import cutlass_sparse as cs
+
+    if cs.CutlassSparseBackend().unavailable_reason() is not None or cs._extension() is None:
+        return None
+    ext, nqb = cs._extension(), -(-case.seqlen // cs.BLOCK)
+    kg, vg, key_len, shared, blocks, order = cs.column_inputs(ext, k, v, idx, counts, nqb)
+    b, sq, h, _ = q.shape
+    out, lse = torch.empty_like(q), torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    scale = q.shape[-1] ** -0.5
+    return lambda: ext.fwd(q, kg, vg, out, lse, shared, blocks, order, cs.BLOCK, cs.BLOCK, scale,
+                           key_len=key_len, max_ctas=cs._max_ctas(q.device))
 
 
 def make_selections(seqlen: int, q, k) -> dict:
@@ -277,6 +302,7 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
         gather = make_column_gather(case, k, v, *columns[d])
         if gather is not None:
             fns[(COLUMN_GATHER, d)] = gather
+            fns[(COLUMN_KERNEL, d)] = make_column_kernel(case, q, k, v, *columns[d])
         if with_flex:
             try:
                 fns[("flex", d)] = make_flex(case, q, k, v, idx, counts)
@@ -330,7 +356,7 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
                                                      for n in AMORTISE_STEPS}))
         elif d is not None:
             case = patterns[d][0]
-            column = name in (COLUMN, COLUMN_TRITON, COLUMN_GATHER)
+            column = name in (COLUMN, COLUMN_TRITON, COLUMN_GATHER, COLUMN_KERNEL)
             density = case.columns / seqlen if column else case.true_density
             rows.append(dict(asdict(case), kind="column" if column else "block",
                              true_density=density, contender=name, ms=ms, ratio=ms / dense_ms,
@@ -357,7 +383,8 @@ def column_table(rows: list[dict]) -> str:
     cutlass path's gather alone (``-`` in a run without them)."""
     head = ["S", "density (columns)", "dense cuDNN ms", "column ms", "column / dense",
             "/ density", "err vs fp32", f"column / density <= {GOAL}", "triton ms",
-            "triton / density", "triton ms / column ms", "gather ms"]
+            "triton / density", "triton ms / column ms", "gather ms", "kernel ms",
+            "column ms - gather - kernel"]
     lines = ["Column-sparse (`column_sparse_attn`, every query of a head attends to its head's "
              "columns):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     dense = _dense_ms(rows)
@@ -365,7 +392,7 @@ def column_table(rows: list[dict]) -> str:
     for s, d in sorted({(r["seqlen"], r["density"]) for r in column}):
         get = lambda name: next((r for r in column if r["contender"] == name
                                  and r["seqlen"] == s and r["density"] == d), None)
-        r, t, g = get(COLUMN), get(COLUMN_TRITON), get(COLUMN_GATHER)
+        r, t, g, kern = get(COLUMN), get(COLUMN_TRITON), get(COLUMN_GATHER), get(COLUMN_KERNEL)
         f = lambda x, key, fmt: "-" if x is None else format(x[key], fmt)
         lines.append("| " + " | ".join([
             f"{s // 1024}K", f"{(r or t)['true_density']:.3f}", f"{dense[s]:.2f}",
@@ -373,7 +400,9 @@ def column_table(rows: list[dict]) -> str:
             "-" if r is None else f"{r.get('err_ours', float('nan')):.1e}",
             "-" if r is None else ("yes" if r["ratio_over_density"] <= GOAL else "no"),
             f(t, "ms", ".2f"), f(t, "ratio_over_density", ".2f"),
-            "-" if not (r and t) else f"{t['ms'] / r['ms']:.2f}x", f(g, "ms", ".3f")]) + " |")
+            "-" if not (r and t) else f"{t['ms'] / r['ms']:.2f}x", f(g, "ms", ".3f"),
+            f(kern, "ms", ".2f"),
+            "-" if not (r and g and kern) else f"{r['ms'] - g['ms'] - kern['ms']:.3f}"]) + " |")
     return "\n".join(lines)
 
 
