@@ -514,10 +514,57 @@ void timing_probe() {
     }
 }
 
+// The A/B table of the config experiments below: N configs of the kernel (launch(v, args, sms)
+// launches config v on the persistent grid, what the op runs) at the quick preset's shapes (bf16,
+// D = 128, H = 32/8, a work order), per shape a warm-up, then 8 rounds with the configs in forward
+// order in even rounds and reversed in odd ones (session 14: a fixed order read the first-timed arm
+// up to 13 % slow), ~20 ms of back-to-back launches per measurement. Prints config 0's median ms and
+// each other config's speed-up over it (>1: faster), overall and per order.
+template <int N, class Launch>
+void ab_table(const char* const (&names)[N], Launch launch) {
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  printf("\n| S | density | %s ms |", names[0]);
+  for (int v = 1; v < N; ++v) printf(" %s (order a / b) |", names[v]);
+  printf("\n|---|---|---|");
+  for (int v = 1; v < N; ++v) printf("---|");
+  printf("\n");
+  auto med = [](std::vector<float> x) {
+    std::sort(x.begin(), x.end());
+    return 0.5f * (x[(x.size() - 1) / 2] + x[x.size() / 2]);
+  };
+  for (int s : {16384, 32768, 65536})
+    for (double d : {0.1, 0.3, 0.5}) {
+      const Case c{1, s, s, 32, 8, "density", d, 0, true};
+      std::mt19937 g(s + (int)(d * 1000));
+      const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
+      Bufs<bf16, 128> b;
+      const float first = fill_and_time(b, c, p, s, 3);
+      const int iters = std::max(3, (int)(20.f / first));
+      auto run = [&](int v) { return time_loop(iters, [&] { launch(v, b.args, sms); }); };
+      run(0);  // warm-up: clocks settle before the first timed arm
+      std::vector<float> t[N], order[2][N];
+      for (int r = 0; r < 8; ++r)
+        for (int i = 0; i < N; ++i) {
+          const int v = r % 2 ? N - 1 - i : i;
+          const float ms = run(v);
+          t[v].push_back(ms);
+          order[r % 2][v].push_back(ms);
+        }
+      const float m0 = med(t[0]);
+      printf("| %dK | %.1f | %.3f |", s / 1024, d, m0);
+      for (int v = 1; v < N; ++v)
+        printf(" %.3f (%.3f / %.3f) |", m0 / med(t[v]), med(order[0][0]) / med(order[0][v]),
+               med(order[1][0]) / med(order[1][v]));
+      printf("\n");
+      fflush(stdout);
+    }
+}
+
 // Mode `softmax-ab`: FwdConfig SOFTMAX_ILP_ (online_softmax_tile_ilp, the softmax in four chains)
 // and STALE_MAX_ (its maxima kept while they grow by <= 8 in log2 units, the O rescale skipped)
-// against the shipped one-chain softmax, the shipped config otherwise; checks first, then the
-// configs in 8 rounds at alternating order, medians, the ratio of each order's medians too.
+// against the shipped one-chain softmax, the shipped config otherwise; checks first.
 template <class Elem, int D, bool ILP, bool STALE = false>
 using IlpCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 1, true, ILP, STALE>;
 
@@ -530,49 +577,19 @@ int softmax_ab() {
   checks<fp16, 64, IlpCfg<fp16, 64, true, true>>("fp16 D64 stale max");
   printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
   if (g_failed) return 1;
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  printf("\n| S | density | one chain (shipped) ms | four chains | four chains + stale max | (shipped ms / config ms, >1 faster; per order) |\n"
-         "|---|---|---|---|---|---|\n");
-  for (int s : {16384, 32768, 65536})
-    for (double d : {0.1, 0.3, 0.5}) {
-      const Case c{1, s, s, 32, 8, "density", d, 0, true};
-      std::mt19937 g(s + (int)(d * 1000));
-      const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
-      Bufs<bf16, 128> b;
-      const float first = fill_and_time(b, c, p, s, 3);
-      const int iters = std::max(3, (int)(20.f / first));
-      auto run = [&](int v) {
-        if (v == 0) return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, false>>(b.args, sms)); });
-        if (v == 1) return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, true>>(b.args, sms)); });
-        return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, true, true>>(b.args, sms)); });
-      };
-      run(0);  // warm-up: clocks settle before the first timed arm
-      std::vector<float> t[3], order[2][3];
-      for (int r = 0; r < 8; ++r)
-        for (int i = 0; i < 3; ++i) {
-          const int v = r % 2 ? 2 - i : i;
-          const float ms = run(v);
-          t[v].push_back(ms);
-          order[r % 2][v].push_back(ms);
-        }
-      auto med = [](std::vector<float> x) { std::sort(x.begin(), x.end()); return 0.5f * (x[(x.size() - 1) / 2] + x[x.size() / 2]); };
-      const float m0 = med(t[0]);
-      printf("| %dK | %.1f | %.3f |", s / 1024, d, m0);
-      for (int v = 1; v < 3; ++v)
-        printf(" %.3f (%.3f / %.3f) |", m0 / med(t[v]), med(order[0][0]) / med(order[0][v]), med(order[1][0]) / med(order[1][v]));
-      printf(" |\n");
-      fflush(stdout);
-    }
+  static const char* const names[3] = {"one chain (shipped)", "four chains", "four chains + stale max"};
+  ab_table(names, [](int v, const dlm::sm90::SparseFwdArgs& a, int sms) {
+    using namespace dlm::sm90;
+    if (v == 0) CK(launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, false>>(a, sms));
+    if (v == 1) CK(launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, true>>(a, sms));
+    if (v == 2) CK(launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, true, true>>(a, sms));
+  });
   return 0;
 }
 
 // Mode `stages-ab`: the shared memory cuDNN's forward takes (232 KB; ours 192), spent on a third
 // K / V stage instead of the O staging: shipped (2 stages, O through smem), 2 stages with register
-// stores (the staging's own share), 3 stages with register stores (224 KB). Persistent grid, the
-// quick preset's shapes, the configs in 6 rounds at alternating order (forward in even rounds,
-// reversed in odd ones), ~20 ms of launches per measurement, medians; checks first.
+// stores (the staging's own share), 3 stages with register stores (224 KB); checks first.
 template <int STAGES, bool SMEM_O>
 using StageCfg = dlm::sm90::FwdConfig<bf16, 128, 128, 128, STAGES, true, dlm::sm90::kStartTile, 1, SMEM_O>;
 
@@ -581,39 +598,13 @@ int stages_ab() {
   checks<bf16, 128, StageCfg<3, false>>("bf16 3 stages, register stores");
   printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
   if (g_failed) return 1;
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  printf("\n| S | density | shipped ms | 2 stages, register stores | 3 stages, register stores | (shipped ms / config ms; >1 faster) |\n"
-         "|---|---|---|---|---|---|\n");
-  for (int s : {16384, 32768, 65536})
-    for (double d : {0.1, 0.3, 0.5}) {
-      const Case c{1, s, s, 32, 8, "density", d, 0, true};
-      std::mt19937 g(s + (int)(d * 1000));
-      const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
-      Bufs<bf16, 128> b;
-      const float first = fill_and_time(b, c, p, s, 3);
-      const int iters = std::max(3, (int)(20.f / first));
-      auto run = [&](int v) {
-        if (v == 0) return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<StageCfg<2, true>>(b.args, sms)); });
-        if (v == 1) return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<StageCfg<2, false>>(b.args, sms)); });
-        return time_loop(iters, [&] { CK(dlm::sm90::launch_block_sparse_fwd_cfg<StageCfg<3, false>>(b.args, sms)); });
-      };
-      run(0);  // warm-up: clocks settle before the first timed arm
-      std::vector<float> t[3];
-      for (int r = 0; r < 6; ++r)
-        for (int i = 0; i < 3; ++i) {
-          const int v = r % 2 ? 2 - i : i;
-          t[v].push_back(run(v));
-        }
-      float m[3];
-      for (int v = 0; v < 3; ++v) {
-        std::sort(t[v].begin(), t[v].end());
-        m[v] = 0.5f * (t[v][2] + t[v][3]);
-      }
-      printf("| %dK | %.1f | %.3f | %.3f | %.3f | |\n", s / 1024, d, m[0], m[0] / m[1], m[0] / m[2]);
-      fflush(stdout);
-    }
+  static const char* const names[3] = {"shipped", "2 stages, register stores", "3 stages, register stores"};
+  ab_table(names, [](int v, const dlm::sm90::SparseFwdArgs& a, int sms) {
+    using namespace dlm::sm90;
+    if (v == 0) CK(launch_block_sparse_fwd_cfg<StageCfg<2, true>>(a, sms));
+    if (v == 1) CK(launch_block_sparse_fwd_cfg<StageCfg<2, false>>(a, sms));
+    if (v == 2) CK(launch_block_sparse_fwd_cfg<StageCfg<3, false>>(a, sms));
+  });
   return 0;
 }
 
