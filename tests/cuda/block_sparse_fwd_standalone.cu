@@ -476,6 +476,22 @@ void timing() {
   }
 }
 
+// The quick preset's shapes (bf16, D = 128, B = 1, H = 32/8, S = 16K / 32K / 64K, densities 0.1 /
+// 0.3 / 0.5; with or without a work order), each with its inputs filled and one timed launch
+// through the entry point: fn(s, density, bufs, pattern, that launch's ms).
+template <class Fn>
+void for_quick_shapes(bool work_order, Fn fn) {
+  for (int s : {16384, 32768, 65536})
+    for (double d : {0.1, 0.3, 0.5}) {
+      const Case c{1, s, s, 32, 8, "density", d, 0, work_order};
+      std::mt19937 g(s + (int)(d * 1000));
+      const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
+      Bufs<bf16, 128> b;
+      const float first = fill_and_time(b, c, p, s, 3);
+      fn(s, d, b, p, first);
+    }
+}
+
 // Mode `probe`: the shipped kernel against its knockout without the O / lse stores (common.cuh
 // kProbeNoStore; wrong results, timing only), both on the persistent grid, in rounds (median of
 // 5), at the quick preset's shapes. Why: at density 0.1 an item visits 13 key tiles (16K) and costs
@@ -491,13 +507,7 @@ void timing_probe() {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   printf("| S | density | items | key tiles / item | shipped ms | no O / lse store ms | store share | "
          "tile-times per item saved |\n|---|---|---|---|---|---|---|---|\n");
-  for (int s : {16384, 32768, 65536})
-    for (double d : {0.1, 0.3, 0.5}) {
-      const Case c{1, s, s, 32, 8, "density", d, 0, false};
-      std::mt19937 g(s + (int)(d * 1000));
-      const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
-      Bufs<bf16, 128> b;
-      fill_and_time(b, c, p, s, 3);
+  for_quick_shapes(false, [&](int s, double d, Bufs<bf16, 128>& b, const Pattern& p, float) {
       std::vector<float> t[2];
       for (int r = 0; r < 5; ++r) {
         t[0].push_back(time_launches<bf16, 128>(b.args, sms, 10));
@@ -511,7 +521,7 @@ void timing_probe() {
       printf("| %dK | %.1f | %.0f | %.1f | %.3f | %.3f | %.3f | %.2f |\n", s / 1024, d, items, per_item,
              t[0][2], t[1][2], 1.0 - t[1][2] / t[0][2], (t[0][2] - t[1][2]) / tile_ms / (items / sms));
       fflush(stdout);
-    }
+  });
 }
 
 // The A/B table of the config experiments below: N configs of the kernel (launch(v, args, sms)
@@ -534,13 +544,7 @@ void ab_table(const char* const (&names)[N], Launch launch) {
     std::sort(x.begin(), x.end());
     return 0.5f * (x[(x.size() - 1) / 2] + x[x.size() / 2]);
   };
-  for (int s : {16384, 32768, 65536})
-    for (double d : {0.1, 0.3, 0.5}) {
-      const Case c{1, s, s, 32, 8, "density", d, 0, true};
-      std::mt19937 g(s + (int)(d * 1000));
-      const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
-      Bufs<bf16, 128> b;
-      const float first = fill_and_time(b, c, p, s, 3);
+  for_quick_shapes(true, [&](int s, double d, Bufs<bf16, 128>& b, const Pattern&, float first) {
       const int iters = std::max(3, (int)(20.f / first));
       auto run = [&](int v) { return time_loop(iters, [&] { launch(v, b.args, sms); }); };
       run(0);  // warm-up: clocks settle before the first timed arm
@@ -559,7 +563,7 @@ void ab_table(const char* const (&names)[N], Launch launch) {
                med(order[1][0]) / med(order[1][v]));
       printf("\n");
       fflush(stdout);
-    }
+  });
 }
 
 // Mode `softmax-ab`: FwdConfig SOFTMAX_ILP_ (online_softmax_tile_ilp, the softmax in four chains)
