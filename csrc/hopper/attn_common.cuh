@@ -215,6 +215,13 @@ CUTE_DEVICE void online_softmax_tile(Scores& acc_s, Coords const& tScS_rc, Bound
 // always sets its max (old - new is -inf or NaN there: the comparison fails).
 // Returns whether the caller must rescale O (always without kStale).
 constexpr float kStaleMaxBound = 8.f;
+// Where the shipped forwards keep a stale max (FwdShipped, SparseFwdConfig): from D = 128 on, where
+// the skipped O rescale is 64 (D = 128) or 128 (D = 256) FMUL per tile and thread. At D = 64 it
+// saves 32 and the vote costs more: diffusion forward harness softmax-ab (session 16, bf16, n 1K-8K)
+// four chains alone 0.998-1.067x the one-chain softmax, with the stale max 0.969-1.002x; D = 128
+// 1.003-1.089x (four chains alone 1.008-1.036x), D = 256 1.030-1.095x from n = 2K on (1K: noise,
+// the A/A column read 0.975 there).
+constexpr bool fwd_stale_max(int d) { return d >= 128; }
 template <bool kMasked, bool kStale = false, class Scores, class Coords, class Bounds, int kRows>
 CUTE_DEVICE bool online_softmax_tile_ilp(Scores& acc_s, Coords const& tScS_rc, Bounds const& bounds,
                                          float scale_log2, float (&row_max)[kRows],

@@ -73,15 +73,16 @@ inline bool block_sparse_fwd_supports(int block_q, int block_k, int d) {
   return block_q == 128 && block_k == 128 && (d == 64 || d == 128);
 }
 
-// The diffusion forward's tiles: 128 x 128, 2 stages, ping-pong, its TMA-store epilogue. One Q
+// The diffusion forward's tiles: 128 x 128, 2 stages, ping-pong, its TMA-store epilogue, and its
+// softmax: online_softmax_tile_ilp, with a stale max at D = 128 (fwd_stale_max): harness softmax-ab
+// (session 16, bf16 D = 128, S 16K-64K, densities 0.1-0.5, medians over both orders) 1.044-1.052x
+// over the one-chain softmax at every point (four chains alone 0.994-1.014x; D = 64 takes the
+// diffusion forward's measurement, not timed here). One Q
 // buffer: two (the persistent producer loading the next item's Q during this one; 224 KB of smem
-// at D = 128) measured 0.985-1.005x (session 15; session 10's 0.93-1.04x was a biased A/B); a
-// third K / V stage in place of the O staging 0.96-1.03x. The softmax in four chains (SOFTMAX_ILP_,
-// online_softmax_tile_ilp) measured 1.013-1.032x at 16K-64K, densities 0.1-0.5, except 1.000 at
-// 64K / 0.3, and passed the harness checks (session 15, csrc/NOTES.md); it stays off until the GPU
-// tests have run it through torch (no device time was left in session 15), as does STALE_MAX_.
+// at D = 128) measured 0.985-1.005x (session 15); a third K / V stage in place of the O staging
+// 0.96-1.03x.
 template <class Elem, int D>
-using SparseFwdConfig = FwdConfig<Elem, D, 128, 128, 2, true, kStartTile, 1, true>;
+using SparseFwdConfig = FwdConfig<Elem, D, 128, 128, 2, true, kStartTile, 1, true, true, fwd_stale_max(D)>;
 
 template <class Cfg>
 struct SparseFwdParams {

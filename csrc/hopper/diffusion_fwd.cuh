@@ -116,7 +116,7 @@ CUTE_DEVICE ItemGeom item_geom(Params const& p, int w) {
 // by their half's end). A visit lies inside one half and each of the row's two key ranges inside
 // another, so one range holds all its visible keys: the mask is one interval of the row's columns.
 // Cfg::kSoftmaxIlp: online_softmax_tile_ilp (attn_common.cuh), whose return value says whether O
-// needs its rescale (always true without Cfg::kStaleMax); the shipped configs take neither.
+// needs its rescale (always true without Cfg::kStaleMax); the shipped configs take both (FwdShipped).
 template <bool kMasked, class Cfg = void, class Scores, class Coords, int kRows>
 CUTE_DEVICE bool online_softmax(Scores& acc_s, Coords const& tScS_rc, Visit const& visit,
                                   Intervals const (&seen)[kRows], float scale_log2,
@@ -419,10 +419,15 @@ cudaError_t launch_fwd_cfg(const FwdArgs& a) {
 // The TMA-store epilogue wherever its staging buffer fits (D = 256: Q, two stages of K and V and
 // O would take 256 KB): harness `smem-o` (session 8), bf16 D = 128, 1.11x at n = 1K, 1.08x at
 // 2K, 1.04x at 4K, 1.025x at 8K. Two Q buffers measured no gain with or without it (+-1 %), so one.
+// The softmax of online_softmax_tile_ilp (SOFTMAX_ILP_), with a stale max from D = 128 on
+// (STALE_MAX_, fwd_stale_max says why not at D = 64): harness softmax-ab (session 16, bf16 D = 128,
+// n 1K-8K, block sizes 4 / 16, GQA 32/8) 1.003-1.089x over the one-chain softmax (1.00-1.02 at
+// n = 1K, 1.05-1.09 from 2K on), D = 256 1.03-1.095x from 2K on, D = 64 (four chains alone)
+// 1.00-1.067x.
 constexpr bool fwd_smem_o(int d) { return d <= 128; }
 template <class Elem, int D, int START>
-using FwdShipped =
-    FwdConfig<Elem, D, kFwdBlockM, fwd_block_n(D), kFwdStages, true, START, 1, fwd_smem_o(D)>;
+using FwdShipped = FwdConfig<Elem, D, kFwdBlockM, fwd_block_n(D), kFwdStages, true, START, 1,
+                             fwd_smem_o(D), true, fwd_stale_max(D)>;
 
 // START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, tile_sample and
 // cu_seqlens set).

@@ -567,8 +567,8 @@ void ab_table(const char* const (&names)[N], Launch launch) {
 }
 
 // Mode `softmax-ab`: FwdConfig SOFTMAX_ILP_ (online_softmax_tile_ilp, the softmax in four chains)
-// and STALE_MAX_ (its maxima kept while they grow by <= 8 in log2 units, the O rescale skipped)
-// against the shipped one-chain softmax, the shipped config otherwise; checks first.
+// and STALE_MAX_ (its maxima kept while they grow by <= 8 in log2 units, the O rescale skipped;
+// both shipped since session 16) against session 15's one-chain softmax; checks first.
 template <class Elem, int D, bool ILP, bool STALE = false>
 using IlpCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 1, true, ILP, STALE>;
 
@@ -581,7 +581,7 @@ int softmax_ab() {
   checks<fp16, 64, IlpCfg<fp16, 64, true, true>>("fp16 D64 stale max");
   printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
   if (g_failed) return 1;
-  static const char* const names[3] = {"one chain (shipped)", "four chains", "four chains + stale max"};
+  static const char* const names[3] = {"one chain (session 15)", "four chains", "four chains + stale max (shipped)"};
   ab_table(names, [](int v, const dlm::sm90::SparseFwdArgs& a, int sms) {
     using namespace dlm::sm90;
     if (v == 0) CK(launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, false>>(a, sms));

@@ -22,7 +22,7 @@
 //   ./fwd_standalone varlen        # odd lengths and varlen (kStartAny / kStartVarlen, csrc/NOTES.md
 //                                  # "Odd lengths and varlen"): checks, then varlen vs batched timing;
 //                                  # exit 1 on a failure
-//   ./fwd_standalone softmax-ab    # the softmax in four chains / with a stale max: checks, then the A/B
+//   ./fwd_standalone softmax-ab    # shipped softmax vs one chain / four chains: checks, then A/B at D 128/64/256
 //   ./fwd_standalone small         # one small check per head dim (compute-sanitizer runs)
 //   ./fwd_standalone prove         # host only (no GPU): the hoisted FULL test equals tile_kind's
 #include <cstdio>
@@ -589,30 +589,35 @@ int main(int argc, char** argv) {
     if (v == "snake64") run_d(std::integral_constant<int, 64>{}); else run_d(std::integral_constant<int, 256>{});
     return g_failed != 0;
   }
-  if (v == "softmax-ab") {  // FwdConfig SOFTMAX_ILP_ / STALE_MAX_ (attn_common.cuh online_softmax_tile_ilp)
-    using namespace dlm::sm90;  // against the shipped softmax: checks (batched, odd, varlen; D 64 / 128 / 256), then the A/B
+  if (v == "softmax-ab") {  // the shipped softmax (FwdShipped: four chains + stale max, session 16)
+    using namespace dlm::sm90;  // against session 15's one-chain softmax and four chains alone: checks
+    // (batched, odd, varlen; D 64 / 128 / 256), then the A/B at each head dim
     CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
-    using Ship = FwdShipped<bf16, 128, kBatchedStart>;
-    using Ilp = FwdConfig<bf16, 128, kFwdBlockM, fwd_block_n(128), kFwdStages, true, kBatchedStart, 1, true, true>;
-    using Stale = FwdConfig<bf16, 128, kFwdBlockM, fwd_block_n(128), kFwdStages, true, kBatchedStart, 1, true, true, true>;
     for (int ctas : {3, 0}) {
       g_max_ctas = ctas;
-      ab_checks<Ilp>("four chains");
-      ab_checks<Stale>("four chains + stale max");
-      ab_checks<FwdConfig<cutlass::half_t, 64, kFwdBlockM, fwd_block_n(64), kFwdStages, true, kBatchedStart, 1, true, true, true>>(
-          "fp16 D=64 stale max");
-      ab_checks<FwdConfig<bf16, 256, kFwdBlockM, fwd_block_n(256), kFwdStages, true, kBatchedStart, 1, false, true, true>>(
-          "bf16 D=256 stale max");
+      ab_checks<FwdShipped<bf16, 128, kBatchedStart>>("shipped bf16 D=128");
+      ab_checks<FwdShipped<cutlass::half_t, 64, kBatchedStart>>("shipped fp16 D=64");
+      ab_checks<FwdShipped<bf16, 256, kBatchedStart>>("shipped bf16 D=256");
+      ab_checks<FwdConfig<bf16, 128, kFwdBlockM, fwd_block_n(128), kFwdStages, true, kBatchedStart, 1, true, true>>(
+          "four chains, bf16 D=128");
     }
     g_max_ctas = 3;
-    odd_checks<FwdConfig<bf16, 128, kFwdBlockM, fwd_block_n(128), kFwdStages, true, kStartAny, 1, true, true, true>,
-               FwdConfig<bf16, 128, kFwdBlockM, fwd_block_n(128), kFwdStages, true, kStartVarlen, 1, true, true, true>>(
-        "stale max, 3 CTAs");
+    odd_checks<FwdShipped<bf16, 128, kStartAny>, FwdShipped<bf16, 128, kStartVarlen>>("shipped, 3 CTAs");
     g_max_ctas = 0;
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
     if (g_failed) return 1;
-    static const char* names[] = {"shipped softmax", "four chains", "four chains + stale max", "shipped again"};
-    ab_timing<Variants<Ship, Ilp, Stale, Ship>>(names);
+    static const char* names[] = {"one chain (session 15)", "four chains", "shipped (+ stale max)", "one chain again"};
+    auto run_d = [&](auto d_tag) {
+      constexpr int D = decltype(d_tag)::value;
+      constexpr int BN = fwd_block_n(D);
+      constexpr bool kO = fwd_smem_o(D);
+      using One = FwdConfig<bf16, D, kFwdBlockM, BN, kFwdStages, true, kBatchedStart, 1, kO>;
+      using Four = FwdConfig<bf16, D, kFwdBlockM, BN, kFwdStages, true, kBatchedStart, 1, kO, true>;
+      ab_timing<Variants<One, Four, FwdShipped<bf16, D, kBatchedStart>, One>, D>(names);
+    };
+    run_d(std::integral_constant<int, 128>{});
+    run_d(std::integral_constant<int, 64>{});
+    run_d(std::integral_constant<int, 256>{});
     return 0;
   }
   if (v == "probe") {  // what parts of the forward cost: knockouts (attn_common.cuh kProbe*), timing only
