@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -87,15 +88,23 @@ def _calls_per_measurement(setup, fn) -> int:
     return max(3, min(500, math.ceil(MEASURE_MS / max(ms, 1e-3))))
 
 
-def rotated_rounds(keys: list, rounds: int, measure) -> dict:
-    """{key: [one measurement per round]}: every round measures every key once, in turn, and
-    starts one key later than the round before. A fixed order let the GPU's state at a position
-    (clocks ramping up after an idle setup, or power throttling after a heavy neighbour) favour
-    one contender: in session 7's kernel A/Bs that alone moved a result by up to 15 %."""
+def rotated_rounds(keys: list, rounds: int, measure, seed: int = 0) -> dict:
+    """{key: [one measurement per round]}: every round measures every key once; round r opens with
+    key r (mod the count) and takes the others in a fresh seeded shuffle. A fixed order let the
+    GPU's state at a position (clocks ramping up after an idle setup, or power throttling after a
+    heavy neighbour) favour one contender: in session 7's kernel A/Bs that alone moved a result by
+    up to 15 %. Rotating a fixed order (sessions 7-15) still gave every key the same predecessor,
+    and the predecessor matters: at S = 32K the column-sparse op read 5-11 % above its own gather +
+    kernel when it always followed a cuDNN call, 2-4 % below when it followed Triton's column
+    kernel, and level alone (session 16, H200; it explains the 5-10 % "outside the kernel" of
+    benchmarks.sparse since session 15 put the cuDNN equal-work contender before it)."""
     times = {key: [] for key in keys}
+    rng = random.Random(seed)
     for r in range(rounds if keys else 0):
-        shift = r % len(keys)
-        for key in keys[shift:] + keys[:shift]:
+        i = r % len(keys)
+        rest = keys[:i] + keys[i + 1:]
+        rng.shuffle(rest)
+        for key in [keys[i], *rest]:
             times[key].append(measure(key))
     return times
 

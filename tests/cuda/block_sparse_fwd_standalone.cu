@@ -50,8 +50,10 @@ int g_failed = 0;
 #define SPARSE_SMEM_O 1
 #endif
 template <class Elem, int D>
-using HarnessCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 1, SPARSE_SMEM_O>;
+using HarnessCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 1, SPARSE_SMEM_O,
+                                        true, dlm::sm90::fwd_stale_max(D)>;
 static_assert(!SPARSE_SMEM_O || std::is_same_v<HarnessCfg<bf16, 128>, dlm::sm90::SparseFwdConfig<bf16, 128>>);
+static_assert(!SPARSE_SMEM_O || std::is_same_v<HarnessCfg<bf16, 64>, dlm::sm90::SparseFwdConfig<bf16, 64>>);
 
 // Dense cuDNN SDPA (non-causal) on the H200 at B = 1, H = 32/8, D = 128 (benchmarks/results/
 // h200_sparse_quick.md): the denominator of the goal, time / (dense time x density) <= 1.15.
@@ -595,7 +597,7 @@ int softmax_ab() {
 // K / V stage instead of the O staging: shipped (2 stages, O through smem), 2 stages with register
 // stores (the staging's own share), 3 stages with register stores (224 KB); checks first.
 template <int STAGES, bool SMEM_O>
-using StageCfg = dlm::sm90::FwdConfig<bf16, 128, 128, 128, STAGES, true, dlm::sm90::kStartTile, 1, SMEM_O>;
+using StageCfg = dlm::sm90::FwdConfig<bf16, 128, 128, 128, STAGES, true, dlm::sm90::kStartTile, 1, SMEM_O, true, true>;
 
 int stages_ab() {
   checks<bf16, 128, StageCfg<2, false>>("bf16 2 stages, register stores");
