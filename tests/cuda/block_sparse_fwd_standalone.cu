@@ -16,6 +16,7 @@
 //   ./sparse_fwd small    # one small check per (dtype, head dim), for compute-sanitizer
 //   ./sparse_fwd probe    # what the O / lse stores cost per item (knockout, timing only)
 //   ./sparse_fwd stages-ab  # a third K / V stage in the O staging's shared memory: checks + A/B
+//   ./sparse_fwd waves    # 16K / 10 % at H = 28..36: does time follow the persistent grid's waves?
 //   ./sparse_fwd softmax-ab  # FwdConfig SOFTMAX_ILP_ / STALE_MAX_ (the softmax in four chains, the
 //                         # O rescale skipped while the max is stale): checks + A/B
 //   ./sparse_fwd prof     # one persistent launch at 16K, density 0.1 and 0.5, for ncu: the kernel's
@@ -632,6 +633,42 @@ void prof() {
   }
 }
 
+// Mode `waves`: is 16K / 10 % bound by its last wave? 128 query blocks x H heads of 13 listed
+// blocks each on a persistent grid of one CTA per SM: at H = 32 that is 4096 items, 31.03 per CTA,
+// so 4 CTAs run a 32nd item while the others idle. Timed for H = 28..36 (MHA, Hkv = H; interleaved
+// rounds, medians): if the waves bind, time follows ceil(items / SMs) (H = 32 and 33 alike), if
+// not, the item count (H = 33 3 % above 32).
+void waves() {
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  std::vector<int> heads;
+  for (int h = 28; h <= 36; ++h) heads.push_back(h);
+  std::vector<Bufs<bf16, 128>> bufs(heads.size());
+  for (size_t i = 0; i < heads.size(); ++i) {
+    const Case c{1, 16384, 16384, heads[i], heads[i], "density", 0.1, 0, true};
+    std::mt19937 g(16384 + heads[i]);
+    const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
+    fill_and_time(bufs[i], c, p, c.sk, 1);
+  }
+  std::vector<std::vector<float>> t(heads.size());
+  for (int r = 0; r < 8; ++r)
+    for (size_t j = 0; j < heads.size(); ++j) {
+      const size_t i = r % 2 ? heads.size() - 1 - j : j;
+      t[i].push_back(time_loop(20, [&] {
+        CK(dlm::sm90::launch_block_sparse_fwd_cfg<HarnessCfg<bf16, 128>>(bufs[i].args, sms));
+      }));
+    }
+  printf("| H | items | items / CTA | waves | ms | us per item | us per wave |\n|---|---|---|---|---|---|---|\n");
+  for (size_t i = 0; i < heads.size(); ++i) {
+    std::sort(t[i].begin(), t[i].end());
+    const float ms = 0.5f * (t[i][3] + t[i][4]);
+    const int items = heads[i] * 128, w = (items + sms - 1) / sms;
+    printf("| %d | %d | %.2f | %d | %.4f | %.3f | %.2f |\n", heads[i], items, (double)items / sms, w, ms,
+           1000.0 * ms / items, 1000.0 * ms / w);
+  }
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "all";
   if (mode == "prof") {
@@ -643,6 +680,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "stages-ab") return stages_ab();
+  if (mode == "waves") {
+    waves();
+    return 0;
+  }
   if (mode == "softmax-ab") return softmax_ab();
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
