@@ -1,10 +1,10 @@
 """``python -m benchmarks``: contenders interleaved in rounds inside one process (DESIGN.md 5).
 
-Every round times each (contender, mode) once, in turn, each round starting one later in the list
-(rotated_rounds), so clock and neighbour drift hits all alike; the report is the median over rounds,
-TFLOPS on visible pairs, and ratios against the cuDNN causal-on-halves yardstick and compiled
-FlexAttention measured in the same process. Results land in ``--out`` as JSON rows, a markdown
-table and a plot.
+Every round times each (contender, mode) once, round r opening with the r-th and taking the rest
+in a seeded shuffle (shuffled_rounds), so clock and neighbour drift hits all alike; the report is
+the median over rounds, TFLOPS on visible pairs, and ratios against the cuDNN causal-on-halves
+yardstick and compiled FlexAttention measured in the same process. Results land in ``--out`` as
+JSON rows, a markdown table and a plot.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _calls_per_measurement(setup, fn) -> int:
     return max(3, min(500, math.ceil(MEASURE_MS / max(ms, 1e-3))))
 
 
-def rotated_rounds(keys: list, rounds: int, measure, seed: int = 0) -> dict:
+def shuffled_rounds(keys: list, rounds: int, measure, seed: int = 0) -> dict:
     """{key: [one measurement per round]}: every round measures every key once; round r opens with
     key r (mod the count) and takes the others in a fresh seeded shuffle. A fixed order let the
     GPU's state at a position (clocks ramping up after an idle setup, or power throttling after a
@@ -124,7 +124,7 @@ def bench_case(case, contenders: dict, modes: list[str], rounds: int,
         except Exception as e:  # a contender that cannot run this case is reported, not fatal
             print(f"  {name}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
             built.pop(name, None)
-    times = rotated_rounds([(c, m) for c in built for m in modes], rounds,
+    times = shuffled_rounds([(c, m) for c in built for m in modes], rounds,
                            lambda key: _time_once(*built[key[0]][key[1]], iters[key]))
     rows = []
     for (c, m), ts in times.items():

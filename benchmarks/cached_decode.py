@@ -192,7 +192,7 @@ def _graphed(fn):
 
 
 def bench(case: DecodeCase, rounds: int, iters: int, modes: list[str]) -> list[dict]:
-    from .__main__ import _time_once, rotated_rounds
+    from .__main__ import _time_once, shuffled_rounds
 
     fns = _contenders(case)
     _check(case, fns)
@@ -206,7 +206,7 @@ def bench(case: DecodeCase, rounds: int, iters: int, modes: list[str]) -> list[d
                 runs[(name, "graph")] = _graphed(fn)
             except Exception as e:
                 print(f"  {name}: no graph mode ({type(e).__name__}: {str(e)[:100]})", flush=True)
-    times = rotated_rounds(list(runs), rounds, lambda key: _time_once(None, runs[key], iters))
+    times = shuffled_rounds(list(runs), rounds, lambda key: _time_once(None, runs[key], iters))
     rows = []
     for (name, mode), ts in times.items():
         ms = statistics.median(ts)

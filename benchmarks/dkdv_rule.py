@@ -2,7 +2,7 @@
 
 The op's backward and the training step with cutlass_diffusion.PERSISTENT_DKDV_MAX_HALF at 1024
 (session 12's rule) against 2048 (shipped since session 13 where each K / V head has one query
-head), 10 rotated rounds in one process (the main preset's method), bf16, 16K tokens. The n = 1K
+head), 10 shuffled rounds in one process (the main preset's method), bf16, 16K tokens. The n = 1K
 case runs the persistent kernel under both settings: its ratio is the noise. Needs an sm90 GPU.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from dlm_ops.backends import cutlass_diffusion as cd
 
-from .__main__ import _calls_per_measurement, _time_once, rotated_rounds
+from .__main__ import _calls_per_measurement, _time_once, shuffled_rounds
 from .contenders import Case, ours
 
 CASES = [Case(4, 2048, 16, 16, 128, 16), Case(4, 2048, 16, 16, 128, 4), Case(4, 2048, 32, 8, 128, 16),
@@ -42,7 +42,7 @@ def main() -> int:
                 cd.PERSISTENT_DKDV_MAX_HALF = rule  # read by every backward call
                 return _time_once(*runs[mode], iters[mode])
 
-            times = rotated_rounds([(r, m) for r in RULES for m in ("bwd", "step")], 10, measure)
+            times = shuffled_rounds([(r, m) for r in RULES for m in ("bwd", "step")], 10, measure)
             for mode in ("bwd", "step"):
                 a, b = (statistics.median(times[r, mode]) for r in RULES)
                 print(f"| {case.label} | {mode} | {a:.3f} | {b:.3f} | {a / b:.3f} |", flush=True)

@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import dlm_ops
 
-from .__main__ import _time_once, rotated_rounds
+from .__main__ import _time_once, shuffled_rounds
 from .models import TinyBD3, noisy_half_loss
 
 VOCAB = 4096
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
             rewrites[name] = dlm_ops.compile.stats().get("rewritten", 0)
         print(f"n={n}: flex calls rewritten while compiling: {rewrites}", flush=True)
         dlm_ops.compile.enable()
-        times = rotated_rounds(list(compiled), a.rounds,
+        times = shuffled_rounds(list(compiled), a.rounds,
                                lambda name: _time_once(None, compiled[name], 3))
         ms = {name: statistics.median(t) for name, t in times.items()}
         rows.append(dict(n=n, batch=batch, block_size=a.block_size, dim=a.dim, heads=a.heads,

@@ -234,14 +234,14 @@ def _train_contenders(c: TrainCase, with_torch: bool = True) -> dict:
 
 def _interleaved(modes: dict, rounds: int) -> dict:
     """{mode: {name: median ms}}, every (mode, name) timed once per round, in turn."""
-    from .__main__ import _calls_per_measurement, _time_once, rotated_rounds
+    from .__main__ import _calls_per_measurement, _time_once, shuffled_rounds
 
     for fns in modes.values():
         for fn in fns.values():
             _time_once(None, fn, 2)  # warm-up: compilation, allocator
     calls = {(m, n): _calls_per_measurement(None, fn)
              for m, fns in modes.items() for n, fn in fns.items()}
-    times = rotated_rounds([(m, n) for m, fns in modes.items() for n in fns], rounds,
+    times = shuffled_rounds([(m, n) for m, fns in modes.items() for n in fns], rounds,
                            lambda key: _time_once(None, modes[key[0]][key[1]], calls[key]))
     return {m: {n: statistics.median(times[(m, n)]) for n in fns} for m, fns in modes.items()}
 

@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .__main__ import _calls_per_measurement, _time_once, rotated_rounds, run_meta, write_results
+from .__main__ import _calls_per_measurement, _time_once, shuffled_rounds, run_meta, write_results
 
 SEQLENS = (16384, 32768, 65536)
 DENSITIES = (0.1, 0.2, 0.3, 0.5)
@@ -166,8 +166,9 @@ def make_column_gather(case: SparseCase, k, v, idx, counts):
 def make_column_kernel(case: SparseCase, q, k, v, idx, counts):
     """The cutlass column forward's kernel alone: column_inputs once (untimed), then ext.fwd into
     preallocated out / lse, as the backend calls it; None where the extension is not built. With
-    the gather's row, says how much of the op's time is neither (session 15: the op read 5-10 %
-    above the standalone harness's gather + kernel at 32K)."""
+    the gather's row, says how much of the op's time is neither (session 15: 5-10 % at 32K; session
+    16 found that to be the rounds' fixed order, the column op always right after a cuDNN call;
+    with shuffled rounds it is within the noise)."""
     from dlm_ops.backends import cutlass_sparse as cs
 
     if cs.CutlassSparseBackend().unavailable_reason() is not None or cs._extension() is None:
@@ -344,7 +345,7 @@ def bench_seqlen(seqlen: int, densities, rounds: int, block_size: int, with_flex
             except Exception as e:
                 print(f"  {name}: skipped ({type(e).__name__}: {str(e)[:160]})")
     calls = {key: _calls_per_measurement(None, fn) for key, fn in fns.items()}
-    times = rotated_rounds(list(fns), rounds, lambda key: _time_once(None, fns[key], calls[key]))
+    times = shuffled_rounds(list(fns), rounds, lambda key: _time_once(None, fns[key], calls[key]))
     dense_ms = statistics.median(times[(DENSE, None)])
     rows = [dict(asdict(base), kind="dense", density=1.0, contender=DENSE, ms=dense_ms, ratio=1.0,
                  ratio_over_density=1.0)]

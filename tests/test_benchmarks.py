@@ -59,7 +59,7 @@ def test_host_time_says_it_needs_a_gpu(monkeypatch):
         host_time.main(["--calls", "1"])
 
 
-def test_rounds_rotate_the_measurement_order(monkeypatch):
+def test_rounds_vary_the_measurement_order(monkeypatch):
     """A fixed order within rounds let a position's GPU state favour one contender (session 7:
     up to 15 % in the kernel A/Bs); every (contender, mode) must open some round, every round
     still measures each once, and the predecessors vary."""
