@@ -220,7 +220,8 @@ constexpr float kStaleMaxBound = 8.f;
 // saves 32 and the vote costs more: diffusion forward harness softmax-ab (session 16, bf16, n 1K-8K)
 // four chains alone 0.998-1.067x the one-chain softmax, with the stale max 0.969-1.002x; D = 128
 // 1.003-1.089x (four chains alone 1.008-1.036x), D = 256 1.030-1.095x from n = 2K on (1K: noise,
-// the A/A column read 0.975 there).
+// the A/A column read 0.975 there); the sparse forward at D = 64 (its harness, S 16K-64K): four
+// chains 1.011-1.057x, with the stale max 0.962-1.005x.
 constexpr bool fwd_stale_max(int d) { return d >= 128; }
 template <bool kMasked, bool kStale = false, class Scores, class Coords, class Bounds, int kRows>
 CUTE_DEVICE bool online_softmax_tile_ilp(Scores& acc_s, Coords const& tScS_rc, Bounds const& bounds,

@@ -76,8 +76,8 @@ inline bool block_sparse_fwd_supports(int block_q, int block_k, int d) {
 // The diffusion forward's tiles: 128 x 128, 2 stages, ping-pong, its TMA-store epilogue, and its
 // softmax: online_softmax_tile_ilp, with a stale max at D = 128 (fwd_stale_max): harness softmax-ab
 // (session 16, bf16 D = 128, S 16K-64K, densities 0.1-0.5, medians over both orders) 1.044-1.052x
-// over the one-chain softmax at every point (four chains alone 0.994-1.014x; D = 64 takes the
-// diffusion forward's measurement, not timed here). One Q
+// over the one-chain softmax at every point (four chains alone 0.994-1.014x); at D = 64 four chains
+// 1.011-1.057x, with the stale max 0.962-1.005x. One Q
 // buffer: two (the persistent producer loading the next item's Q during this one; 224 KB of smem
 // at D = 128) measured 0.985-1.005x (session 15); a third K / V stage in place of the O staging
 // 0.96-1.03x.

@@ -482,14 +482,14 @@ void timing() {
 // The quick preset's shapes (bf16, D = 128, B = 1, H = 32/8, S = 16K / 32K / 64K, densities 0.1 /
 // 0.3 / 0.5; with or without a work order), each with its inputs filled and one timed launch
 // through the entry point: fn(s, density, bufs, pattern, that launch's ms).
-template <class Fn>
+template <int D = 128, class Fn>
 void for_quick_shapes(bool work_order, Fn fn) {
   for (int s : {16384, 32768, 65536})
     for (double d : {0.1, 0.3, 0.5}) {
       const Case c{1, s, s, 32, 8, "density", d, 0, work_order};
       std::mt19937 g(s + (int)(d * 1000));
       const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
-      Bufs<bf16, 128> b;
+      Bufs<bf16, D> b;
       const float first = fill_and_time(b, c, p, s, 3);
       fn(s, d, b, p, first);
     }
@@ -529,16 +529,16 @@ void timing_probe() {
 
 // The A/B table of the config experiments below: N configs of the kernel (launch(v, args, sms)
 // launches config v on the persistent grid, what the op runs) at the quick preset's shapes (bf16,
-// D = 128, H = 32/8, a work order), per shape a warm-up, then 8 rounds with the configs in forward
+// D = 128 unless given, H = 32/8, a work order), per shape a warm-up, then 8 rounds with the configs in forward
 // order in even rounds and reversed in odd ones (session 14: a fixed order read the first-timed arm
 // up to 13 % slow), ~20 ms of back-to-back launches per measurement. Prints config 0's median ms and
 // each other config's speed-up over it (>1: faster), overall and per order.
-template <int N, class Launch>
+template <int D = 128, int N, class Launch>
 void ab_table(const char* const (&names)[N], Launch launch) {
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  printf("\n| S | density | %s ms |", names[0]);
+  printf("\n== bf16 D = %d\n| S | density | %s ms |", D, names[0]);
   for (int v = 1; v < N; ++v) printf(" %s (order a / b) |", names[v]);
   printf("\n|---|---|---|");
   for (int v = 1; v < N; ++v) printf("---|");
@@ -547,7 +547,7 @@ void ab_table(const char* const (&names)[N], Launch launch) {
     std::sort(x.begin(), x.end());
     return 0.5f * (x[(x.size() - 1) / 2] + x[x.size() / 2]);
   };
-  for_quick_shapes(true, [&](int s, double d, Bufs<bf16, 128>& b, const Pattern&, float first) {
+  for_quick_shapes<D>(true, [&](int s, double d, Bufs<bf16, D>& b, const Pattern&, float first) {
       const int iters = std::max(3, (int)(20.f / first));
       auto run = [&](int v) { return time_loop(iters, [&] { launch(v, b.args, sms); }); };
       run(0);  // warm-up: clocks settle before the first timed arm
@@ -582,6 +582,7 @@ int softmax_ab() {
   checks<bf16, 128, IlpCfg<bf16, 128, true, true>>("bf16 stale max");
   checks<fp16, 128, IlpCfg<fp16, 128, true, true>>("fp16 stale max");
   checks<fp16, 64, IlpCfg<fp16, 64, true, true>>("fp16 D64 stale max");
+  checks<bf16, 64, IlpCfg<bf16, 64, true, true>>("bf16 D64 stale max");
   printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
   if (g_failed) return 1;
   static const char* const names[3] = {"one chain (session 15)", "four chains", "four chains + stale max (shipped)"};
@@ -590,6 +591,15 @@ int softmax_ab() {
     if (v == 0) CK(launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, false>>(a, sms));
     if (v == 1) CK(launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, true>>(a, sms));
     if (v == 2) CK(launch_block_sparse_fwd_cfg<IlpCfg<bf16, 128, true, true>>(a, sms));
+  });
+  // D = 64 (the shipped config takes four chains without the stale max there, after the diffusion
+  // forward's A/B: session 16)
+  static const char* const names64[3] = {"one chain (session 15)", "four chains (shipped)", "four chains + stale max"};
+  ab_table<64>(names64, [](int v, const dlm::sm90::SparseFwdArgs& a, int sms) {
+    using namespace dlm::sm90;
+    if (v == 0) CK(launch_block_sparse_fwd_cfg<IlpCfg<bf16, 64, false>>(a, sms));
+    if (v == 1) CK(launch_block_sparse_fwd_cfg<IlpCfg<bf16, 64, true>>(a, sms));
+    if (v == 2) CK(launch_block_sparse_fwd_cfg<IlpCfg<bf16, 64, true, true>>(a, sms));
   });
   return 0;
 }
