@@ -125,7 +125,7 @@ def bench_case(case, contenders: dict, modes: list[str], rounds: int,
             print(f"  {name}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
             built.pop(name, None)
     times = shuffled_rounds([(c, m) for c in built for m in modes], rounds,
-                           lambda key: _time_once(*built[key[0]][key[1]], iters[key]))
+                            lambda key: _time_once(*built[key[0]][key[1]], iters[key]))
     rows = []
     for (c, m), ts in times.items():
         ms = statistics.median(ts)

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         print(f"n={n}: flex calls rewritten while compiling: {rewrites}", flush=True)
         dlm_ops.compile.enable()
         times = shuffled_rounds(list(compiled), a.rounds,
-                               lambda name: _time_once(None, compiled[name], 3))
+                                lambda name: _time_once(None, compiled[name], 3))
         ms = {name: statistics.median(t) for name, t in times.items()}
         rows.append(dict(n=n, batch=batch, block_size=a.block_size, dim=a.dim, heads=a.heads,
                          layers=a.layers, mode=a.mode, gpu=torch.cuda.get_device_name(),

@@ -242,7 +242,7 @@ def _interleaved(modes: dict, rounds: int) -> dict:
     calls = {(m, n): _calls_per_measurement(None, fn)
              for m, fns in modes.items() for n, fn in fns.items()}
     times = shuffled_rounds([(m, n) for m, fns in modes.items() for n in fns], rounds,
-                           lambda key: _time_once(None, modes[key[0]][key[1]], calls[key]))
+                            lambda key: _time_once(None, modes[key[0]][key[1]], calls[key]))
     return {m: {n: statistics.median(times[(m, n)]) for n in fns} for m, fns in modes.items()}
 
 

@@ -479,9 +479,9 @@ void timing() {
   }
 }
 
-// The quick preset's shapes (bf16, D = 128, B = 1, H = 32/8, S = 16K / 32K / 64K, densities 0.1 /
-// 0.3 / 0.5; with or without a work order), each with its inputs filled and one timed launch
-// through the entry point: fn(s, density, bufs, pattern, that launch's ms).
+// The quick preset's shapes (bf16, D = 128 unless given, B = 1, H = 32/8, S = 16K / 32K / 64K,
+// densities 0.1 / 0.3 / 0.5; with or without a work order), each with its inputs filled and one
+// timed launch through the entry point: fn(s, density, bufs, pattern, that launch's ms).
 template <int D = 128, class Fn>
 void for_quick_shapes(bool work_order, Fn fn) {
   for (int s : {16384, 32768, 65536})
@@ -529,10 +529,10 @@ void timing_probe() {
 
 // The A/B table of the config experiments below: N configs of the kernel (launch(v, args, sms)
 // launches config v on the persistent grid, what the op runs) at the quick preset's shapes (bf16,
-// D = 128 unless given, H = 32/8, a work order), per shape a warm-up, then 8 rounds with the configs in forward
-// order in even rounds and reversed in odd ones (session 14: a fixed order read the first-timed arm
-// up to 13 % slow), ~20 ms of back-to-back launches per measurement. Prints config 0's median ms and
-// each other config's speed-up over it (>1: faster), overall and per order.
+// D = 128 unless given, H = 32/8, a work order), per shape a warm-up, then 8 rounds with the
+// configs in forward order in even rounds and reversed in odd ones (session 14: a fixed order read
+// the first-timed arm up to 13 % slow), ~20 ms of back-to-back launches per measurement. Prints
+// config 0's median ms and each other config's speed-up over it (>1: faster), overall and per order.
 template <int D = 128, int N, class Launch>
 void ab_table(const char* const (&names)[N], Launch launch) {
   int dev = 0, sms = 0;
