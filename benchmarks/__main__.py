@@ -188,15 +188,19 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def run_meta(**extra) -> dict:
-    """What every result row carries: GPU, torch, triton and the commit. The device machine may
-    get a copy of the tree whose .git is missing or stale: DLM_COMMIT names the commit there."""
+    """What every result row carries: GPU, torch, triton, the commit and the CUDA sources' hash.
+    The device machine may get a copy of the tree whose .git is missing or stale (session 16's
+    rows read a commit three behind): DLM_COMMIT names the commit there, and ``csrc`` (the hash
+    in the extensions' build directories) says which kernel sources ran either way."""
     import triton
+
+    from dlm_ops.backends import cutlass
 
     commit = os.environ.get("DLM_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                commit=commit or "unknown", **extra)
+                commit=commit or "unknown", csrc=cutlass.source_hash(), **extra)
 
 
 def write_results(folder, tag: str, rows: list[dict], meta: dict, what: str, table: str) -> None:
@@ -206,7 +210,8 @@ def write_results(folder, tag: str, rows: list[dict], meta: dict, what: str, tab
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{tag}.json").write_text(json.dumps(rows, indent=1))
     (out / f"{tag}.md").write_text(f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
-                                   f"commit {meta['commit']}; {what}\n\n{table}\n")
+                                   f"commit {meta['commit']}, csrc {meta.get('csrc', '-')}; "
+                                   f"{what}\n\n{table}\n")
     print("\n" + table)
 
 
@@ -248,8 +253,9 @@ def main(argv=None) -> int:
     (out / f"{tag}.json").write_text(json.dumps(rows, indent=1))
     table = _markdown(rows, modes, refs)
     (out / f"{tag}.md").write_text(
-        f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}; "
-        f"median of {a.rounds} interleaved rounds; TFLOPS on visible pairs.\n\n{table}\n")
+        f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, "
+        f"csrc {meta['csrc']}; median of {a.rounds} interleaved rounds; TFLOPS on visible "
+        f"pairs.\n\n{table}\n")
     if a.preset != "varlen":  # the plot's x axis is n
         _plot(rows, out / f"{tag}.png")
     print("\n" + table)

@@ -124,3 +124,19 @@ def test_ncu_stalls_reads_the_source_page():
     text = report(got, top=2)
     assert "1009 samples" in text and "HGMMA.64x64x16.F32.BF16 99.1%" in text
     assert text.splitlines()[-1].startswith("  0.6%   0.5%     0x10 STL")
+
+
+def test_result_rows_name_the_kernel_sources(tmp_path, monkeypatch):
+    """The device machine's copy of .git may be stale (session 16's rows named a commit three
+    behind): every row and table header also carries the hash of csrc/, which a source edit
+    changes and the extensions' build directories are named by."""
+    import benchmarks.__main__ as bench
+    from dlm_ops.backends import cutlass
+
+    monkeypatch.setenv("DLM_COMMIT", "abc1234")
+    meta = bench.run_meta()
+    assert meta["commit"] == "abc1234" and meta["csrc"] == cutlass.source_hash()
+    assert len(meta["csrc"]) == 16
+    bench.write_results(tmp_path, "t", [dict(meta, ms=1.0)], meta, "what", "| table |")
+    header = (tmp_path / "t.md").read_text().splitlines()[0]
+    assert f"commit abc1234, csrc {meta['csrc']};" in header

@@ -148,6 +148,12 @@ def _source_hash(flags: Sequence[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def source_hash() -> str:
+    """The hash in the build directories of the shipped extensions (built with the default flags):
+    what identifies the kernels a benchmark row ran, even where the commit cannot be read."""
+    return _source_hash(ARCH_FLAGS + CUDA_FLAGS)
+
+
 def build_directory(name: str, flags: Sequence[str]) -> Path:
     """Where ``name`` is built: one directory per torch version, CUDA version and source hash."""
     root = Path(os.environ.get("DLM_OPS_BUILD_DIR") or
