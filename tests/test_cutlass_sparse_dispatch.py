@@ -180,6 +180,49 @@ def test_work_order_is_longest_first_stable_and_sync_free():
     assert cs.work_order(torch.zeros((1, 2, 0), dtype=torch.int32)).numel() == 0
 
 
+class _CountingSort:
+    """The extension's work_order interface (csrc/bindings/work_order_sm90.cu), computed by torch,
+    with its bounds: records each call."""
+    work_order_max_items = 1000
+    work_order_max_count = 7
+
+    def __init__(self):
+        self.calls = []
+
+    def work_order(self, counts, order, max_count):
+        assert counts.dtype == order.dtype == torch.int32 and counts.is_contiguous()
+        assert order.shape == (counts.numel(),)
+        self.calls.append(max_count)
+        order.copy_(torch.argsort(counts.reshape(-1).clamp(0, max_count), descending=True,
+                                  stable=True))
+
+
+def test_work_order_takes_the_extensions_sort_within_its_bounds():
+    """The extension's counting sort runs when it exists, the list width is given and both the
+    items and the width fit its shared memory; torch's argsort otherwise (an older build, no
+    width, too many items, too long lists). Both give the same order."""
+    counts = torch.tensor([[[3, 0, 5], [5, 1, 3]], [[0, 0, 7], [2, 5, 2]]], dtype=torch.int32)
+    want = cs.work_order(counts)
+    ext = _CountingSort()
+    assert torch.equal(cs.work_order(counts, ext, 7), want) and ext.calls == [7]
+    for max_count, n in ((None, 12), (8, 12), (7, 2000)):
+        c = counts if n == 12 else torch.randint(0, 8, (n,), dtype=torch.int32)
+        assert torch.equal(cs.work_order(c, ext, max_count), cs.work_order(c))
+    assert ext.calls == [7]
+
+
+def test_block_forward_passes_the_list_width_to_the_work_order(fake, monkeypatch):
+    ext = _CountingSort()
+    monkeypatch.setattr(fake, "work_order", ext.work_order, raising=False)
+    monkeypatch.setattr(fake, "work_order_max_items", 10_000, raising=False)
+    monkeypatch.setattr(fake, "work_order_max_count", 64, raising=False)
+    q, k, v = _inputs(1, 300, 260, 4, 2, 128)
+    idx, cnt = block_pattern(1, 4, 300, 260, 128, 128, "random", 5, extra=2)  # 3 key blocks + 2
+    cs.CutlassSparseBackend().block_fwd(q, k, v, idx, cnt, 128, 128, 0.3)
+    assert ext.calls == [5]  # the list width: counts lie in [0, 5]
+    assert torch.equal(fake.calls[-1]["order"], cs.work_order(cnt))
+
+
 def test_uncovered_forwards_fall_back_to_triton(fake, monkeypatch):
     backend = cs.CutlassSparseBackend()
     q, k, v = _inputs(1, 300, 260, 4, 2, 128)
@@ -460,6 +503,33 @@ def _gpu_kv(b, sk, hkv, d, dtype, layout, seed):
     if layout == "offset":
         return tuple(make(b * sk * hkv * d + 1)[1:].view(b, sk, hkv, d) for _ in range(2))
     return make(b, sk, hkv, d), make(b, sk, hkv, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,max_count,kind", [
+    (1, 0, "uniform"), (4096, 13, "uniform"), (4096, 128, "random"), (31, 5, "random"),
+    (8193, 40, "random"), (20000, 3, "random"), (5000, 4095, "random"), (3000, 9, "unchecked"),
+    (2 ** 18, 512, "random"), (1000, 1, "two")])
+def test_gpu_work_order_is_torchs_stable_argsort(sparse_ext, n, max_count, kind):
+    """ext.work_order (csrc/hopper/work_order.cuh) against torch's stable descending argsort,
+    into a poisoned buffer: uniform counts (the identity path), random ones with many ties, one
+    item, n not a multiple of 32 and past one chunk of 8192, the largest count and item number
+    the kernel takes, two values; "unchecked": counts outside [0, max_count] are clamped (what
+    an unchecked call may pass: the order stays a permutation)."""
+    g = torch.Generator(device="cuda").manual_seed(n + max_count)
+    if kind == "uniform":
+        counts = torch.full((n,), max_count, dtype=torch.int32, device="cuda")
+    elif kind == "two":
+        counts = torch.randint(0, 2, (n,), generator=g, device="cuda").to(torch.int32)
+    else:
+        lo, hi = (-3, max_count + 4) if kind == "unchecked" else (0, max_count + 1)
+        counts = torch.randint(lo, hi, (n,), generator=g, device="cuda").to(torch.int32)
+    order = torch.full((n,), -7, dtype=torch.int32, device="cuda")
+    sparse_ext.work_order(counts, order, max_count)
+    want = torch.argsort(counts.clamp(0, max_count), descending=True, stable=True)
+    assert torch.equal(order.long(), want)
+    assert torch.equal(cs.work_order(counts.clamp(0, max_count).view(1, 1, n), sparse_ext,
+                                     max_count).long(), want)
 
 
 @pytest.mark.gpu

@@ -454,6 +454,8 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
   int it = 0;  // the producer's ring position, kept in step
   if (Cfg::kPingPong && consumer == 1) named_barrier_arrive(kTurnBarrier + 0);  // see kTurnBarrier
   for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
+    const int ev = consumer * 8;  // trace_event's slots of this consumer (harness `trace` only)
+    trace_event<Cfg>(item, ev + 0);
     const auto wi = kernel.item(w, consumer, tScS_rc);
     float row_max[kRows], row_sum[kRows], scale_row[kRows];
     for (int i = 0; i < kRows; ++i) {
@@ -464,6 +466,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
     const int n_tiles = wi.n_tiles;
     const QSlot<Cfg> qs(item);
     Barrier::wait(&ss.q_full[qs.buf], qs.phase);
+    trace_event<Cfg>(item, ev + 1);
 
     for (int j = 0; j < n_tiles; ++j, ++it) {
       const int stage = it % STAGES, phase = (it / STAGES) & 1;
@@ -473,6 +476,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       Barrier::wait(&ss.k_full[stage], phase);
       if (j > 0) Barrier::wait(&ss.v_full[prev], prev_phase);
       if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
+      if (j == 0) trace_event<Cfg>(item, ev + 2);
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
       gemm_fresh(mma_s, tSrQ(_, _, _, qs.buf), tSrK(_, _, _, stage), acc_s);
@@ -484,6 +488,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
         warpgroup_commit_batch();
       }
       if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
+      if (j == 0) trace_event<Cfg>(item, ev + 3);
       // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
       // serialize the wgmmas (warning C7514; nvcc 13.0). The other consumer's S then queues behind
       // our P V, which keeps the tensor cores busy all the same.
@@ -518,7 +523,9 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       }
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
+      if (j == 0) trace_event<Cfg>(item, ev + 4);
     }
+    trace_event<Cfg>(item, ev + 5);
     // The consumers' last S of this item has read Q: the producer may load the next item's (one
     // arrival after the loop, not a test in every step).
     Barrier::arrive(&ss.q_empty[qs.buf]);
@@ -534,9 +541,11 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       warpgroup_fence_operand(acc_o);
       Barrier::arrive(&ss.v_empty[last]);
     }
+    trace_event<Cfg>(item, ev + 6);
     // Epilogue (no key tile: O = 0, lse = -inf); rows from row_end on are not stored.
     store_item<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, wi.row_base,
                     kernel.row_end(wi), wi.row_offset, kernel.o_rows(), consumer, tid);
+    trace_event<Cfg>(item, ev + 7);
   }
   store_o_drain<Cfg>(tid);
 }

@@ -212,6 +212,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (threadIdx.x == 0) {
+      constexpr int ev = kTraceProducer;  // trace_event's slots (harness `trace` only)
+      trace_event<Cfg>(0, kTraceEvents - 4);  // the CTA's start: clock64, globaltimer
+      trace_event<Cfg>(0, kTraceEvents - 3);
       Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, D, p.heads, p.batch));
       Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, D, p.kv_heads, p.batch));
       Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, D, p.kv_heads, p.batch));
@@ -222,10 +225,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tVsV = tma_v.partition_D(sV);
       int it = 0;  // K/V visits so far, over every work item of this CTA: the ring position
       for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
+        trace_event<Cfg>(item, ev + 0);
         const SparseItem si = sparse_item(p, w);
         const int kvh = si.h / (p.heads / p.kv_heads);
         Tensor gQ = local_tile(mQ(_, _, si.h, si.b), Shape<Int<BM>, Int<D>>{}, make_coord(si.qb, 0));
         produce_q<Cfg>(p.tma_q, tma_q, gQ, sQ, ss, item);
+        trace_event<Cfg>(item, ev + 1);
         // Key block kb is key tile kb (block_k == BN): boxes by tile index, a short last one
         // zero-filled by TMA (the zeros still count as transaction bytes).
         Tensor tKgK = tma_k.partition_S(
@@ -240,8 +245,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           Barrier::wait(&ss.v_empty[stage], phase ^ 1);
           TxBarrier::arrive_and_expect_tx(&ss.v_full[stage], Cfg::kTileBytesKV);
           copy(p.tma_v.with(ss.v_full[stage]), tVgV(_, _, _, kb), tVsV(_, _, _, stage));
+          if (j == 0) trace_event<Cfg>(item, ev + 2);
         }
+        trace_event<Cfg>(item, ev + 3);
       }
+      trace_event<Cfg>(0, kTraceEvents - 2);  // the producer's end
+      trace_event<Cfg>(0, kTraceEvents - 1);
     }
     return;
   }

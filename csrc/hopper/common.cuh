@@ -87,6 +87,36 @@ CUTE_DEVICE bool probe_stores(Acc const& acc) {
   return !(probe_of<Cfg> & kProbeNoStore) || acc(0) == 1234.5f;
 }
 
+// Timestamps for the harnesses' `trace` modes (tests/cuda): a config that declares `static
+// constexpr bool kTrace = true` (Traced<Base>) has thread 0 of each warpgroup record clock64() at
+// fixed points of its first kTraceItems work items into g_trace<>[(CTA, item, event)], which the
+// harness points at a buffer (cudaMemcpyToSymbol). Events: consumer c at c * 8 + e
+// (kTraceConsumerEvents), the producer from kTraceProducer on, the CTA's clocks and globaltimer
+// at start and end in the last four (the SM clock's rate). No shipped config declares it: the
+// variable template is not even instantiated there.
+constexpr int kTraceItems = 64, kTraceEvents = 24, kTraceProducer = 16;
+template <class T>
+__device__ T* g_trace;
+template <class Cfg, class = void>
+inline constexpr bool trace_of = false;
+template <class Cfg>
+inline constexpr bool trace_of<Cfg, std::void_t<decltype(Cfg::kTrace)>> = Cfg::kTrace;
+template <class Base>
+struct Traced : Base {
+  static constexpr bool kTrace = true;
+};
+template <class Cfg>
+CUTE_DEVICE void trace_event(int item, int event) {
+  if constexpr (trace_of<Cfg>) {
+    if (threadIdx.x % 128 == 0 && item < kTraceItems) {
+      unsigned long long t;
+      if (event >= kTraceEvents - 4 && event % 2) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      else t = clock64();
+      g_trace<unsigned long long>[(size_t(blockIdx.x) * kTraceItems + item) * kTraceEvents + event] = t;
+    }
+  }
+}
+
 // Named barrier `id` over `threads` threads (id 0 is __syncthreads).
 CUTE_DEVICE void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -10,9 +10,10 @@ Forwards only. Block-sparse: selection blocks 128. The kernel covers what its ``
 or 128), fp16 / bf16 (declared capabilities: fp32 selects ``triton``), GQA, any Sq / Sk (the last
 blocks may be partial), empty lists (out 0, lse -inf), return_lse; checked per call, TMA-ready
 q / k / v (unit stride in D, 16-byte aligned base and strides). The kernel walks its (batch, head,
-query block) items in a work order, longest list first (one argsort of the counts on the device
-per call, no host sync; 21 us of GPU time at 4096 items), on a persistent grid (one CTA per SM,
-``PERSISTENT``) whose CTAs take the items in the snake order.
+query block) items in a work order, longest list first (``work_order``: one small launch of the
+extension's counting sort, csrc/hopper/work_order.cuh, no host sync; torch.argsort took ~23 us of
+GPU time at 4096 items), on a persistent grid (one CTA per SM, ``PERSISTENT``) whose CTAs take the
+items in the snake order.
 
 Column-sparse (``column_fwd``): dense attention over each head's listed keys, so the listed K / V
 rows are gathered per query head into (B, K, H, D) buffers (K = kv_indices.shape[-1], static: no
@@ -53,7 +54,7 @@ from .cutlass import sm_count as _sm_count
 from .sparse_triton import TritonSparseBackend
 
 SOURCES = ["bindings/sparse_sm90.cpp", "bindings/sparse_fwd_sm90.cu",
-           "bindings/column_gather_sm90.cu"] + [
+           "bindings/column_gather_sm90.cu", "bindings/work_order_sm90.cu"] + [
     f"hopper/block_sparse_fwd_{t}_d{d}.cu" for t in ("bf16", "fp16") for d in (64, 128)]
 # CUTLASS forwards run, and calls handed to Triton, per entry point; the backwards have no CUTLASS
 # kernel: they are all fallbacks.
@@ -87,10 +88,20 @@ def _max_ctas(device: torch.device) -> int:
     return _sm_count(device) if PERSISTENT else 0
 
 
-def work_order(counts: torch.Tensor) -> torch.Tensor:
+def work_order(counts: torch.Tensor, ext=None, max_count: int | None = None) -> torch.Tensor:
     """The kernel's work items, entries (b * H + h) * nQb + qb of the flat counts, longest list
     first (stable: ties keep their natural order, so the schedule is deterministic), int32 on the
-    counts' device; no host sync."""
+    counts' device; no host sync. With an extension that has the counting sort (``ext.work_order``,
+    csrc/hopper/work_order.cuh) and ``max_count`` (the list width: counts lie in [0, max_count])
+    within its bounds, one launch of it; otherwise torch's stable argsort (a build from before
+    it, more items or longer lists than its shared memory holds)."""
+    n = counts.numel()
+    rank = getattr(ext, "work_order", None)
+    if (rank is not None and max_count is not None
+            and 0 < n <= ext.work_order_max_items and 0 <= max_count <= ext.work_order_max_count):
+        order = torch.empty(n, dtype=torch.int32, device=counts.device)
+        rank(counts.contiguous(), order, max_count)
+        return order
     return torch.argsort(counts.reshape(-1), descending=True, stable=True).to(torch.int32)
 
 
@@ -197,7 +208,8 @@ class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
         b, sq, h, _ = q.shape
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, sq), torch.float32)
-        ext.fwd(q, k, v, out, lse, idx, counts, work_order(counts), bsq, bsk, scale,
+        order = work_order(counts, ext, idx.shape[-1])
+        ext.fwd(q, k, v, out, lse, idx, counts, order, bsq, bsk, scale,
                 max_ctas=_max_ctas(q.device))
         STATS["fwd"] += 1
         return out, lse

@@ -19,6 +19,8 @@
 //   ./sparse_fwd waves    # 16K / 10 % at H = 28..36: does time follow the persistent grid's waves?
 //   ./sparse_fwd softmax-ab  # FwdConfig SOFTMAX_ILP_ / STALE_MAX_ (the softmax in four chains, the
 //                         # O rescale skipped while the max is stale): checks + A/B
+//   ./sparse_fwd trace    # where an item's time goes: clock64 stamps at fixed points of each item
+//                         # (common.cuh Traced), per-phase means in microseconds at four shapes
 //   ./sparse_fwd prof     # one persistent launch at 16K, density 0.1 and 0.5, for ncu: the kernel's
 //                         # 6th and 12th launches (ncu --launch-skip 5 / 11 --launch-count 1)
 #include <algorithm>
@@ -679,6 +681,78 @@ void waves() {
   }
 }
 
+// Mode `trace`: where a work item's time goes. The shipped config with kTrace (common.cuh Traced:
+// thread 0 of each warpgroup stamps clock64 at fixed points of its CTA's first 64 items), one
+// persistent launch after the shipped kernel's own, at 16K / 10 % (the goal's last miss), 16K /
+// 50 %, 64K / 10 % and 64K / 50 %. Per phase the mean over every CTA's items 1 .. 62 (not the
+// first, whose start is the launch's, nor the last traced), in microseconds at each CTA's own clock
+// rate (clock64 against globaltimer over the producer's run). Consumer phases: Q wait (item top ->
+// Q ready), first K (-> turn taken for S_0), S_0 (issue -> ready), tile 0 (softmax of S_0 ->
+// P_0 ready), per tile after it ((loop end - tile 0 end) / (n - 1)), last P V, epilogue (O / lse
+// to the TMA store), period (item top -> next item top). Producer: Q slot wait (q_empty), the first
+// K / V issued, the rest of the item's loads; and the latencies Q issued -> consumer 0's Q ready,
+// first K / V issued -> consumer 0's turn for S_0 (negative: the data was there first).
+void trace() {
+  using namespace dlm::sm90;
+  using Cfg = Traced<HarnessCfg<bf16, 128>>;
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  using u64 = unsigned long long;
+  const size_t slots = (size_t)sms * kTraceItems * kTraceEvents;
+  u64* dbuf = nullptr;
+  CK(cudaMalloc(&dbuf, slots * sizeof(u64)));
+  CK(cudaMemcpyToSymbol(g_trace<u64>, &dbuf, sizeof(dbuf)));
+  std::vector<u64> h(slots);
+  printf("| S | density | tiles / item | period | Q wait | first K | S_0 | tile 0 | per tile | last P V | "
+         "epilogue | c1 period | c1 first K | c1 tile 0 | c1 epilogue | prod. Q slot | prod. first K/V | "
+         "prod. rest | Q issue -> ready | K/V issue -> turn | GHz |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int s : {16384, 65536})
+    for (double d : {0.1, 0.5}) {
+      const Case c{1, s, s, 32, 8, "density", d, 0, true};
+      std::mt19937 g(s + (int)(d * 1000));
+      const Pattern p = make_pattern(c.B, c.H, c.sq, c.sk, c.kind, c.density, c.pad, g);
+      Bufs<bf16, 128> b;
+      fill_and_time(b, c, p, c.sk, 1);
+      CK(cudaMemset(dbuf, 0, slots * sizeof(u64)));
+      CK(launch_block_sparse_fwd_cfg<Cfg>(b.args, sms));
+      CK(cudaDeviceSynchronize());
+      CK(cudaMemcpy(h.data(), dbuf, slots * sizeof(u64), cudaMemcpyDeviceToHost));
+      std::vector<int32_t> ord(p.cnt.size());
+      CK(cudaMemcpy(ord.data(), b.order, ord.size() * 4, cudaMemcpyDeviceToHost));
+      const int items = (int)p.cnt.size(), ctas = std::min(sms, items);
+      constexpr int kCols = 19;
+      double sum[kCols] = {}, n = 0, tiles = 0;
+      for (int cta = 0; cta < ctas; ++cta) {
+        const u64* e0 = &h[(size_t)cta * kTraceItems * kTraceEvents];
+        const double ghz = double(e0[kTraceEvents - 2] - e0[kTraceEvents - 4]) /
+                           double(e0[kTraceEvents - 1] - e0[kTraceEvents - 3]);
+        const int mine = (items - cta + ctas - 1) / ctas;
+        for (int it = 1; it + 1 < std::min(mine, kTraceItems); ++it) {
+          const u64* e = e0 + (size_t)it * kTraceEvents;
+          const u64* nx = e + kTraceEvents;
+          const int w = dlm::snake_index(it, ctas, cta), tl = p.cnt[ord[w]];
+          if (tl < 2) continue;
+          auto us = [&](u64 a, u64 z) { return (double(z) - double(a)) / ghz / 1000.0; };
+          const u64* pr = e + kTraceProducer;
+          const double v[kCols] = {
+              us(e[0], nx[0]), us(e[0], e[1]), us(e[1], e[2]), us(e[2], e[3]), us(e[3], e[4]),
+              us(e[4], e[5]) / (tl - 1), us(e[5], e[6]), us(e[6], e[7]),
+              us(e[8], nx[8]), us(e[9], e[10]), us(e[11], e[12]), us(e[14], e[15]),
+              us(pr[0], pr[1]), us(pr[1], pr[2]), us(pr[2], pr[3]), us(pr[1], e[1]), us(pr[2], e[2]),
+              ghz, (double)tl};
+          for (int k = 0; k < kCols; ++k) sum[k] += v[k];
+          n += 1;
+        }
+      }
+      printf("| %dK | %.1f | %.1f |", s / 1024, d, sum[18] / n);
+      for (int k = 0; k < 17; ++k) printf(" %.2f |", sum[k] / n);
+      printf(" %.3f |\n", sum[17] / n);
+      fflush(stdout);
+    }
+  CK(cudaFree(dbuf));
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "all";
   if (mode == "prof") {
@@ -695,6 +769,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "softmax-ab") return softmax_ab();
+  if (mode == "trace") {
+    trace();
+    return 0;
+  }
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
     check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");
