@@ -19,6 +19,7 @@
 //   ./sparse_fwd waves    # 16K / 10 % at H = 28..36: does time follow the persistent grid's waves?
 //   ./sparse_fwd softmax-ab  # FwdConfig SOFTMAX_ILP_ / STALE_MAX_ (the softmax in four chains, the
 //                         # O rescale skipped while the max is stale): checks + A/B
+//   ./sparse_fwd epi-ab   # the item's end: two Q buffers, the O store knocked out, stmatrix (A/B)
 //   ./sparse_fwd trace    # where an item's time goes: clock64 stamps at fixed points of each item
 //                         # (common.cuh Traced), per-phase means in microseconds at four shapes
 //   ./sparse_fwd prof     # one persistent launch at 16K, density 0.1 and 0.5, for ncu: the kernel's
@@ -692,9 +693,11 @@ void waves() {
 // to the TMA store), period (item top -> next item top). Producer: Q slot wait (q_empty), the first
 // K / V issued, the rest of the item's loads; and the latencies Q issued -> consumer 0's Q ready,
 // first K / V issued -> consumer 0's turn for S_0 (negative: the data was there first).
-void trace() {
+template <class Base>
+void trace(const char* name) {
   using namespace dlm::sm90;
-  using Cfg = Traced<HarnessCfg<bf16, 128>>;
+  using Cfg = Traced<Base>;
+  printf("\n== %s\n", name);
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
@@ -721,14 +724,18 @@ void trace() {
       std::vector<int32_t> ord(p.cnt.size());
       CK(cudaMemcpy(ord.data(), b.order, ord.size() * 4, cudaMemcpyDeviceToHost));
       const int items = (int)p.cnt.size(), ctas = std::min(sms, items);
+      auto traced_items = [&](int cta) {  // this CTA's items (snake order), at most kTraceItems
+        int k = 0;
+        while (k < kTraceItems && dlm::snake_index(k, ctas, cta) < items) ++k;
+        return k;
+      };
       constexpr int kCols = 19;
       double sum[kCols] = {}, n = 0, tiles = 0;
       for (int cta = 0; cta < ctas; ++cta) {
         const u64* e0 = &h[(size_t)cta * kTraceItems * kTraceEvents];
         const double ghz = double(e0[kTraceEvents - 2] - e0[kTraceEvents - 4]) /
                            double(e0[kTraceEvents - 1] - e0[kTraceEvents - 3]);
-        const int mine = (items - cta + ctas - 1) / ctas;
-        for (int it = 1; it + 1 < std::min(mine, kTraceItems); ++it) {
+        for (int it = 1; it + 1 < traced_items(cta); ++it) {
           const u64* e = e0 + (size_t)it * kTraceEvents;
           const u64* nx = e + kTraceEvents;
           const int w = dlm::snake_index(it, ctas, cta), tl = p.cnt[ord[w]];
@@ -753,6 +760,47 @@ void trace() {
   CK(cudaFree(dbuf));
 }
 
+// Mode `epi-ab`: the end of an item (csrc/NOTES.md "Session 17"). The trace showed consumer 0's
+// last P V + epilogue (~1.7 us) and the next item's Q load (issued when both consumers have
+// finished their last S: ~1.5 us from issue to ready) covering each other, which is why neither
+// two Q buffers alone (session 15) nor the store knockout alone (session 12, which in fact knocked
+// nothing out on the TMA-store path: store_item now honours it) moved the time. Configs: shipped;
+// two Q buffers; the knockout; both (the bound); stmatrix for the O staging; two Q buffers +
+// stmatrix. Checks first (the knockouts' results are wrong by design and not checked).
+template <class Elem, int D, int QSTAGES, bool STSM>
+using EpiCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, QSTAGES, true, true,
+                                    dlm::sm90::fwd_stale_max(D), STSM>;
+
+int epi_ab() {
+  using namespace dlm::sm90;
+  checks<bf16, 128, EpiCfg<bf16, 128, 1, true>>("bf16 stmatrix");
+  checks<fp16, 128, EpiCfg<fp16, 128, 1, true>>("fp16 stmatrix");
+  checks<bf16, 64, EpiCfg<bf16, 64, 1, true>>("bf16 D64 stmatrix");
+  checks<bf16, 128, EpiCfg<bf16, 128, 2, true>>("bf16 2 Q + stmatrix");
+  checks<fp16, 64, EpiCfg<fp16, 64, 2, true>>("fp16 D64 2 Q + stmatrix");
+  printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
+  if (g_failed) return 1;
+  static const char* const names[6] = {"shipped", "2 Q", "no store", "2 Q + no store", "stmatrix",
+                                       "2 Q + stmatrix"};
+  ab_table(names, [](int v, const SparseFwdArgs& a, int sms) {
+    if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 1, false>>(a, sms));
+    if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 2, false>>(a, sms));
+    if (v == 2) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 1, false>, kProbeNoStore>>(a, sms));
+    if (v == 3) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 2, false>, kProbeNoStore>>(a, sms));
+    if (v == 4) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 1, true>>(a, sms));
+    if (v == 5) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 2, true>>(a, sms));
+  });
+  static const char* const names64[3] = {"shipped", "stmatrix", "2 Q + stmatrix"};
+  ab_table<64>(names64, [](int v, const SparseFwdArgs& a, int sms) {
+    if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 64, 1, false>>(a, sms));
+    if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 64, 1, true>>(a, sms));
+    if (v == 2) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 64, 2, true>>(a, sms));
+  });
+  trace<EpiCfg<bf16, 128, 2, true>>("trace: 2 Q + stmatrix");
+  trace<EpiCfg<bf16, 128, 1, true>>("trace: stmatrix");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "all";
   if (mode == "prof") {
@@ -770,9 +818,10 @@ int main(int argc, char** argv) {
   }
   if (mode == "softmax-ab") return softmax_ab();
   if (mode == "trace") {
-    trace();
+    trace<HarnessCfg<bf16, 128>>("trace: shipped");
     return 0;
   }
+  if (mode == "epi-ab") return epi_ab();
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
     check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");
