@@ -509,12 +509,12 @@ def _gpu_kv(b, sk, hkv, d, dtype, layout, seed):
 @pytest.mark.parametrize("n,max_count,kind", [
     (1, 0, "uniform"), (4096, 13, "uniform"), (4096, 128, "random"), (31, 5, "random"),
     (8193, 40, "random"), (20000, 3, "random"), (5000, 65535, "random"), (3000, 9, "unchecked"),
-    (2 ** 15, 512, "random"), (1000, 1, "two"), (2, 7, "random")])
+    (2 ** 14, 512, "random"), (1000, 1, "two"), (2, 7, "random")])
 def test_gpu_work_order_is_torchs_stable_argsort(sparse_ext, n, max_count, kind):
     """ext.work_order (csrc/hopper/work_order.cuh) against torch's stable descending argsort,
     into a poisoned buffer: uniform counts (the identity path), random ones with many ties (the
-    bitonic sort), one and two items, n not a power of two, the largest count and item number the
-    kernel takes, two values; "unchecked": counts outside [0, max_count] are clamped (what an
+    radix sort), one and two items, n not a multiple of the block, the largest count and item
+    number the kernel takes, two values; "unchecked": counts outside [0, max_count] are clamped (what an
     unchecked call may pass: the order stays a permutation)."""
     g = torch.Generator(device="cuda").manual_seed(n + max_count)
     if kind == "uniform":

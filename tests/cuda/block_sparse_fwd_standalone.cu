@@ -20,6 +20,7 @@
 //   ./sparse_fwd softmax-ab  # FwdConfig SOFTMAX_ILP_ / STALE_MAX_ (the softmax in four chains, the
 //                         # O rescale skipped while the max is stale): checks + A/B
 //   ./sparse_fwd epi-ab   # the item's end: two Q buffers, the O store knocked out, stmatrix (A/B)
+//   ./sparse_fwd stsm-ab  # stmatrix alone against the shipped epilogue and the knockout (A/B)
 //   ./sparse_fwd trace    # where an item's time goes: clock64 stamps at fixed points of each item
 //                         # (common.cuh Traced), per-phase means in microseconds at four shapes
 //   ./sparse_fwd prof     # one persistent launch at 16K, density 0.1 and 0.5, for ncu: the kernel's
@@ -801,6 +802,25 @@ int epi_ab() {
   return 0;
 }
 
+// Mode `stsm-ab`: epi-ab's stmatrix rerun alone against the shipped epilogue and the knockout (the
+// bound), no checks (epi-ab's passed), then the trace of the stmatrix config.
+int stsm_ab() {
+  using namespace dlm::sm90;
+  static const char* const names[3] = {"shipped", "stmatrix", "no store"};
+  ab_table(names, [](int v, const SparseFwdArgs& a, int sms) {
+    if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 1, false>>(a, sms));
+    if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 1, true>>(a, sms));
+    if (v == 2) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 1, false>, kProbeNoStore>>(a, sms));
+  });
+  static const char* const names64[2] = {"shipped", "stmatrix"};
+  ab_table<64>(names64, [](int v, const SparseFwdArgs& a, int sms) {
+    if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 64, 1, false>>(a, sms));
+    if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 64, 1, true>>(a, sms));
+  });
+  trace<EpiCfg<bf16, 128, 1, true>>("trace: stmatrix");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "all";
   if (mode == "prof") {
@@ -822,6 +842,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "epi-ab") return epi_ab();
+  if (mode == "stsm-ab") return stsm_ab();
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
     check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");
