@@ -9,7 +9,6 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cute/atom/copy_traits_sm90.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
@@ -44,16 +43,13 @@ struct OStaging<Elem, 0> {};
 // SOFTMAX_ILP_: online_softmax_tile_ilp, the tile's softmax with its row max and row sum in four
 // independent chains and the scale folded into the exponent's FFMA. STALE_MAX_ (with it): a warp
 // keeps its rows' maxima while none grows by more than kStaleMaxBound, and then skips the O rescale.
-// STSM_O_ (with SMEM_O_): the epilogue writes O to the staging buffer with stmatrix (16 bytes of
-// four 8 x 8 matrices per thread and instruction) instead of one 4-byte st.shared per pair.
 template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true,
           int START_ = kStartTile, int QSTAGES_ = 1, bool SMEM_O_ = false, bool SOFTMAX_ILP_ = false,
-          bool STALE_MAX_ = false, bool STSM_O_ = false>
+          bool STALE_MAX_ = false>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_, QSTAGES = QSTAGES_;
   static constexpr bool kSmemO = SMEM_O_;
-  static constexpr bool kStsmO = SMEM_O_ && STSM_O_;
   static constexpr bool kSoftmaxIlp = SOFTMAX_ILP_ || STALE_MAX_;
   static constexpr bool kStaleMax = STALE_MAX_;
   static constexpr bool kPingPong = PINGPONG_;  // the consumers take turns at the tensor cores
@@ -342,37 +338,18 @@ CUTE_DEVICE void store_o_lse_tma(Params const& p, typename Cfg::SharedStorage& s
   // The buffer is free once this warpgroup's previous store has read it (long done, as a rule).
   if (tid == 0) tma_store_wait<0>();
   bar_sync(kOStoreBarrier + consumer, 128);
-  if constexpr (Cfg::kStsmO) {
-    // O / l in the accumulator's register order, then stmatrix through the MMA's C layout.
-    Tensor o_elem = make_fragment_like<Elem>(acc_o);
-    Tensor oe_rc = make_tensor(o_elem.data(), acc_rowcol(o_elem.layout()));
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    const float l = quad_sum(row_sum[i]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
     CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      const float l = quad_sum(row_sum[i]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o_rc); ++c) oe_rc(i, c) = Elem(o_rc(i, c) * inv);
-      if (tid % 4 == 0)
-        p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row_offset + row_base + get<0>(tOcO_rc(i, 0))] =
-            l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+    for (int c = 0; c < size<1>(o_rc); c += 2) {
+      const Elem pair[2] = {Elem(o_rc(i, c) * inv), Elem(o_rc(i, c + 1) * inv)};
+      st_shared_b32(smem_addr(&s_rc(i, c)), *reinterpret_cast<const uint32_t*>(pair));
     }
-    auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Elem>{}, mma_o);
-    auto thr_copy = copy_o.get_thread_slice(tid);
-    copy(copy_o, thr_copy.retile_S(o_elem), thr_copy.partition_D(sO));
-  } else {
-    CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      const float l = quad_sum(row_sum[i]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o_rc); c += 2) {
-        const Elem pair[2] = {Elem(o_rc(i, c) * inv), Elem(o_rc(i, c + 1) * inv)};
-        st_shared_b32(smem_addr(&s_rc(i, c)), *reinterpret_cast<const uint32_t*>(pair));
-      }
-      if (tid % 4 == 0)
-        p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row_offset + row_base + get<0>(tOcO_rc(i, 0))] =
-            l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
-    }
+    if (tid % 4 == 0)
+      p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row_offset + row_base + get<0>(tOcO_rc(i, 0))] =
+          l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
   }
   tma_store_fence();  // the generic-proxy writes above, visible to the TMA (async proxy)
   bar_sync(kOStoreBarrier + consumer, 128);

@@ -19,8 +19,7 @@
 //   ./sparse_fwd waves    # 16K / 10 % at H = 28..36: does time follow the persistent grid's waves?
 //   ./sparse_fwd softmax-ab  # FwdConfig SOFTMAX_ILP_ / STALE_MAX_ (the softmax in four chains, the
 //                         # O rescale skipped while the max is stale): checks + A/B
-//   ./sparse_fwd epi-ab   # the item's end: two Q buffers, the O store knocked out, stmatrix (A/B)
-//   ./sparse_fwd stsm-ab  # stmatrix alone against the shipped epilogue and the knockout (A/B)
+//   ./sparse_fwd epi-ab   # the item's end: two Q buffers, the O store knocked out (A/B)
 //   ./sparse_fwd trace    # where an item's time goes: clock64 stamps at fixed points of each item
 //                         # (common.cuh Traced), per-phase means in microseconds at four shapes
 //   ./sparse_fwd prof     # one persistent launch at 16K, density 0.1 and 0.5, for ncu: the kernel's
@@ -719,8 +718,7 @@ void trace(const char* name) {
       Bufs<bf16, 128> b;
       fill_and_time(b, c, p, c.sk, 1);
       CK(cudaMemset(dbuf, 0, slots * sizeof(u64)));
-      CK(launch_block_sparse_fwd_cfg<Cfg>(b.args, sms));
-      CK(cudaDeviceSynchronize());
+      const float kernel_ms = time_loop(1, [&] { CK(launch_block_sparse_fwd_cfg<Cfg>(b.args, sms)); });
       CK(cudaMemcpy(h.data(), dbuf, slots * sizeof(u64), cudaMemcpyDeviceToHost));
       std::vector<int32_t> ord(p.cnt.size());
       CK(cudaMemcpy(ord.data(), b.order, ord.size() * 4, cudaMemcpyDeviceToHost));
@@ -731,11 +729,22 @@ void trace(const char* name) {
         return k;
       };
       constexpr int kCols = 19;
-      double sum[kCols] = {}, n = 0, tiles = 0;
+      double sum[kCols] = {}, n = 0, first_top = 0, span = 0, span_max = 0, spanned = 0;
       for (int cta = 0; cta < ctas; ++cta) {
         const u64* e0 = &h[(size_t)cta * kTraceItems * kTraceEvents];
         const double ghz = double(e0[kTraceEvents - 2] - e0[kTraceEvents - 4]) /
                            double(e0[kTraceEvents - 1] - e0[kTraceEvents - 3]);
+        // the CTA's start -> its first item's top, and -> consumer 0's last epilogue (when every
+        // item of the CTA was traced)
+        first_top += (double(e0[0]) - double(e0[kTraceEvents - 4])) / ghz / 1000.0;
+        const int mine = traced_items(cta);
+        if (mine < kTraceItems) {
+          const double sp = (double(e0[(size_t)(mine - 1) * kTraceEvents + 7]) - double(e0[kTraceEvents - 4])) /
+                            ghz / 1000.0;
+          span += sp;
+          span_max = std::max(span_max, sp);
+          spanned += 1;
+        }
         for (int it = 1; it + 1 < traced_items(cta); ++it) {
           const u64* e = e0 + (size_t)it * kTraceEvents;
           const u64* nx = e + kTraceEvents;
@@ -756,6 +765,9 @@ void trace(const char* name) {
       printf("| %dK | %.1f | %.1f |", s / 1024, d, sum[18] / n);
       for (int k = 0; k < 17; ++k) printf(" %.2f |", sum[k] / n);
       printf(" %.3f |\n", sum[17] / n);
+      printf("|   | kernel %.1f us (one traced launch); CTA start -> first item %.2f us; CTA start -> last "
+             "epilogue: mean %.1f, max %.1f us (%d CTAs traced whole) |\n", 1000.0 * kernel_ms, first_top / ctas,
+             spanned ? span / spanned : 0.0, span_max, (int)spanned);
       fflush(stdout);
     }
   CK(cudaFree(dbuf));
@@ -766,58 +778,28 @@ void trace(const char* name) {
 // finished their last S: ~1.5 us from issue to ready) covering each other, which is why neither
 // two Q buffers alone (session 15) nor the store knockout alone (session 12, which in fact knocked
 // nothing out on the TMA-store path: store_item now honours it) moved the time. Configs: shipped;
-// two Q buffers; the knockout; both (the bound); stmatrix for the O staging; two Q buffers +
-// stmatrix. Checks first (the knockouts' results are wrong by design and not checked).
-template <class Elem, int D, int QSTAGES, bool STSM>
+// two Q buffers; the knockout; both (what removing the item's end could give). Session 17 also
+// timed the O staging written with stmatrix (FwdConfig STSM_O_, deleted): 0.997-1.015x here,
+// 0.99-1.02x in the diffusion forward. Checks of two Q buffers first (the knockouts' results are
+// wrong by design).
+template <class Elem, int D, int QSTAGES>
 using EpiCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, QSTAGES, true, true,
-                                    dlm::sm90::fwd_stale_max(D), STSM>;
+                                    dlm::sm90::fwd_stale_max(D)>;
 
 int epi_ab() {
   using namespace dlm::sm90;
-  checks<bf16, 128, EpiCfg<bf16, 128, 1, true>>("bf16 stmatrix");
-  checks<fp16, 128, EpiCfg<fp16, 128, 1, true>>("fp16 stmatrix");
-  checks<bf16, 64, EpiCfg<bf16, 64, 1, true>>("bf16 D64 stmatrix");
-  checks<bf16, 128, EpiCfg<bf16, 128, 2, true>>("bf16 2 Q + stmatrix");
-  checks<fp16, 64, EpiCfg<fp16, 64, 2, true>>("fp16 D64 2 Q + stmatrix");
+  checks<bf16, 128, EpiCfg<bf16, 128, 2>>("bf16 2 Q");
+  checks<fp16, 64, EpiCfg<fp16, 64, 2>>("fp16 D64 2 Q");
   printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
   if (g_failed) return 1;
-  static const char* const names[6] = {"shipped", "2 Q", "no store", "2 Q + no store", "stmatrix",
-                                       "2 Q + stmatrix"};
+  static const char* const names[4] = {"shipped", "2 Q", "no store", "2 Q + no store"};
   ab_table(names, [](int v, const SparseFwdArgs& a, int sms) {
-    if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 1, false>>(a, sms));
-    if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 2, false>>(a, sms));
-    if (v == 2) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 1, false>, kProbeNoStore>>(a, sms));
-    if (v == 3) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 2, false>, kProbeNoStore>>(a, sms));
-    if (v == 4) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 1, true>>(a, sms));
-    if (v == 5) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 2, true>>(a, sms));
+    if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 1>>(a, sms));
+    if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 2>>(a, sms));
+    if (v == 2) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 1>, kProbeNoStore>>(a, sms));
+    if (v == 3) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 2>, kProbeNoStore>>(a, sms));
   });
-  static const char* const names64[3] = {"shipped", "stmatrix", "2 Q + stmatrix"};
-  ab_table<64>(names64, [](int v, const SparseFwdArgs& a, int sms) {
-    if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 64, 1, false>>(a, sms));
-    if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 64, 1, true>>(a, sms));
-    if (v == 2) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 64, 2, true>>(a, sms));
-  });
-  trace<EpiCfg<bf16, 128, 2, true>>("trace: 2 Q + stmatrix");
-  trace<EpiCfg<bf16, 128, 1, true>>("trace: stmatrix");
-  return 0;
-}
-
-// Mode `stsm-ab`: epi-ab's stmatrix rerun alone against the shipped epilogue and the knockout (the
-// bound), no checks (epi-ab's passed), then the trace of the stmatrix config.
-int stsm_ab() {
-  using namespace dlm::sm90;
-  static const char* const names[3] = {"shipped", "stmatrix", "no store"};
-  ab_table(names, [](int v, const SparseFwdArgs& a, int sms) {
-    if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 1, false>>(a, sms));
-    if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 1, true>>(a, sms));
-    if (v == 2) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 1, false>, kProbeNoStore>>(a, sms));
-  });
-  static const char* const names64[2] = {"shipped", "stmatrix"};
-  ab_table<64>(names64, [](int v, const SparseFwdArgs& a, int sms) {
-    if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 64, 1, false>>(a, sms));
-    if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 64, 1, true>>(a, sms));
-  });
-  trace<EpiCfg<bf16, 128, 1, true>>("trace: stmatrix");
+  trace<EpiCfg<bf16, 128, 2>>("trace: 2 Q");
   return 0;
 }
 
@@ -842,7 +824,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "epi-ab") return epi_ab();
-  if (mode == "stsm-ab") return stsm_ab();
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
     check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");
