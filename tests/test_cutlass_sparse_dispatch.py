@@ -180,7 +180,7 @@ def test_work_order_is_longest_first_stable_and_sync_free():
     assert cs.work_order(torch.zeros((1, 2, 0), dtype=torch.int32)).numel() == 0
 
 
-class _CountingSort:
+class _OrderExtension:
     """The extension's work_order interface (csrc/bindings/work_order_sm90.cu), computed by torch,
     with its bounds: records each call."""
     work_order_max_items = 1000
@@ -203,7 +203,7 @@ def test_work_order_takes_the_extensions_sort_within_its_bounds():
     width, too many items, too long lists). Both give the same order."""
     counts = torch.tensor([[[3, 0, 5], [5, 1, 3]], [[0, 0, 7], [2, 5, 2]]], dtype=torch.int32)
     want = cs.work_order(counts)
-    ext = _CountingSort()
+    ext = _OrderExtension()
     assert torch.equal(cs.work_order(counts, ext, 7), want) and ext.calls == [7]
     for max_count, n in ((None, 12), (8, 12), (7, 2000)):
         c = counts if n == 12 else torch.randint(0, 8, (n,), dtype=torch.int32)
@@ -212,7 +212,7 @@ def test_work_order_takes_the_extensions_sort_within_its_bounds():
 
 
 def test_block_forward_passes_the_list_width_to_the_work_order(fake, monkeypatch):
-    ext = _CountingSort()
+    ext = _OrderExtension()
     monkeypatch.setattr(fake, "work_order", ext.work_order, raising=False)
     monkeypatch.setattr(fake, "work_order_max_items", 10_000, raising=False)
     monkeypatch.setattr(fake, "work_order_max_count", 64, raising=False)

@@ -11,9 +11,9 @@ or 128), fp16 / bf16 (declared capabilities: fp32 selects ``triton``), GQA, any 
 blocks may be partial), empty lists (out 0, lse -inf), return_lse; checked per call, TMA-ready
 q / k / v (unit stride in D, 16-byte aligned base and strides). The kernel walks its (batch, head,
 query block) items in a work order, longest list first (``work_order``: one small launch of the
-extension's counting sort, csrc/hopper/work_order.cuh, no host sync; torch.argsort took ~23 us of
-GPU time at 4096 items), on a persistent grid (one CTA per SM, ``PERSISTENT``) whose CTAs take the
-items in the snake order.
+extension's sort, csrc/hopper/work_order.cuh, no host sync: 1.8 us of GPU time at 4096 items with
+uniform counts, 12 us with random ones, where torch.argsort + the int32 cast took 22-24 us), on a
+persistent grid (one CTA per SM, ``PERSISTENT``) whose CTAs take the items in the snake order.
 
 Column-sparse (``column_fwd``): dense attention over each head's listed keys, so the listed K / V
 rows are gathered per query head into (B, K, H, D) buffers (K = kv_indices.shape[-1], static: no
@@ -91,7 +91,7 @@ def _max_ctas(device: torch.device) -> int:
 def work_order(counts: torch.Tensor, ext=None, max_count: int | None = None) -> torch.Tensor:
     """The kernel's work items, entries (b * H + h) * nQb + qb of the flat counts, longest list
     first (stable: ties keep their natural order, so the schedule is deterministic), int32 on the
-    counts' device; no host sync. With an extension that has the counting sort (``ext.work_order``,
+    counts' device; no host sync. With an extension that has the sort (``ext.work_order``,
     csrc/hopper/work_order.cuh) and ``max_count`` (the list width: counts lie in [0, max_count])
     within its bounds, one launch of it; otherwise torch's stable argsort (a build from before
     it, more items or longer lists than its shared memory holds)."""
