@@ -198,7 +198,7 @@ class _OrderExtension:
 
 
 def test_work_order_takes_the_extensions_sort_within_its_bounds():
-    """The extension's counting sort runs when it exists, the list width is given and both the
+    """The extension's sort runs when it exists, the list width is given and both the
     items and the width fit its shared memory; torch's argsort otherwise (an older build, no
     width, too many items, too long lists). Both give the same order."""
     counts = torch.tensor([[[3, 0, 5], [5, 1, 3]], [[0, 0, 7], [2, 5, 2]]], dtype=torch.int32)
@@ -514,8 +514,8 @@ def test_gpu_work_order_is_torchs_stable_argsort(sparse_ext, n, max_count, kind)
     """ext.work_order (csrc/hopper/work_order.cuh) against torch's stable descending argsort,
     into a poisoned buffer: uniform counts (the identity path), random ones with many ties (the
     radix sort), one and two items, n not a multiple of the block, the largest count and item
-    number the kernel takes, two values; "unchecked": counts outside [0, max_count] are clamped (what an
-    unchecked call may pass: the order stays a permutation)."""
+    number the kernel takes, two values; "unchecked": counts outside [0, max_count] are clamped
+    (what an unchecked call may pass: the order stays a permutation)."""
     g = torch.Generator(device="cuda").manual_seed(n + max_count)
     if kind == "uniform":
         counts = torch.full((n,), max_count, dtype=torch.int32, device="cuda")

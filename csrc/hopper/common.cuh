@@ -90,10 +90,10 @@ CUTE_DEVICE bool probe_stores(Acc const& acc) {
 // Timestamps for the harnesses' `trace` modes (tests/cuda): a config that declares `static
 // constexpr bool kTrace = true` (Traced<Base>) has thread 0 of each warpgroup record clock64() at
 // fixed points of its first kTraceItems work items into g_trace<>[(CTA, item, event)], which the
-// harness points at a buffer (cudaMemcpyToSymbol). Events: consumer c at c * 8 + e
-// (kTraceConsumerEvents), the producer from kTraceProducer on, the CTA's clocks and globaltimer
-// at start and end in the last four (the SM clock's rate). No shipped config declares it: the
-// variable template is not even instantiated there.
+// harness points at a buffer (cudaMemcpyToSymbol). Events: consumer c's at c * 8 + e (e = 0..7,
+// attn_common.cuh fwd_consumers), the producer's from kTraceProducer on, and in the last four the
+// CTA's clock64 and globaltimer at its start and end (the SM clock's rate). No shipped config
+// declares kTrace: trace_event compiles to nothing and g_trace is not even instantiated there.
 constexpr int kTraceItems = 64, kTraceEvents = 24, kTraceProducer = 16;
 template <class T>
 __device__ T* g_trace;
