@@ -468,6 +468,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
     const QSlot<Cfg> qs(item);
     Barrier::wait(&ss.q_full[qs.buf], qs.phase);
     trace_event<Cfg>(item, ev + 1);
+    if (consumer == 0) trace_value<Cfg>(item, kTraceTiles, n_tiles);
 
     for (int j = 0; j < n_tiles; ++j, ++it) {
       const int stage = it % STAGES, phase = (it / STAGES) & 1;

@@ -89,12 +89,14 @@ CUTE_DEVICE bool probe_stores(Acc const& acc) {
 
 // Timestamps for the harnesses' `trace` modes (tests/cuda): a config that declares `static
 // constexpr bool kTrace = true` (Traced<Base>) has thread 0 of each warpgroup record clock64() at
-// fixed points of its first kTraceItems work items into g_trace<>[(CTA, item, event)], which the
-// harness points at a buffer (cudaMemcpyToSymbol). Events: consumer c's at c * 8 + e (e = 0..7,
-// attn_common.cuh fwd_consumers), the producer's from kTraceProducer on, and in the last four the
-// CTA's clock64 and globaltimer at its start and end (the SM clock's rate). No shipped config
-// declares kTrace: trace_event compiles to nothing and g_trace is not even instantiated there.
-constexpr int kTraceItems = 64, kTraceEvents = 24, kTraceProducer = 16;
+// fixed points of its first kTraceItems work items into g_trace<>[(CTA, item, slot)], which the
+// harness points at a buffer (cudaMemcpyToSymbol). Slots: consumer c's events at c * 8 + e
+// (e = 0..7: the forwards' consumer loops say which), the producer's from kTraceProducer on, the
+// item's key tile count at kTraceTiles (a value, not a time), and in the last four the CTA's
+// clock64 and globaltimer at its start and end (the SM clock's rate; tests/cuda/trace_stats.h
+// reads them all). No shipped config declares kTrace: trace_event compiles to nothing and g_trace
+// is not even instantiated there.
+constexpr int kTraceItems = 64, kTraceEvents = 28, kTraceProducer = 16, kTraceTiles = 20;
 template <class T>
 __device__ T* g_trace;
 template <class Cfg, class = void>
@@ -106,14 +108,19 @@ struct Traced : Base {
   static constexpr bool kTrace = true;
 };
 template <class Cfg>
+CUTE_DEVICE void trace_value(int item, int slot, unsigned long long value) {
+  if constexpr (trace_of<Cfg>) {
+    if (threadIdx.x % 128 == 0 && item < kTraceItems)
+      g_trace<unsigned long long>[(size_t(blockIdx.x) * kTraceItems + item) * kTraceEvents + slot] = value;
+  }
+}
+template <class Cfg>
 CUTE_DEVICE void trace_event(int item, int event) {
   if constexpr (trace_of<Cfg>) {
-    if (threadIdx.x % 128 == 0 && item < kTraceItems) {
-      unsigned long long t;
-      if (event >= kTraceEvents - 4 && event % 2) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-      else t = clock64();
-      g_trace<unsigned long long>[(size_t(blockIdx.x) * kTraceItems + item) * kTraceEvents + event] = t;
-    }
+    unsigned long long t;
+    if (event >= kTraceEvents - 4 && event % 2) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    else t = clock64();
+    trace_value<Cfg>(item, event, t);
   }
 }
 

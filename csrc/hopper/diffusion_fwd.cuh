@@ -184,6 +184,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (threadIdx.x == 0) {
+      trace_event<Cfg>(0, kTraceEvents - 4);  // the CTA's start (harness `trace` only)
+      trace_event<Cfg>(0, kTraceEvents - 3);
       Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen, D, p.heads, p.batch));
       Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
       Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
@@ -205,11 +207,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           Tensor gQ = local_tile(
               domain_offset(make_coord(ig.offset + iplans.tile(wi.qt).lo, 0), mQ(_, _, wi.h, wi.b)),
               Shape<Int<BM>, Int<D>>{}, make_coord(0, 0));
+          trace_event<Cfg>(item, kTraceProducer + 0);
           produce_q<Cfg>(p.tma_q, tma_q, gQ, sQ, ss, item);
+          trace_event<Cfg>(item, kTraceProducer + 1);
           produce_kv_runs_at<BN, D, STAGES>(iplans, runs, it, ig.offset, Cfg::kTileBytesKV, p.tma_k,
                                             tma_k, mK(_, _, kvh, wi.b), tKsK, ss.k_full, ss.k_empty,
                                             p.tma_v, tma_v, mV(_, _, kvh, wi.b), tVsV, ss.v_full,
                                             ss.v_empty);
+          trace_event<Cfg>(item, kTraceProducer + 3);
           continue;
         }
         const WorkItem wi = work_item(p, w);
@@ -225,6 +230,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         produce_kv_runs<BN, STAGES>(plans, runs, it, Cfg::kTileBytesKV, p.tma_k, tKgK, tKsK,
                                     ss.k_full, ss.k_empty, p.tma_v, tVgV, tVsV, ss.v_full, ss.v_empty);
       }
+      trace_event<Cfg>(0, kTraceEvents - 2);  // the producer's end
+      trace_event<Cfg>(0, kTraceEvents - 1);
     }
     return;
   }
@@ -256,6 +263,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   int it = 0;  // the producer's ring position, kept in step
   if (Cfg::kPingPong && consumer == 1) named_barrier_arrive(kTurnBarrier + 0);  // see kTurnBarrier
   for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
+    const int ev = consumer * 8;  // trace_event's slots, as in fwd_consumers (harness `trace` only)
+    trace_event<Cfg>(item, ev + 0);
     // kStartTile: the kernel's plans and mask; otherwise the item's own (sample-relative rows).
     const ItemGeom ig = item_geom<Cfg>(p, w);
     const WorkItem wi = ig.wi;
@@ -277,6 +286,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const Intervals all_keys = keys_seen_by_all(mask, q_tile);
     const QSlot<Cfg> qs(item);
     Barrier::wait(&ss.q_full[qs.buf], qs.phase);
+    trace_event<Cfg>(item, ev + 1);
+    if (consumer == 0) trace_value<Cfg>(item, kTraceTiles, n_tiles);
 
     for (int j = 0; j < n_tiles; ++j, ++it) {
       const int stage = it % STAGES, phase = (it / STAGES) & 1;
@@ -286,6 +297,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Barrier::wait(&ss.k_full[stage], phase);
       if (j > 0) Barrier::wait(&ss.v_full[prev], prev_phase);
       if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
+      if (j == 0) trace_event<Cfg>(item, ev + 2);
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
       gemm_fresh(mma_s, tSrQ(_, _, _, qs.buf), tSrK(_, _, _, stage), acc_s);
@@ -297,6 +309,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         warpgroup_commit_batch();
       }
       if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
+      if (j == 0) trace_event<Cfg>(item, ev + 3);
       // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
       // serialize the wgmmas (warning C7514; nvcc 13.0). The other consumer's S then queues behind
       // our P V, which keeps the tensor cores busy all the same.
@@ -330,7 +343,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
+      if (j == 0) trace_event<Cfg>(item, ev + 4);
     }
+    trace_event<Cfg>(item, ev + 5);
     // The consumers' last S of this item has read Q: the producer may load the next item's (one
     // arrival after the loop, not a test in every step).
     Barrier::arrive(&ss.q_empty[qs.buf]);
@@ -347,9 +362,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Barrier::arrive(&ss.v_empty[last]);
     }
 
+    trace_event<Cfg>(item, ev + 6);
     // Epilogue; rows of the tile past its half (or sample) are not stored.
     store_item<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, q_tile.hi,
                     row_offset, p.seqlen, consumer, tid);
+    trace_event<Cfg>(item, ev + 7);
   }
   store_o_drain<Cfg>(tid);
 }

@@ -39,6 +39,7 @@
 
 #include "hopper/block_sparse_fwd.cuh"
 #include "hopper/column_gather.cuh"
+#include "trace_stats.h"
 
 #define CK(...) do { cudaError_t err_ = (__VA_ARGS__); if (err_ != cudaSuccess) { printf("CUDA error %s at %s:%d\n", cudaGetErrorString(err_), __FILE__, __LINE__); exit(1); } } while (0)
 
@@ -682,17 +683,9 @@ void waves() {
   }
 }
 
-// Mode `trace`: where a work item's time goes. The shipped config with kTrace (common.cuh Traced:
-// thread 0 of each warpgroup stamps clock64 at fixed points of its CTA's first 64 items), one
-// persistent launch after the shipped kernel's own, at 16K / 10 % (the goal's last miss), 16K /
-// 50 %, 64K / 10 % and 64K / 50 %. Per phase the mean over every CTA's items 1 .. 62 (not the
-// first, whose start is the launch's, nor the last traced), in microseconds at each CTA's own clock
-// rate (clock64 against globaltimer over the producer's run). Consumer phases: Q wait (item top ->
-// Q ready), first K (-> turn taken for S_0), S_0 (issue -> ready), tile 0 (softmax of S_0 ->
-// P_0 ready), per tile after it ((loop end - tile 0 end) / (n - 1)), last P V, epilogue (O / lse
-// to the TMA store), period (item top -> next item top). Producer: Q slot wait (q_empty), the first
-// K / V issued, the rest of the item's loads; and the latencies Q issued -> consumer 0's Q ready,
-// first K / V issued -> consumer 0's turn for S_0 (negative: the data was there first).
+// Mode `trace`: where a work item's time goes (tests/cuda/trace_stats.h says what each column
+// is). The config with kTrace (common.cuh Traced), one persistent launch after the shipped
+// kernel's own, at 16K / 10 % (the goal's last miss), 16K / 50 %, 64K / 10 % and 64K / 50 %.
 template <class Base>
 void trace(const char* name) {
   using namespace dlm::sm90;
@@ -707,9 +700,7 @@ void trace(const char* name) {
   CK(cudaMalloc(&dbuf, slots * sizeof(u64)));
   CK(cudaMemcpyToSymbol(g_trace<u64>, &dbuf, sizeof(dbuf)));
   std::vector<u64> h(slots);
-  printf("| S | density | tiles / item | period | Q wait | first K | S_0 | tile 0 | per tile | last P V | "
-         "epilogue | c1 period | c1 first K | c1 tile 0 | c1 epilogue | prod. Q slot | prod. first K/V | "
-         "prod. rest | Q issue -> ready | K/V issue -> turn | GHz |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  trace_stats::header();
   for (int s : {16384, 65536})
     for (double d : {0.1, 0.5}) {
       const Case c{1, s, s, 32, 8, "density", d, 0, true};
@@ -720,55 +711,10 @@ void trace(const char* name) {
       CK(cudaMemset(dbuf, 0, slots * sizeof(u64)));
       const float kernel_ms = time_loop(1, [&] { CK(launch_block_sparse_fwd_cfg<Cfg>(b.args, sms)); });
       CK(cudaMemcpy(h.data(), dbuf, slots * sizeof(u64), cudaMemcpyDeviceToHost));
-      std::vector<int32_t> ord(p.cnt.size());
-      CK(cudaMemcpy(ord.data(), b.order, ord.size() * 4, cudaMemcpyDeviceToHost));
-      const int items = (int)p.cnt.size(), ctas = std::min(sms, items);
-      auto traced_items = [&](int cta) {  // this CTA's items (snake order), at most kTraceItems
-        int k = 0;
-        while (k < kTraceItems && dlm::snake_index(k, ctas, cta) < items) ++k;
-        return k;
-      };
-      constexpr int kCols = 19;
-      double sum[kCols] = {}, n = 0, first_top = 0, span = 0, span_max = 0, spanned = 0;
-      for (int cta = 0; cta < ctas; ++cta) {
-        const u64* e0 = &h[(size_t)cta * kTraceItems * kTraceEvents];
-        const double ghz = double(e0[kTraceEvents - 2] - e0[kTraceEvents - 4]) /
-                           double(e0[kTraceEvents - 1] - e0[kTraceEvents - 3]);
-        // the CTA's start -> its first item's top, and -> consumer 0's last epilogue (when every
-        // item of the CTA was traced)
-        first_top += (double(e0[0]) - double(e0[kTraceEvents - 4])) / ghz / 1000.0;
-        const int mine = traced_items(cta);
-        if (mine < kTraceItems) {
-          const double sp = (double(e0[(size_t)(mine - 1) * kTraceEvents + 7]) - double(e0[kTraceEvents - 4])) /
-                            ghz / 1000.0;
-          span += sp;
-          span_max = std::max(span_max, sp);
-          spanned += 1;
-        }
-        for (int it = 1; it + 1 < traced_items(cta); ++it) {
-          const u64* e = e0 + (size_t)it * kTraceEvents;
-          const u64* nx = e + kTraceEvents;
-          const int w = dlm::snake_index(it, ctas, cta), tl = p.cnt[ord[w]];
-          if (tl < 2) continue;
-          auto us = [&](u64 a, u64 z) { return (double(z) - double(a)) / ghz / 1000.0; };
-          const u64* pr = e + kTraceProducer;
-          const double v[kCols] = {
-              us(e[0], nx[0]), us(e[0], e[1]), us(e[1], e[2]), us(e[2], e[3]), us(e[3], e[4]),
-              us(e[4], e[5]) / (tl - 1), us(e[5], e[6]), us(e[6], e[7]),
-              us(e[8], nx[8]), us(e[9], e[10]), us(e[11], e[12]), us(e[14], e[15]),
-              us(pr[0], pr[1]), us(pr[1], pr[2]), us(pr[2], pr[3]), us(pr[1], e[1]), us(pr[2], e[2]),
-              ghz, (double)tl};
-          for (int k = 0; k < kCols; ++k) sum[k] += v[k];
-          n += 1;
-        }
-      }
-      printf("| %dK | %.1f | %.1f |", s / 1024, d, sum[18] / n);
-      for (int k = 0; k < 17; ++k) printf(" %.2f |", sum[k] / n);
-      printf(" %.3f |\n", sum[17] / n);
-      printf("|   | kernel %.1f us (one traced launch); CTA start -> first item %.2f us; CTA start -> last "
-             "epilogue: mean %.1f, max %.1f us (%d CTAs traced whole) |\n", 1000.0 * kernel_ms, first_top / ctas,
-             spanned ? span / spanned : 0.0, span_max, (int)spanned);
-      fflush(stdout);
+      const int items = (int)p.cnt.size();
+      char label[32];
+      snprintf(label, sizeof(label), "%dK / %.1f", s / 1024, d);
+      trace_stats::row(label, h, std::min(sms, items), items, 1000.0 * kernel_ms);
     }
   CK(cudaFree(dbuf));
 }

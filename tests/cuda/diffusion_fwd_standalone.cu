@@ -24,6 +24,7 @@
 //                                  # exit 1 on a failure
 //   ./fwd_standalone softmax-ab    # shipped softmax vs one chain / four chains: checks, then A/B at D 128/64/256
 //   ./fwd_standalone epi-ab        # the item's end: two Q buffers, the store knocked out
+//   ./fwd_standalone trace         # where an item's time goes: per-phase means (trace_stats.h)
 //   ./fwd_standalone small         # one small check per head dim (compute-sanitizer runs)
 //   ./fwd_standalone prove         # host only (no GPU): the hoisted FULL test equals tile_kind's
 #include <cstdio>
@@ -34,6 +35,7 @@
 #include <string>
 #include <cuda_runtime.h>
 #include "hopper/diffusion_fwd.cuh"
+#include "trace_stats.h"
 
 #define CK(x) do { cudaError_t err_ = (x); if (err_ != cudaSuccess) { printf("CUDA error %s at %d\n", cudaGetErrorString(err_), __LINE__); exit(1); } } while (0)
 
@@ -246,12 +248,10 @@ struct Variants {
 };
 int g_backend_grid = 0;  // ab_timing: the 2K rule's grid (persistent, the SM count, for n <= 2048)
 
-template <class V, int D = 128>  // D: the variants' head dim (bf16)
-void ab_timing(const char* const* names) {
-  const std::vector<Run> shapes = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
-                                   {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4},  {4, 2048, 16, 16, 4},
-                                   {2, 4096, 16, 16, 4},  {1, 8192, 16, 16, 4},  {4, 2048, 32, 8, 16}};
-  const size_t nq = (size_t)4 * 4096 * 32 * D;  // the largest q (GQA 32/8); k, v are smaller
+// Buffers for every timing shape below at head dim D (bf16, random): the largest q is GQA 32/8's
+// (k and v are smaller); free with free_timing_bufs.
+Bufs timing_bufs(int D) {
+  const size_t nq = (size_t)4 * 4096 * 32 * D;
   Bufs b;
   CK(cudaMalloc(&b.q, nq * 2)); CK(cudaMalloc(&b.k, nq * 2)); CK(cudaMalloc(&b.v, nq * 2));
   CK(cudaMalloc(&b.o, nq * 2)); CK(cudaMalloc(&b.lse, (size_t)4 * 32 * 4096 * 4)); CK(cudaMalloc(&b.order, 1 << 16));
@@ -259,6 +259,18 @@ void ab_timing(const char* const* names) {
   fill_random<<<1024, 256>>>(static_cast<cutlass::bfloat16_t*>(b.k), nq, 2);
   fill_random<<<1024, 256>>>(static_cast<cutlass::bfloat16_t*>(b.v), nq, 3);
   CK(cudaDeviceSynchronize());
+  return b;
+}
+void free_timing_bufs(Bufs& b) {
+  cudaFree(b.q); cudaFree(b.k); cudaFree(b.v); cudaFree(b.o); cudaFree(b.lse); cudaFree(b.order);
+}
+
+template <class V, int D = 128>  // D: the variants' head dim (bf16)
+void ab_timing(const char* const* names) {
+  const std::vector<Run> shapes = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
+                                   {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4},  {4, 2048, 16, 16, 4},
+                                   {2, 4096, 16, 16, 4},  {1, 8192, 16, 16, 4},  {4, 2048, 32, 8, 16}};
+  Bufs b = timing_bufs(D);
   std::vector<std::vector<float>> ms(shapes.size(), std::vector<float>(V::kCount, 1e30f));
   for (size_t s = 0; s < shapes.size(); ++s) {
     g_max_ctas = shapes[s].n <= 2048 ? g_backend_grid : 0;
@@ -284,7 +296,39 @@ void ab_timing(const char* const* names) {
       printf(" %.0f (%.3f) |", flop / ms[s][i] / 1e9, ms[s][0] / ms[s][i]);
     printf("\n");
   }
-  cudaFree(b.q); cudaFree(b.k); cudaFree(b.v); cudaFree(b.o); cudaFree(b.lse); cudaFree(b.order);
+  free_timing_bufs(b);
+}
+
+// Mode `trace`: where a work item's time goes (tests/cuda/trace_stats.h says what each column is):
+// the shipped config with kTrace (common.cuh Traced), one launch on the persistent grid after three
+// untraced ones, bf16 D = 128, 16K tokens, H = 16, block 16 at n = 1K / 2K / 8K and block 4 at 1K.
+void trace() {
+  using namespace dlm::sm90;
+  using Cfg = Traced<FwdShipped<cutlass::bfloat16_t, 128, kBatchedStart>>;
+  using u64 = unsigned long long;
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const size_t slots = (size_t)sms * kTraceItems * kTraceEvents;
+  u64* dbuf = nullptr;
+  CK(cudaMalloc(&dbuf, slots * sizeof(u64)));
+  CK(cudaMemcpyToSymbol(g_trace<u64>, &dbuf, sizeof(dbuf)));
+  std::vector<u64> h(slots);
+  Bufs b = timing_bufs(128);
+  g_max_ctas = sms;
+  trace_stats::header();
+  for (const Run r : {Run{8, 1024, 16, 16, 16}, Run{4, 2048, 16, 16, 16}, Run{1, 8192, 16, 16, 16},
+                      Run{8, 1024, 16, 16, 4}}) {
+    CK(cudaMemset(dbuf, 0, slots * sizeof(u64)));
+    const float ms = time_on<Cfg>(r, b, 1);
+    CK(cudaMemcpy(h.data(), dbuf, slots * sizeof(u64), cudaMemcpyDeviceToHost));
+    const int items = r.B * r.H * dlm::block_diffusion(2 * r.n, r.bs).fwd_tiles(Cfg::BM, Cfg::BN).count();
+    char label[32];
+    snprintf(label, sizeof(label), "n %d, block %d", r.n, r.bs);
+    trace_stats::row(label, h, std::min(sms, items), items, 1000.0 * ms);
+  }
+  g_max_ctas = 0;
+  free_timing_bufs(b);
+  CK(cudaFree(dbuf));
 }
 
 // ------------------------------------------------------------------ varlen: packed samples
@@ -619,6 +663,10 @@ int main(int argc, char** argv) {
     run_d(std::integral_constant<int, 128>{});
     run_d(std::integral_constant<int, 64>{});
     run_d(std::integral_constant<int, 256>{});
+    return 0;
+  }
+  if (v == "trace") {
+    trace();
     return 0;
   }
   if (v == "epi-ab") {  // the item's end (csrc/NOTES.md "Session 17"): two Q buffers, with the O /
