@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (threadIdx.x == 0) {
-      constexpr int ev = kTraceProducer;  // trace_event's slots (harness `trace` only)
+      constexpr int ev = kTraceProducer;  // trace_event's slots (common.cuh; harness `trace` only)
       trace_event<Cfg>(0, kTraceEvents - 4);  // the CTA's start: clock64, globaltimer
       trace_event<Cfg>(0, kTraceEvents - 3);
       Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, D, p.heads, p.batch));
@@ -245,9 +245,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           Barrier::wait(&ss.v_empty[stage], phase ^ 1);
           TxBarrier::arrive_and_expect_tx(&ss.v_full[stage], Cfg::kTileBytesKV);
           copy(p.tma_v.with(ss.v_full[stage]), tVgV(_, _, _, kb), tVsV(_, _, _, stage));
-          if (j == 0) trace_event<Cfg>(item, ev + 2);
         }
-        trace_event<Cfg>(item, ev + 3);
+        trace_event<Cfg>(item, ev + 2);
       }
       trace_event<Cfg>(0, kTraceEvents - 2);  // the producer's end
       trace_event<Cfg>(0, kTraceEvents - 1);

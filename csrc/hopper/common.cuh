@@ -90,12 +90,12 @@ CUTE_DEVICE bool probe_stores(Acc const& acc) {
 // Timestamps for the harnesses' `trace` modes (tests/cuda): a config that declares `static
 // constexpr bool kTrace = true` (Traced<Base>) has thread 0 of each warpgroup record clock64() at
 // fixed points of its first kTraceItems work items into g_trace<>[(CTA, item, slot)], which the
-// harness points at a buffer (cudaMemcpyToSymbol). Slots: consumer c's events at c * 8 + e
-// (e = 0..7: the forwards' consumer loops say which), the producer's from kTraceProducer on, the
-// item's key tile count at kTraceTiles (a value, not a time), and in the last four the CTA's
-// clock64 and globaltimer at its start and end (the SM clock's rate; tests/cuda/trace_stats.h
-// reads them all). No shipped config declares kTrace: trace_event compiles to nothing and g_trace
-// is not even instantiated there.
+// harness points at a buffer (cudaMemcpyToSymbol). Slots: consumer c's events at c * 8 + e (e =
+// 0..7: the forwards' consumer loops say which); the producer's at kTraceProducer + e (0 the item's
+// top, 1 its Q issued, 2 its K / V issued); the item's key tile count at kTraceTiles (a value, not
+// a time); in the last four the CTA's clock64 and globaltimer at its start and end (the SM clock's
+// rate). tests/cuda/trace_stats.h reads them. No shipped config declares kTrace: trace_event
+// compiles to nothing and g_trace is not even instantiated there.
 constexpr int kTraceItems = 64, kTraceEvents = 28, kTraceProducer = 16, kTraceTiles = 20;
 template <class T>
 __device__ T* g_trace;

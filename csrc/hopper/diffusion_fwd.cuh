@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                             tma_k, mK(_, _, kvh, wi.b), tKsK, ss.k_full, ss.k_empty,
                                             p.tma_v, tma_v, mV(_, _, kvh, wi.b), tVsV, ss.v_full,
                                             ss.v_empty);
-          trace_event<Cfg>(item, kTraceProducer + 3);
+          trace_event<Cfg>(item, kTraceProducer + 2);
           continue;
         }
         const WorkItem wi = work_item(p, w);
@@ -222,13 +222,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const TileRuns runs = plans.runs(wi.qt);
         Tensor gQ = local_tile(mQ(_, _, wi.h, wi.b), Shape<Int<BM>, Int<D>>{},
                                make_coord(plans.tile(wi.qt).lo / BM, 0));
+        trace_event<Cfg>(item, kTraceProducer + 0);
         produce_q<Cfg>(p.tma_q, tma_q, gQ, sQ, ss, item);
+        trace_event<Cfg>(item, kTraceProducer + 1);
         Tensor tKgK = tma_k.partition_S(
             local_tile(mK(_, _, kvh, wi.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
         Tensor tVgV = tma_v.partition_S(
             local_tile(mV(_, _, kvh, wi.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
         produce_kv_runs<BN, STAGES>(plans, runs, it, Cfg::kTileBytesKV, p.tma_k, tKgK, tKsK,
                                     ss.k_full, ss.k_empty, p.tma_v, tVgV, tVsV, ss.v_full, ss.v_empty);
+        trace_event<Cfg>(item, kTraceProducer + 2);
       }
       trace_event<Cfg>(0, kTraceEvents - 2);  // the producer's end
       trace_event<Cfg>(0, kTraceEvents - 1);

@@ -63,7 +63,7 @@ inline void row(const char* label, const std::vector<u64>& h, int ctas, int item
       const double v[kCols] = {us(e[0], nx[0]),   us(e[0], e[1]),   us(e[1], e[2]),   us(e[2], e[3]),
                                us(e[3], e[4]),    us(e[4], e[5]) / (tl - 1),          us(e[5], e[6]),
                                us(e[6], e[7]),    us(e[9], e[10]),  us(e[11], e[12]), us(e[14], e[15]),
-                               us(pr[0], pr[1]),  us(pr[1], pr[3]), us(pr[1], e[1]), ghz};
+                               us(pr[0], pr[1]),  us(pr[1], pr[2]), us(pr[1], e[1]), ghz};
       for (int k = 0; k < kCols; ++k) sum[k] += v[k];
       tiles += tl;
       n += 1;
