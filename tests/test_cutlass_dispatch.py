@@ -67,11 +67,12 @@ class FakeExtension:
 
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
             n_noisy, block_size, scale, dkdv_sample=None, dq_sample=None, cu_seqlens=None,
-            persistent_dkdv=False):
+            persistent_dkdv=False, ds_scratch=None, ds_slots=None, ds_visits=0):
         self.calls.append(("bwd", dict(q=q, lse=lse, dlse=dlse, lse2=lse2, delta=delta,
                                        dkdv_order=dkdv_order, dq_order=dq_order,
                                        dkdv_sample=dkdv_sample, dq_sample=dq_sample,
-                                       cu_seqlens=cu_seqlens, persistent_dkdv=persistent_dkdv)))
+                                       cu_seqlens=cu_seqlens, persistent_dkdv=persistent_dkdv,
+                                       ds_scratch=ds_scratch, ds_slots=ds_slots, ds_visits=ds_visits)))
         for g in (dq, dk, dv):
             g.zero_()
 
@@ -282,3 +283,64 @@ def test_empty_packing_with_expanded_dout_runs_cutlass(fake, halves):
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert cd.STATS["varlen_bwd"] == 2 and cd.STATS["varlen_bwd_fallback"] == 0
     assert not [c for c in fake.calls if c[0] == "bwd"]
+
+
+class DsExtension(FakeExtension):
+    """An extension built with the dS backward (diffusion_bwd.cuh launch_bwd_ds)."""
+
+    ds_block = 64 * 128
+
+
+@pytest.mark.parametrize("nn,nc,d,max_bytes,takes", [
+    (256, 384, 128, cd.DS_SCRATCH_MAX_BYTES, True),
+    (0, 256, 128, cd.DS_SCRATCH_MAX_BYTES, True),      # block-causal (no noisy half)
+    (256, 200, 128, cd.DS_SCRATCH_MAX_BYTES, False),   # a half off the 128 grid
+    (256, 256, 64, cd.DS_SCRATCH_MAX_BYTES, False),    # D = 64: the two-kernel dQ
+    (256, 256, 128, 0, False),                         # the scratch's bound (0: off)
+])
+def test_ds_backward_where_it_applies(fake, monkeypatch, nn, nc, d, max_bytes, takes):
+    """The dS backward: batched, D = 128, halves on the 128 grid, within DS_SCRATCH_MAX_BYTES; its
+    scratch is (1 + B * H * visits) blocks of q's dtype, its table the slot table of the mask."""
+    ext = DsExtension()
+    monkeypatch.setattr(cd, "_EXT", ext)
+    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", max_bytes)
+    cd._ds_slots.cache_clear()
+    mask = SequenceMask(nn, nc, 16)
+    q, k, v = _batched(2, nn, nc, 4, 2, d)
+    _, bwd = _run_batched(cd.CutlassDiffusionBackend(), q, k, v, mask)
+    assert bwd[0] != "triton"
+    call = dict(ext.calls)["bwd"]
+    assert cd.STATS["bwd_ds"] == int(takes) and cd.STATS["bwd"] == 1
+    if not takes:
+        assert call["ds_scratch"] is None and call["ds_slots"] is None
+        return
+    slots, visits = cd._ds_slots(nn, nc, 16, "cpu")
+    assert call["ds_visits"] == visits and torch.equal(call["ds_slots"], slots)
+    assert call["ds_scratch"].dtype == q.dtype and call["ds_scratch"].numel() == (1 + 2 * 4 * visits) * 8192
+
+
+@given(st.integers(0, 4), st.integers(0, 4), st.sampled_from([1, 3, 16, 64, 100, 128, 300]))
+def test_ds_slots_cover_every_visible_pair_once_per_visit(nn_tiles, nc_tiles, bs):
+    """The slot table (cutlass_diffusion._ds_slots): one slot per visit of the dK/dV kernel (64-query
+    tile x 128-key tile of bwd_tiles(64, 128)), numbered 0 .. visits - 1, consecutively within a key
+    tile in its visit order (the kernel derives a visit's slot from its key tile's first); every
+    visible pair lies in a visited tile, so the dQ kernel's zero block only stands in for 64-row
+    halves without a visible pair."""
+    nn, nc = 128 * nn_tiles, 128 * nc_tiles
+    mask = SequenceMask(nn, nc, bs)
+    slots, visits = cd._ds_slots(nn, nc, bs, "cpu")
+    s = nn + nc
+    table = slots.view(s // 64, s // 128)
+    visited = table[table >= 0]
+    assert sorted(visited.tolist()) == list(range(visits))
+    plans = mask.bwd_tiles(64, 128)
+    assert visits == sum(len(p.visits) for p in plans)
+    for kt, plan in enumerate(plans):
+        column = [table[v.start // 64, kt].item() for v in plan.visits]
+        assert column == list(range(column[0], column[0] + len(column))) if column else True
+    if s:
+        rows = torch.arange(s)
+        seen = mask.visible(rows, rows)
+        q_idx, k_idx = seen.nonzero(as_tuple=True)
+        assert (table[q_idx // 64, k_idx // 128] >= 0).all()

@@ -479,3 +479,52 @@ def test_cutlass_varlen_is_the_default_on_sm90():
     torch.autograd.grad(out.float().sum(), (q, k, v))
     assert cd.STATS["varlen_fwd"] == before["varlen_fwd"] + 1
     assert cd.STATS["varlen_bwd"] == before["varlen_bwd"] + 1
+
+
+@_SM90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,block_size,heads,layout", [
+    (256, 16, (4, 4), "bd3"), (384, 5, (8, 2), "bd3"), (1024, 300, (2, 2), "bd3"),
+    (1024, 4, (4, 4), "bd3"),   # 2 x 16 x 4 = 128 dK/dV items: persistent CTAs walk several
+    (128, 1, (4, 2), "causal"),  # block-causal: no noisy half
+])
+def test_cutlass_ds_backward(monkeypatch, dtype, n, block_size, heads, layout):
+    """The dS backward (cutlass_diffusion DS_*; csrc/hopper/bwd_dq_from_ds.cuh), the default at D =
+    128 with halves on the 128 grid: it runs (STATS), meets the accuracy rule for dq, dk, dv with an
+    upstream dlse, is bitwise deterministic, and against the two-kernel backward (the path turned off
+    by DS_SCRATCH_MAX_BYTES = 0) gives bitwise the same dk, dv (the same dK/dV tiles in the same
+    order) and dq within a few units of dS's rounding (dS^T there comes from K Q^T, here from Q K^T)."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    h, hkv = heads
+    q, k, v = _qkv(2, 2 * n, h, hkv, 128, dtype, seed=n + h)
+    attn, ref = ((dlm_ops.block_causal_attn_func, block_causal_attn_ref) if layout == "causal"
+                 else (dlm_ops.diffusion_attn_func, diffusion_attn_ref))
+
+    def run(q, k, v):
+        return attn(q, k, v, block_size, return_lse=True)
+
+    before = cd.STATS["bwd_ds"]
+    check_against_reference(run, lambda q, k, v, **kw: ref(q, k, v, block_size, **kw), (q, k, v), dtype)
+    assert cd.STATS["bwd_ds"] == before + 1, "the dS backward did not run"
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    dout = torch.randn(q.shape, device="cuda", generator=gen).to(dtype)
+    dlse = torch.randn((q.shape[0], h, q.shape[1]), device="cuda", generator=gen)
+
+    def grads():
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = run(*inputs)
+        loss = (out.float() * dout.float()).sum() + (lse * dlse).sum()
+        return torch.autograd.grad(loss, inputs)
+
+    ds_a, ds_b = grads(), grads()
+    for name, a, b in zip(("dq", "dk", "dv"), ds_a, ds_b):
+        assert torch.equal(a, b), f"{name}: not deterministic"
+    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", 0)
+    before = dict(cd.STATS)
+    two = grads()
+    assert cd.STATS["bwd_ds"] == before["bwd_ds"] and cd.STATS["bwd"] == before["bwd"] + 1
+    assert torch.equal(ds_a[1], two[1]) and torch.equal(ds_a[2], two[2])
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    assert (ds_a[0].float() - two[0].float()).abs().max() <= tol * two[0].float().abs().max()

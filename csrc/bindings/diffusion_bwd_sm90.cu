@@ -22,6 +22,7 @@ using dlm::sm90::bwd_block_n;
 using dlm::sm90::dq_block_m;
 using dlm::sm90::dq_block_n;
 using dlm::sm90::kBwdBlockM;
+constexpr int64_t kDsBlock = int64_t{dlm::sm90::kBwdBlockM} * dlm::sm90::kBwdBlockN;
 
 // The two CTA schedules as CPU int32 tensors, most expensive first: key tiles of the dK/dV kernel,
 // query tiles of the dQ kernel (their tiles depend on the head dim).
@@ -64,13 +65,17 @@ struct LaunchBwd {
 // samples (varlen): B = 1, S = total tokens, the orders and samples from varlen_bwd_tile_orders and
 // cu_seqlens the (num_samples + 1,) int32 offsets on the device; n_noisy is then unused.
 // persistent_dkdv: the persistent dK/dV kernel (D = 64 / 128; other head dims run the one-CTA-per-tile
-// kernel regardless).
+// kernel regardless). ds_scratch / ds_slots / ds_visits (batched, D = 128, both halves multiples of
+// 128): the backward with dS through HBM (diffusion_bwd.cuh launch_bwd_ds), ds_scratch of q's dtype
+// with at least (1 + B * H * ds_visits) * ds_block elements, ds_slots the (S / 64) x (S / 128) int32
+// slot table.
 void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
          torch::Tensor lse, std::optional<torch::Tensor> dlse, torch::Tensor dq, torch::Tensor dk,
          torch::Tensor dv, torch::Tensor lse2, torch::Tensor delta, torch::Tensor dkdv_order,
          torch::Tensor dq_order, int64_t n_noisy, int64_t block_size, double scale,
          std::optional<torch::Tensor> dkdv_sample, std::optional<torch::Tensor> dq_sample,
-         std::optional<torch::Tensor> cu_seqlens, bool persistent_dkdv) {
+         std::optional<torch::Tensor> cu_seqlens, bool persistent_dkdv,
+         std::optional<torch::Tensor> ds_scratch, std::optional<torch::Tensor> ds_slots, int64_t ds_visits) {
   const bool varlen = cu_seqlens.has_value();
   const auto dev = q.device();
   for (const auto& t : {dout, k, v, out, lse, dq, dk, dv, lse2, delta, dkdv_order, dq_order})
@@ -110,6 +115,19 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     TORCH_CHECK(dlse->device() == dev && dlse->scalar_type() == torch::kFloat32 && dlse->dim() == 3 &&
                     dlse->stride(2) == 1, "dlse: fp32 (B, H, S) with unit stride in S");
   }
+  TORCH_CHECK(ds_scratch.has_value() == ds_slots.has_value(), "ds_scratch and ds_slots together");
+  if (ds_scratch) {
+    const int64_t s = q.size(1);
+    TORCH_CHECK(!varlen && q.size(3) == 128 && n_noisy % 128 == 0 && (s - n_noisy) % 128 == 0,
+                "the dS backward: batched, D = 128, both halves multiples of 128");
+    TORCH_CHECK(ds_scratch->device() == dev && ds_scratch->scalar_type() == q.scalar_type() &&
+                    ds_scratch->is_contiguous() && reinterpret_cast<uintptr_t>(ds_scratch->data_ptr()) % 16 == 0 &&
+                    ds_visits >= 0 && ds_scratch->numel() >= (1 + q.size(0) * q.size(2) * ds_visits) * kDsBlock,
+                "ds_scratch: contiguous, q's dtype, (1 + B * H * ds_visits) * ", kDsBlock, " elements");
+    TORCH_CHECK(ds_slots->device() == dev && ds_slots->scalar_type() == torch::kInt32 &&
+                    ds_slots->is_contiguous() && ds_slots->numel() == (s / 64) * (s / 128),
+                "ds_slots: contiguous int32, (S / 64) * (S / 128) entries");
+  }
   const c10::cuda::CUDAGuard guard(dev);
   dlm::sm90::BwdArgs a{};
   a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr(), a.o = out.data_ptr();
@@ -128,6 +146,10 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   a.dq_order = dq_order.data_ptr<int32_t>(), a.dq_tiles = dq_order.size(0);
   a.stream = c10::cuda::getCurrentCUDAStream();
   a.persistent_dkdv = persistent_dkdv;  // honoured where the head dim has the kernel (D = 64 / 128)
+  if (ds_scratch) {
+    a.ds_scratch = ds_scratch->data_ptr(), a.ds_slots = ds_slots->data_ptr<int32_t>();
+    a.ds_visits = static_cast<int>(ds_visits);
+  }
   if (varlen) {
     a.dkdv_sample = dkdv_sample->data_ptr<int32_t>(), a.dq_sample = dq_sample->data_ptr<int32_t>();
     a.cu_seqlens = cu_seqlens->data_ptr<int32_t>();
@@ -150,7 +172,10 @@ void add_bwd(pybind11::module_& m) {
         pybind11::arg("dkdv_order"), pybind11::arg("dq_order"), pybind11::arg("n_noisy"),
         pybind11::arg("block_size"), pybind11::arg("scale"),
         pybind11::arg("dkdv_sample") = pybind11::none(), pybind11::arg("dq_sample") = pybind11::none(),
-        pybind11::arg("cu_seqlens") = pybind11::none(), pybind11::arg("persistent_dkdv") = false);
+        pybind11::arg("cu_seqlens") = pybind11::none(), pybind11::arg("persistent_dkdv") = false,
+        pybind11::arg("ds_scratch") = pybind11::none(), pybind11::arg("ds_slots") = pybind11::none(),
+        pybind11::arg("ds_visits") = 0);
   m.attr("scratch_pad") = dlm::sm90::kVarlenScratchPad;  // floats past lse2 / delta, zeroed
+  m.attr("ds_block") = kDsBlock;  // elements per dS^T block of the dS backward (64 queries x 128 keys)
 }
 }  // namespace dlm_bindings

@@ -252,6 +252,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kRowsW>, Int<D>>{});
     if constexpr (!Cfg::kRoles) clear(acc_dk);
     clear(acc_dv);
+    // Cfg::kStoreDs: the dS^T slot of this key tile's first visit. The slot table numbers a key
+    // tile's visits consecutively (run 0, then run 1), so one load per item gives every visit's: a
+    // load per visit (by each warp's storing lane) cost the dK/dV kernel 6 % (stores behind the
+    // matmuls) to 17 % (before them) at n = 8K (harness `ds`, session 18).
+    [[maybe_unused]] int ds_slot0 = 0;
+    if constexpr (Cfg::kStoreDs) {
+      const bool run0 = run_end(runs, 0) > run_begin(runs, 0);
+      if (run0 || run_end(runs, 1) > run_begin(runs, 1))
+        ds_slot0 = p.ds_slots[(run0 ? run_begin(runs, 0) : run_begin(runs, 1)) * p.ds_k_tiles + kt];
+    }
     Barrier::wait(&ss.kv_full[buf], (item / Cfg::kKvBufs) & 1);
     for (int g = 0; g < group; ++g) {
       for (int r = 0; r < 2; ++r) {
@@ -396,6 +406,48 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             }
           }
 
+          // Cfg::kStoreDs: this warpgroup's 64 keys of the tile's dS^T block, staged in shared
+          // memory, then one TMA store per warp (16 keys).
+          [[maybe_unused]] auto store_ds = [&] {
+            if constexpr (Cfg::kStoreDs) {
+              using DsStore = typename Cfg::DsStore;
+              const int lane = tid % 32, warp = tid / 32, x = lane / 4, hb = it & 1;
+              // The buffer's store of two visits ago (this warp's lane 0 issued it) has read it.
+              if (lane == 0) tma_store_wait<1>();
+              __syncwarp();
+              // By the accumulator layout (as the forward's O): rows 16 warp + x and + 8, in
+              // column group c the pair 8 c + 2 (lane % 4); the 128-byte swizzle puts chunk c of
+              // row r at c ^ (r % 8) = c ^ x: one XOR per pair.
+              const uint32_t t0 = smem_addr(ss.ds_store.ds[hb][consumer]) + (16 * warp + x) * (BM * 2) +
+                                  (x << 4) + (lane % 4) * 4;
+              Tensor ds_rc = make_tensor(ds_elem.data(), acc_rowcol(ds_elem.layout()));
+              CUTE_UNROLL
+              for (int i = 0; i < kRows; ++i)
+                CUTE_UNROLL
+                for (int c = 0; c < BM / 8; ++c) {
+                  alignas(4) Elem pair[2] = {ds_rc(i, 2 * c), ds_rc(i, 2 * c + 1)};
+                  st_shared_b32((t0 ^ (c << 4)) + i * 8 * (BM * 2), *reinterpret_cast<uint32_t*>(pair));
+                }
+              tma_store_fence();  // the generic-proxy writes, visible to the TMA (async proxy)
+              __syncwarp();
+              if (lane == 0) {
+                const int bh = b * p.heads + kvh * group + g;
+                const int visit = qt - run_begin(runs, r) + (r ? run_end(runs, 0) - run_begin(runs, 0) : 0);
+                const int block = 1 + bh * p.ds_visits + ds_slot0 + visit;
+                const int rows = (1 + p.batch * p.heads * p.ds_visits) * BN;
+                Tensor mDs = p.tma_ds.get_tma_tensor(make_shape(rows, int(BM)));
+                Tensor gDs = local_tile(mDs, Shape<Int<DsStore::kWarpRows>, Int<BM>>{},
+                                        make_coord((block * BN + key_slot * kRowsW) / DsStore::kWarpRows + warp, 0));
+                Tensor sDs = local_tile(
+                    make_tensor(make_smem_ptr(ss.ds_store.ds[hb][consumer]), typename DsStore::SmemLayout{}),
+                    Shape<Int<DsStore::kWarpRows>, Int<BM>>{}, make_coord(warp, 0));
+                auto tma = p.tma_ds.get_slice(0);
+                copy(p.tma_ds, tma.partition_S(sDs), tma.partition_D(gDs));
+                tma_store_arrive();
+              }
+            }
+          };
+          if constexpr (Cfg::kStoreDs && !Cfg::kStoreDsBehind) store_ds();
           warpgroup_fence_operand(acc_dv);
           warpgroup_fence_operand(acc_dk);
           warpgroup_arrive();
@@ -443,6 +495,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               tma_store_arrive();
             }
           } else {
+            if constexpr (Cfg::kStoreDsBehind) store_ds();
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_dv);
             warpgroup_fence_operand(acc_dk);
@@ -495,6 +548,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   });
   if constexpr (Cfg::kPersistent) {
     if (store_pending >= 0 && tid == 0) tma_store_wait<0>();  // the last item's store read
+  }
+  if constexpr (Cfg::kStoreDs) {
+    if (tid % 32 == 0) tma_store_wait<0>();  // each warp's last dS^T store has read its buffer
   }
 }
 

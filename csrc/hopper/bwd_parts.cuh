@@ -128,6 +128,7 @@ struct NoFusedDq {  // what the unfused configs hold in the fused pieces' places
   struct Smem {};
   using TmaDq = Smem;
   using MmaDq = Smem;
+  using TmaDs = Smem;
 };
 
 // HANDOFF_ (an experiment of the D = 256 role split, harness `d256-handoff`; not shipped): consumer
@@ -143,11 +144,39 @@ struct PHandoff {
 };
 constexpr int kHandoffReady = 1, kHandoffFree = 3;  // named barriers (+ buffer), 256 threads
 
+// STORE_DS_'s pieces: each consumer stages its 64 keys x BM queries of dS^T (bf16, queries
+// contiguous, 128-byte swizzle) in one of two buffers, and each of its warps stores its 16 keys with
+// one TMA store: no barrier beyond the warp, the buffer reused two visits later (bulk group wait).
+template <class Elem, int BM, int kConsumers>
+struct DsStoreParts {
+  static constexpr int kWarpRows = 16;  // keys per warp
+  using SmemLayout = SwizzledTile<Elem, 64, BM>;
+  struct Smem {
+    alignas(1024) Elem ds[2][kConsumers][cosize_v<SmemLayout>];
+  };
+  // The scratch as (rows, BM): block k's BN keys are rows [k BN, (k + 1) BN).
+  static auto make_tma(Elem* p, int rows) {
+    return make_tma_copy(SM90_TMA_STORE{},
+                         make_tensor(make_gmem_ptr(p), make_shape(rows, BM), make_stride(int64_t{BM}, _1{})),
+                         SwizzledTile<Elem, kWarpRows, BM>{});
+  }
+  using TmaDs = decltype(make_tma(nullptr, 1));
+};
+
 template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, int START_ = kStartTile,
-          bool FUSED_DQ_ = false, bool TMA_STORE_ = false, bool PERSISTENT_ = false, bool HANDOFF_ = false>
+          bool FUSED_DQ_ = false, bool TMA_STORE_ = false, bool PERSISTENT_ = false, bool HANDOFF_ = false,
+          int STORE_DS_ = 0>
 struct DkDvConfig {
   using Elem = Elem_;
   static constexpr int kStart = START_;
+  // STORE_DS_ (session 18): the kernel also writes every visited tile's dS^T (the A operand of its
+  // dK matmul) to p.ds, for a dQ kernel that reads dS instead of recomputing S and dP
+  // (hopper/bwd_dq_from_ds.cuh): 5 matmuls per tile pair, no atomics, 2 bytes per pair. 1: staged
+  // before the dV / dK matmuls are issued; 2: behind them (reading their A operand's registers).
+  static constexpr bool kStoreDs = STORE_DS_ != 0;
+  static constexpr bool kStoreDsBehind = STORE_DS_ == 2;
+  static_assert(!STORE_DS_ || (D_ == 128 && START_ == kStartTile && !FUSED_DQ_),
+                "the dS store: D = 128, tiles at multiples of the tile size");
   // TMA_STORE_: the epilogue stages dK / dV in the warpgroup's own (now dead) rows of K / V in
   // shared memory and stores them with TMA (store_rows_tma) instead of 4-byte register stores.
   static constexpr bool kTmaStore = TMA_STORE_;
@@ -193,6 +222,7 @@ struct DkDvConfig {
   static constexpr int kKvBufs = kPersistent ? 2 : 1;
   static_assert(!(kFusedDq && kPersistent), "the fused dQ is not persistent");
   using Fused = std::conditional_t<kFusedDq, FusedDqParts<Elem, D, BM, BN, kConsumers>, NoFusedDq>;
+  using DsStore = std::conditional_t<kStoreDs, DsStoreParts<Elem, BM, kConsumers>, NoFusedDq>;
 
   using SmemLayoutQ = SwizzledTiles<Elem, BM, D, STAGES>;    // Q and dO: (BM, D, STAGES)
   using SmemLayoutQt = SwizzledTilesT<Elem, BM, D, STAGES>;  // their transpose: (D, BM, STAGES)
@@ -217,6 +247,7 @@ struct DkDvConfig {
     uint64_t q_full[STAGES], do_full[STAGES], empty[STAGES];
     typename Fused::Smem fused;
     typename Handoff::Smem handoff;
+    typename DsStore::Smem ds_store;
   };
   static constexpr int kTileBytesQ = BM * D * sizeof(Elem);
   static constexpr int kTileBytesKV = BN * D * sizeof(Elem);
@@ -231,6 +262,7 @@ struct DqConfig {  // START_, TMA_STORE_: as DkDvConfig's (dQ staged in the warp
   static constexpr bool kTmaStore = TMA_STORE_;
   static constexpr bool kFusedDq = false;
   using Fused = NoFusedDq;
+  using DsStore = NoFusedDq;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
   // D = 256: the consumers split each visited key tile, not the rows. Both take the CTA's BM = 64
   // rows, each the tile's half of BN = 64 keys (kKeysW), and each accumulates its own partial dQ
@@ -320,6 +352,13 @@ struct BwdParams {
   typename Cfg::Fused::TmaDq tma_dq{};
   // Cfg::kTmaStore only: stores of grad_a and grad_b (dQ kernel: grad_a alone).
   TmaStoreRows<Elem> tma_store_a{}, tma_store_b{};
+  // DkDvConfig kStoreDs only: the dS^T scratch, blocks of BN x BM (keys x queries, queries
+  // contiguous); the visit of query tile qt and key tile kt of slot (b, h) writes block 1 + (b * heads
+  // + h) * ds_visits + ds_slots[qt * ds_k_tiles + kt] (diffusion_bwd.cuh launch_bwd_ds).
+  Elem* ds = nullptr;
+  const int32_t* ds_slots = nullptr;
+  int ds_k_tiles = 0, ds_visits = 0;
+  typename Cfg::DsStore::TmaDs tma_ds{};
 };
 
 // Floats past the end of the lse2 / delta scratch (B * H * S) that the odd-length / varlen dK/dV

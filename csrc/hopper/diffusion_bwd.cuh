@@ -45,6 +45,7 @@
 
 #include "hopper/bwd_dkdv.cuh"
 #include "hopper/bwd_dq.cuh"
+#include "hopper/bwd_dq_from_ds.cuh"
 
 namespace dlm::sm90 {
 
@@ -79,6 +80,12 @@ struct BwdArgs {
   // launch_bwd_fused only (D = 128): dQ computed by the dK/dV kernel and reduce-added into this
   // (B, S, H, D) contiguous fp32 scratch, then scaled into dq; dq_order / dq_tiles unused.
   float* dq_accum = nullptr;
+  // The backward with dS through HBM (hopper/bwd_dq_from_ds.cuh; launch_bwd takes it where
+  // ds_scratch is set): the scratch of 1 + B * H * ds_visits blocks of 64 x 128 and the slot table
+  // (launch_bwd_ds says what it holds) on the device.
+  void* ds_scratch = nullptr;
+  const int32_t* ds_slots = nullptr;
+  int ds_visits = 0;
 };
 
 // The tile shapes the shipped instantiations use (the binding builds the orders for them): at D <=
@@ -130,6 +137,13 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
                                         a.dk_stride[1], a.dk_stride[2], a.dk_stride[0]);
     p.tma_store_b = make_tma_store_rows(static_cast<Elem*>(a.dv), a.seqlen, D, a.kv_heads, a.batch,
                                         a.dv_stride[1], a.dv_stride[2], a.dv_stride[0]);
+  }
+  if constexpr (Cfg::kStoreDs) {
+    p.ds = static_cast<Elem*>(a.ds_scratch);
+    p.ds_slots = a.ds_slots;
+    p.ds_k_tiles = (a.seqlen + Cfg::BN - 1) / Cfg::BN;
+    p.ds_visits = a.ds_visits;
+    p.tma_ds = Cfg::DsStore::make_tma(p.ds, (1 + a.batch * a.heads * a.ds_visits) * Cfg::BN);
   }
   if constexpr (Cfg::kFusedDq) {
     p.tma_dq = make_tma_copy(
@@ -183,6 +197,26 @@ cudaError_t launch_dq(const BwdArgs& a) {
   return cudaGetLastError();
 }
 
+template <class Cfg>
+cudaError_t launch_dq_from_ds(const BwdArgs& a) {
+  using Elem = typename Cfg::Elem;
+  constexpr int D = Cfg::D;
+  DqFromDsParams<Cfg> p{
+      make_tma_rows<Elem, Cfg::BN, D>(static_cast<const Elem*>(a.k), a.seqlen, a.kv_heads, a.batch,
+                                      a.k_stride[1], a.k_stride[2], a.k_stride[0]),
+      make_tma_ds<Cfg>(static_cast<const Elem*>(a.ds_scratch), 1 + a.batch * a.heads * a.ds_visits),
+      static_cast<Elem*>(a.dq), a.dq_stride[1], a.dq_stride[2], a.dq_stride[0],
+      a.seqlen, a.heads, a.kv_heads, a.batch,
+      SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale, a.dq_order, a.ds_slots,
+      (a.seqlen + Cfg::BN - 1) / Cfg::BN, a.ds_visits};
+  auto kernel = diffusion_bwd_dq_from_ds_kernel<Cfg>;
+  constexpr int smem = sizeof(typename Cfg::SharedStorage);
+  static const cudaError_t configured = set_smem(kernel, smem);
+  if (configured != cudaSuccess) return configured;
+  kernel<<<a.batch * a.heads * a.dq_tiles, Cfg::kThreads, smem, a.stream>>>(p);
+  return cudaGetLastError();
+}
+
 // The shipped configs with their tiles starting per START (the one place that names the options).
 template <class Elem, int D, int START>
 using DkDvShipped = DkDvConfig<Elem, D, kBwdBlockM, bwd_block_n(D), kBwdStages, START>;
@@ -209,12 +243,46 @@ cudaError_t launch_convert_dq(const BwdArgs& a) {
   return cudaGetLastError();
 }
 
+// The backward with dS through HBM (hopper/bwd_dq_from_ds.cuh, csrc/NOTES.md "Session 18"): the
+// dK/dV kernels that also store dS^T (kStartTile: halves on multiples of 128), staging it behind
+// their dV / dK matmuls (kDsStore = 2; harness `ds`, session 18: the whole backward 1.04-1.05x
+// faster than staging it before them); the persistent one at every length (call 3: the whole
+// backward 1.12-1.21x the shipped one's with it, 1.03-1.06x with one CTA per key tile).
+constexpr int kDsStore = 2;
+constexpr bool ds_backward_supports(int d) { return d == 128; }
+template <class Elem, int D, int STORE = kDsStore>
+using DkDvStoreDs = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false, false,
+                               false, false, STORE>;
+template <class Elem, int D, int STORE = kDsStore>
+using DkDvStoreDsPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false,
+                                         true, true, false, STORE>;
+
+// Preprocess, dK/dV writing dS^T, dQ from dS. a.ds_scratch: 1 + B * H * a.ds_visits blocks of 64 x 128
+// elements (block 0 is zeroed here: it stands for the halves of dQ tiles that no dK/dV visit covers),
+// a.ds_slots: the block of each (64-query tile, key tile) visit of the dK/dV kernel per (batch, head),
+// numbered key tile by key tile in its visit order, -1 where it does not visit (the Python backend
+// builds it from geometry.py: cutlass_diffusion._ds_slots). a.persistent_dkdv is not read.
+template <class Elem, int D, int STORE = kDsStore>
+cudaError_t launch_bwd_ds(const BwdArgs& a) {
+  static_assert(ds_backward_supports(D), "the dS store and the dQ-from-dS kernel: D = 128");
+  if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
+  cudaError_t err = cudaMemsetAsync(a.ds_scratch, 0, 64 * 128 * sizeof(Elem), a.stream);
+  if (err == cudaSuccess) err = launch_preprocess<Elem, D>(a);
+  if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDvStoreDsPersistent<Elem, D, STORE>>(a);
+  if (err == cudaSuccess && a.dq_tiles) err = launch_dq_from_ds<DqFromDsConfig<Elem, D>>(a);
+  return err;
+}
+
 // The whole backward: preprocess, dK/dV, dQ (one stream, so each sees the previous one's writes).
 // START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, dkdv_sample,
 // dq_sample and cu_seqlens set). Unless START is kStartTile, lse2 / delta need kVarlenScratchPad
-// zeroed floats past their B * H * S.
+// zeroed floats past their B * H * S. Batched calls with a.ds_scratch set (D = 128, halves on
+// multiples of 128; the binding checks) run launch_bwd_ds instead.
 template <class Elem, int D, int START = kBatchedStart>
 cudaError_t launch_bwd(const BwdArgs& a) {
+  if constexpr (ds_backward_supports(D) && START == kBatchedStart) {
+    if (a.ds_scratch) return launch_bwd_ds<Elem, D>(a);
+  }
   if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
   cudaError_t err = launch_preprocess<Elem, D>(a);
   if (err == cudaSuccess && a.dkdv_tiles) {

@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..geometry import SequenceMask
 from . import cutlass, register
 from .cutlass import sm_count as _sm_count
 from .base import DETERMINISTIC, GQA, VARLEN, Capabilities, new_output
@@ -58,7 +59,7 @@ SOURCES = [
 # it was built with tiles on tile boundaries (batched_any_length false: kBatchedStart kStartTile).
 TILE = 128
 # CUTLASS calls run, and calls handed to Triton, per direction and layout
-STATS = {"fwd": 0, "fwd_fallback": 0, "bwd": 0, "bwd_fallback": 0,
+STATS = {"fwd": 0, "fwd_fallback": 0, "bwd": 0, "bwd_fallback": 0, "bwd_ds": 0,
          "varlen_fwd": 0, "varlen_fwd_fallback": 0, "varlen_bwd": 0, "varlen_bwd_fallback": 0}
 
 _EXT = None
@@ -105,6 +106,20 @@ PERSISTENT_DKDV_MAX_HALF = 2048
 PERSISTENT_DKDV_MAX_HALF_GQA = 1024
 PERSISTENT_DKDV_HEAD_DIMS = (64, 128)
 
+# The backward with dS through HBM (csrc/hopper/bwd_dq_from_ds.cuh, diffusion_bwd.cuh
+# launch_bwd_ds; csrc/NOTES.md "Session 18"): the dK/dV kernel also writes each visited tile's dS^T
+# (2 bytes per pair of a visited 64 x 128 tile) to a scratch buffer and the dQ kernel reads it back
+# instead of recomputing S and dP: 5 matmuls per tile pair instead of 7, deterministic (every block
+# written by one CTA, no atomics). Batched calls at D = 128 with both halves multiples of 128
+# (its kernels' tiles start at tile multiples), while the scratch, (1 + B * H * visits) blocks of
+# 64 x 128 elements, stays within DS_SCRATCH_MAX_BYTES (0 turns the path off). Harness `ds` (bf16,
+# D = 128, 16K tokens, H = 16, session 18): the whole backward 1.11-1.13x the two-kernel one's (its
+# faster dK/dV kernel per shape) at n = 1K-8K, block 4 / 16 and GQA 32/8; the scratch is then 0.34
+# GB at n = 1K and 2.2 GB at n = 8K (about a quarter of S x S x H x 2 bytes).
+DS_HEAD_DIMS = (128,)
+DS_TILE = 128
+DS_SCRATCH_MAX_BYTES = 4 << 30
+
 
 # The forward's grid: one CTA per SM walking its work items in a snake (hopper/common.cuh
 # snake_item; the next item's Q and K/V load while this one's last P V and stores run), at every
@@ -133,6 +148,39 @@ def _persistent_dkdv(longest_half: int, head_dim: int, group: int) -> bool:
 def _bwd_tile_orders(n_noisy: int, n_clean: int, block_size: int, head_dim: int, device: str):
     """(key tiles of the dK/dV kernel, query tiles of the dQ kernel), most expensive first."""
     return tuple(t.to(device) for t in _EXT.bwd_tile_orders(n_noisy, n_clean, block_size, head_dim))
+
+
+@lru_cache(maxsize=64)
+def _ds_slots(n_noisy: int, n_clean: int, block_size: int, device: str) -> tuple[torch.Tensor, int]:
+    """The dS backward's slot table and its visits: one scratch block per visit of the dK/dV kernel
+    (a 64-query tile seeing a 128-key tile), numbered key tile by key tile in the kernel's visit
+    order (each key tile's run of query tiles, in position order, as geometry.py lists them; the
+    kernel finds a visit's block from its key tile's first), and -1 where it does not visit, as an
+    int32 (S / 64) x (S / 128) table on ``device``. Halves must be multiples of DS_TILE."""
+    mask = SequenceMask(n_noisy, n_clean, block_size)
+    plans = mask.bwd_tiles(DS_TILE // 2, DS_TILE)
+    slots = torch.full((mask.seqlen // (DS_TILE // 2), len(plans)), -1, dtype=torch.int32)
+    visits = 0
+    for kt, plan in enumerate(plans):
+        for visit in plan.visits:
+            slots[visit.start // (DS_TILE // 2), kt] = visits
+            visits += 1
+    return slots.flatten().to(device), visits
+
+
+def _ds_plan(ext, q: torch.Tensor, mask) -> dict:
+    """The dS backward's arguments of ext.bwd (scratch, slot table, visits) for this batched call,
+    or none where it does not apply (head dim, halves off the tile grid, the scratch's bound)."""
+    if (q.shape[-1] not in DS_HEAD_DIMS or mask.n_noisy % DS_TILE or mask.n_clean % DS_TILE
+            or not hasattr(ext, "ds_block")):
+        return {}
+    b, _, h, _ = q.shape
+    slots, visits = _ds_slots(mask.n_noisy, mask.n_clean, mask.block_size, str(q.device))
+    elems = (1 + b * h * visits) * ext.ds_block
+    if elems * q.element_size() > DS_SCRATCH_MAX_BYTES:
+        return {}
+    return {"ds_scratch": torch.empty(elems, dtype=q.dtype, device=q.device), "ds_slots": slots,
+            "ds_visits": visits}
 
 
 class VarlenTables(NamedTuple):
@@ -239,9 +287,9 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
 
     @staticmethod
     def _run_bwd(ext, dout, q, k, v, out, lse, dlse, n_noisy, block_size, scale, dkdv, dq_tables,
-                 longest_half, cu_seqlens=None):
+                 longest_half, cu_seqlens=None, ds=None):
         """The three backward kernels on (B, S, H, D) views; dkdv / dq_tables: (order, sample or
-        None); longest_half: of any sample (the persistent dK/dV rule)."""
+        None); longest_half: of any sample (the persistent dK/dV rule); ds: _ds_plan's arguments."""
         b, s, h, _ = q.shape
         if b * s * h == 0:
             # No token (an empty varlen packing; autograd still calls the backward): nothing to
@@ -255,7 +303,8 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv[0], dq_tables[0],
                 n_noisy, block_size, scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1],
                 cu_seqlens=cu_seqlens,
-                persistent_dkdv=_persistent_dkdv(longest_half, q.shape[-1], q.shape[2] // k.shape[2]))
+                persistent_dkdv=_persistent_dkdv(longest_half, q.shape[-1], q.shape[2] // k.shape[2]),
+                **(ds or {}))
         return dq, dk, dv
 
     def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
@@ -265,10 +314,12 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
             return super().bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic)
         dkdv_order, dq_order = _bwd_tile_orders(mask.n_noisy, mask.n_clean, mask.block_size,
                                                 q.shape[-1], str(q.device))
+        ds = _ds_plan(ext, q, mask)
         grads = self._run_bwd(ext, dout, q, k, v, out, lse, dlse, mask.n_noisy, mask.block_size,
                               scale, (dkdv_order, None), (dq_order, None),
-                              max(mask.n_noisy, mask.n_clean))
+                              max(mask.n_noisy, mask.n_clean), ds=ds)
         STATS["bwd"] += 1
+        STATS["bwd_ds"] += bool(ds)
         return grads
 
     def varlen_bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):

@@ -29,6 +29,8 @@
 //                               # backward: checks of every output element's poison and sampled
 //                               # rows against fp64, then varlen vs batched timing at 16K tokens
 //                               # (csrc/NOTES.md "Odd lengths and varlen"); exit 1 on a failure
+//   ./bwd_standalone ds         # dS through HBM (dK/dV stores dS^T, dQ reads it: 5 matmuls): checks,
+//                               # then the A/B against the shipped kernels; ds-small for sanitizers
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -46,6 +48,7 @@
 #include <cuda_runtime.h>
 #include "hopper/diffusion_fwd.cuh"
 #include "hopper/diffusion_bwd.cuh"
+#include "hopper/bwd_dq_from_ds.cuh"
 
 #define CK(x) do { cudaError_t err_ = (x); if (err_ != cudaSuccess) { printf("CUDA error %s at %d\n", cudaGetErrorString(err_), __LINE__); exit(1); } } while (0)
 
@@ -229,6 +232,26 @@ static std::vector<int32_t> order_of(const dlm::TilePlans& plans, int32_t** dev)
   return ord;
 }
 
+// The dS^T scratch's slot table (diffusion_bwd.cuh launch_bwd_ds; the Python backend builds the same
+// from geometry.py: cutlass_diffusion._ds_slots): one block per visit of the dK/dV kernel, numbered
+// key tile by key tile in its visit order, slots[qt * key tiles + kt], -1 where it does not visit.
+// Returns the visits.
+static int ds_slot_table(const dlm::SequenceMask& mask, std::vector<int32_t>& slots) {
+  using dlm::sm90::kBwdBlockM;
+  using dlm::sm90::kBwdBlockN;
+  const dlm::TilePlans plans = mask.bwd_tiles(kBwdBlockM, kBwdBlockN);
+  const int k_tiles = plans.count(), q_tiles = plans.other.count();
+  slots.assign(static_cast<size_t>(q_tiles) * k_tiles, -1);
+  int visits = 0;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const dlm::TileRuns runs = plans.runs(kt);
+    for (int r = 0; r < 2; ++r)
+      for (int qt = dlm::sm90::run_begin(runs, r); qt < dlm::sm90::run_end(runs, r); ++qt)
+        slots[qt * k_tiles + kt] = visits++;
+  }
+  return visits;
+}
+
 // Forward (for O and lse), then launchers for the backward's three kernels.
 template <class Elem, int D, class DkCfg, class DqCfg>
 struct Bwd {
@@ -267,14 +290,30 @@ struct Bwd {
     a.dkdv_order = dkdv_order, a.dq_order = dq_order, a.stream = nullptr;
     a.order_chunk = g_order_chunk, a.order_block = g_order_block;
     if constexpr (DkCfg::kFusedDq) CK(cudaMalloc(&a.dq_accum, P.nq * sizeof(float)));
+    if constexpr (DkCfg::kStoreDs) {  // the dS^T scratch and its slot table (bwd_dq_from_ds.cuh)
+      std::vector<int32_t> slots;
+      a.ds_visits = ds_slot_table(P.mask, slots);
+      int32_t* d_slots = nullptr;
+      CK(cudaMalloc(&d_slots, slots.size() * 4));
+      CK(cudaMemcpy(d_slots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+      a.ds_slots = d_slots;
+      ds_bytes = (1 + (size_t)r.B * r.H * a.ds_visits) * 64 * 128 * sizeof(Elem);
+      CK(cudaMalloc(&a.ds_scratch, ds_bytes));
+      CK(cudaMemset(a.ds_scratch, 0xff, ds_bytes));  // NaN poison: only block 0 is zeroed (all())
+    }
   }
+  size_t ds_bytes = 0;
   ~Bwd() {
     cudaFree(fwd_order), cudaFree(dkdv_order), cudaFree(dq_order), cudaFree(a.dq_accum);
+    cudaFree(a.ds_scratch), cudaFree((void*)a.ds_slots);
     if (side) cudaStreamDestroy(side), cudaEventDestroy(pre_done), cudaEventDestroy(dq_done);
   }
   void pre() { CK((dlm::sm90::launch_preprocess<Elem, D>(a))); }
   void dkdv() { CK(dlm::sm90::launch_dkdv<DkCfg>(a)); }
-  void dq() { CK(dlm::sm90::launch_dq<DqCfg>(a)); }
+  void dq() {
+    if constexpr (DkCfg::kStoreDs) CK(dlm::sm90::launch_dq_from_ds<DqCfg>(a));
+    else CK(dlm::sm90::launch_dq<DqCfg>(a));
+  }
   // The fused backward (DkCfg::kFusedDq): dQ reduce-added by the dK/dV kernel, then converted.
   void all() {
     if constexpr (DkCfg::kFusedDq) {
@@ -282,6 +321,7 @@ struct Bwd {
       pre(), dkdv();
       CK((dlm::sm90::launch_convert_dq<Elem, D>(a)));
     } else {
+      if constexpr (DkCfg::kStoreDs) CK(cudaMemsetAsync(a.ds_scratch, 0, 64 * 128 * sizeof(Elem), a.stream));
       pre(), dkdv(), dq();
     }
   }
@@ -427,6 +467,56 @@ void timing(const char* name, const std::vector<Run>& runs = {std::begin(kTiming
            "%.3f ms = %.0f TFLOPS)\n",
            r.B, r.n, r.H, r.Hkv, r.bs, t_all, 5 * matmul / t_all, t_pre, t_dkdv,
            kDkDvMatmuls * matmul / t_dkdv, kDkDvMatmuls, t_dq, 3 * matmul / t_dq, t_two, 5 * matmul / t_two);
+  }
+}
+
+// Mode `ds` (session 18): the backward with dS through HBM (DkDvConfig STORE_DS_ + the dQ-from-dS
+// kernel, hopper/bwd_dq_from_ds.cuh) against the shipped kernels, on the same inputs: the whole
+// backward of four arms (shipped with the one-CTA-per-tile and with the persistent dK/dV kernel; dS
+// with the persistent dK/dV kernel staging dS^T before or behind its dV / dK matmuls) in 8 rounds,
+// odd rounds in reverse order, medians; then each kernel alone. bf16 D = 128, 16K tokens.
+template <class Dk, class DkP, class DkS1, class DkS2, class Dq, class DqS>
+void timing_ds() {
+  printf("== dS through HBM (bf16, D=128, 16K tokens; ms, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n");
+  printf("| B | n | H/Hkv | bs | shipped | persistent dK/dV | dS (store before) | dS (store behind) | dK/dV: shipped"
+         " / persistent / + dS before / + dS behind | dQ: shipped / from dS | dS scratch GB |\n");
+  printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Run& r : kTimingRuns) {
+    Problem<bf16> P(r, 128);
+    P.to_device();
+    Bwd<bf16, 128, Dk, Dq> a0(P);
+    Bwd<bf16, 128, DkP, Dq> a1(P);
+    Bwd<bf16, 128, DkS1, DqS> a2(P);
+    Bwd<bf16, 128, DkS2, DqS> a3(P);
+    std::vector<float> t[4];
+    auto arm = [&](int i) {
+      switch (i) {
+        case 0: return time_ms([&] { a0.all(); }, 10);
+        case 1: return time_ms([&] { a1.all(); }, 10);
+        case 2: return time_ms([&] { a2.all(); }, 10);
+        default: return time_ms([&] { a3.all(); }, 10);
+      }
+    };
+    arm(0);  // warm-up
+    for (int round = 0; round < 8; ++round)
+      for (int j = 0; j < 4; ++j) {
+        const int i = round & 1 ? 3 - j : j;
+        t[i].push_back(arm(i));
+      }
+    float med[4];
+    for (int i = 0; i < 4; ++i) {
+      std::sort(t[i].begin(), t[i].end());
+      med[i] = 0.5f * (t[i][3] + t[i][4]);
+    }
+    const float k0 = time_ms([&] { a0.dkdv(); }, 10), k1 = time_ms([&] { a1.dkdv(); }, 10);
+    const float k2 = time_ms([&] { a2.dkdv(); }, 10), k3 = time_ms([&] { a3.dkdv(); }, 10);
+    const float q0 = time_ms([&] { a0.dq(); }, 10), q2 = time_ms([&] { a2.dq(); }, 10);
+    CK(cudaGetLastError());
+    const double matmul = 2.0 * (double)P.mask.num_pairs() * 128 * r.H * r.B / 1e9;
+    printf("| %d | %d | %d/%d | %d | %.3f (%.0f) | %.3f (%.2fx) | %.3f (%.2fx) | %.3f (%.2fx) | %.3f / %.3f / %.3f / "
+           "%.3f | %.3f / %.3f | %.2f |\n",
+           r.B, r.n, r.H, r.Hkv, r.bs, med[0], 5 * matmul / med[0], med[1], med[0] / med[1], med[2],
+           med[0] / med[2], med[3], med[0] / med[3], k0, k1, k2, k3, q0, q2, a2.ds_bytes / 1e9);
   }
 }
 
@@ -972,6 +1062,27 @@ int main(int argc, char** argv) {
     printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
   }
   if (mode == "shipped" || mode == "time") timing<Dk, Dq>("shipped");
+  if (mode == "ds" || mode == "ds-small") {  // dS through HBM (bwd_dq_from_ds.cuh): checks, then the A/B
+    using DkS = DkDvStoreDs<bf16, 128, 1>;
+    using DkSP = DkDvStoreDsPersistent<bf16, 128, 1>;
+    using DkSP2 = DkDvStoreDsPersistent<bf16, 128, 2>;
+    using DqS = DqFromDsConfig<bf16, 128>;
+    if (mode == "ds-small") {  // e.g. under compute-sanitizer
+      check<bf16, 128, DkS, DqS>("dS bf16 D=128", {1, 128, 2, 1, 16});
+      check<bf16, 128, DkSP, DqS>("dS persistent bf16 D=128", {2, 1024, 8, 8, 16, false, 31});
+      printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+      return g_failures != 0;
+    }
+    checks<bf16, 128, DkS, DqS>("dS bf16 D=128", true);
+    checks<bf16, 128, DkSP, DqS>("dS persistent bf16 D=128", true);
+    checks<bf16, 128, DkSP2, DqS>("dS behind, persistent bf16 D=128", true);
+    checks<fp16, 128, DkDvStoreDs<fp16, 128, 2>, DqFromDsConfig<fp16, 128>>("dS behind fp16 D=128", false);
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_ds<DkDvShipped<bf16, 128, kBatchedStart>, DkDvPersistent<bf16, 128, kBatchedStart>, DkSP, DkSP2,
+              DqShipped<bf16, 128, kBatchedStart>, DqS>();
+    return 0;
+  }
   if (mode == "varlen") {
     odd_varlen_checks<bf16, 128>("bf16 D=128");
     odd_varlen_checks<fp16, 64>("fp16 D=64");

@@ -1,0 +1,171 @@
+// The backward with dS through HBM (session 18; csrc/NOTES.md "Session 18"): the dK/dV kernel with
+// DkDvConfig STORE_DS_ writes every visited tile's dS^T (2 bytes per pair of a visited tile, each
+// written once and read once: no atomics, deterministic), and the dQ kernel here runs one matmul
+// per tile pair, dQ += dS K, where the shipped dQ kernel runs three (S = Q K^T and dP = dO V^T
+// again, then dQ): 5 matmuls per tile pair instead of 7, paid with the dS traffic through HBM.
+//
+// The scratch holds one block of 128 keys x 64 queries per visit of the dK/dV kernel (queries
+// contiguous, as it holds dS^T), numbered by the slot table (diffusion_bwd.cuh launch_bwd_ds), plus
+// block 0, all zeros, which stands for the 64-row halves of a visited 128 x 128 dQ tile that no
+// dK/dV visit covers.
+//
+// One CTA per (batch, head, 128-row query tile), in the dQ kernel's order; per visited key tile a
+// producer thread loads K (128 keys x D) and the tile's two dS^T blocks into a ring; consumer c
+// multiplies its block by K (wgmma SS: dS^T read as the MN-major A operand, K^T MN-major).
+// Tiles start at multiples of their size (kStartTile): halves of multiples of 128.
+#pragma once
+
+#include "hopper/bwd_parts.cuh"
+
+namespace dlm::sm90 {
+
+template <class Elem_, int D_ = 128, int STAGES_ = 3>
+struct DqFromDsConfig {
+  using Elem = Elem_;
+  static constexpr int D = D_, BM = 128, BN = 128, STAGES = STAGES_;
+  static constexpr int kDsRows = 64;  // queries per dS^T block (the dK/dV kernel's BM)
+  static constexpr int kConsumers = BM / kDsRows, kThreads = 128 * (1 + kConsumers);
+  static_assert(D == 128, "one 64 x D accumulator per consumer, the dS store's D");
+
+  using SmemLayoutK = SwizzledTiles<Elem, BN, D, STAGES>;
+  using SmemLayoutKt = SwizzledTilesT<Elem, BN, D, STAGES>;  // K^T: (D, BN, STAGES), D contiguous
+  // (64 queries, BN keys) per consumer and stage, queries contiguous: 128-byte rows of one key.
+  using SmemLayoutDs = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
+                                              Shape<Int<kDsRows>, Int<BN>, Int<kConsumers * STAGES>>{}));
+  using MmaDq = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kDsRows>, Int<D>, Int<BN>>,
+                                 GMMA::Major::MN, GMMA::Major::MN>()));
+
+  struct SharedStorage {
+    alignas(1024) Elem k[cosize_v<SmemLayoutK>];
+    alignas(1024) Elem ds[cosize_v<SmemLayoutDs>];
+    alignas(8) uint64_t full[STAGES], empty[STAGES];
+  };
+  static constexpr int kTileBytesK = BN * D * sizeof(Elem);
+  static constexpr int kBlockBytesDs = kDsRows * BN * sizeof(Elem);
+};
+
+// The dS^T scratch as a (64 queries, BN keys, blocks) tensor, one box per block.
+template <class Cfg>
+auto make_tma_ds(typename Cfg::Elem const* p, int blocks) {
+  return make_tma_copy(SM90_TMA_LOAD{},
+                       make_tensor(make_gmem_ptr(p), make_shape(Cfg::kDsRows, Cfg::BN, blocks),
+                                   make_stride(_1{}, Cfg::kDsRows, int64_t{Cfg::kDsRows} * Cfg::BN)),
+                       take<0, 2>(typename Cfg::SmemLayoutDs{}));
+}
+
+template <class Cfg>
+struct DqFromDsParams {
+  using Elem = typename Cfg::Elem;
+  TmaRows<Elem, Cfg::BN, Cfg::D> tma_k;
+  decltype(make_tma_ds<Cfg>(nullptr, 1)) tma_ds;
+  Elem* dq;
+  int64_t dq_stride_s, dq_stride_h, dq_stride_b;
+  int seqlen, heads, kv_heads, batch;
+  SequenceMask mask;
+  float scale;
+  const int32_t* tile_order;  // query tiles of fwd_tiles(BM, BN), most expensive first
+  const int32_t* ds_slots;    // the slot table (diffusion_bwd.cuh launch_bwd_ds)
+  int ds_k_tiles, ds_visits;
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    diffusion_bwd_dq_from_ds_kernel(__grid_constant__ const DqFromDsParams<Cfg> p) {
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKt{});
+  Tensor sDs = make_tensor(make_smem_ptr(ss.ds), typename Cfg::SmemLayoutDs{});
+
+  const int slots = p.batch * p.heads;
+  const int e = blockIdx.x / slots, bh = blockIdx.x % slots;  // entry-major: dearest tiles first
+  const int b = bh / p.heads, h = bh % p.heads, kvh = h / (p.heads / p.kv_heads);
+  const TilePlans plans = p.mask.fwd_tiles(BM, BN);
+  const int qt = p.tile_order[e];
+  const Interval q_tile = plans.tile(qt);
+  const TileRuns runs = plans.runs(qt);
+  const int warp_group = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      Barrier::init(&ss.full[s], 1);
+      Barrier::init(&ss.empty[s], 128 * Cfg::kConsumers);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp_group == 0) {  // ---------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (threadIdx.x == 0) {
+      Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
+      auto tma_k = p.tma_k.get_slice(0);
+      Tensor tKgK = tma_k.partition_S(local_tile(mK(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
+      Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
+      const int blocks = 1 + slots * p.ds_visits;
+      Tensor mDs = p.tma_ds.get_tma_tensor(make_shape(int(Cfg::kDsRows), int(BN), blocks));
+      auto tma_ds = p.tma_ds.get_slice(0);
+      Tensor tDgD = tma_ds.partition_S(mDs);  // (TMA, 1, 1, blocks)
+      Tensor tDsD = tma_ds.partition_D(sDs);  // (TMA, 1, 1, consumers * STAGES)
+      const int32_t* slot_rows = p.ds_slots + qt * Cfg::kConsumers * p.ds_k_tiles;
+      const int first_block = 1 + bh * p.ds_visits;
+      int it = 0;
+      for (int r = 0; r < 2; ++r) {
+        for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
+          const int stage = it % STAGES, phase = (it / STAGES) & 1;
+          Barrier::wait(&ss.empty[stage], phase ^ 1);
+          TxBarrier::arrive_and_expect_tx(&ss.full[stage],
+                                          Cfg::kTileBytesK + Cfg::kConsumers * Cfg::kBlockBytesDs);
+          copy(p.tma_k.with(ss.full[stage]), tKgK(_, _, _, kt), tKsK(_, _, _, stage));
+          for (int c = 0; c < Cfg::kConsumers; ++c) {
+            // A 64-row half that no dK/dV visit covers (slot -1) reads block 0, all zeros.
+            const int slot = slot_rows[c * p.ds_k_tiles + kt];
+            copy(p.tma_ds.with(ss.full[stage]), tDgD(_, _, _, slot < 0 ? 0 : first_block + slot),
+                 tDsD(_, _, _, stage * Cfg::kConsumers + c));
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int consumer = warp_group - 1, tid = threadIdx.x % 128;
+  typename Cfg::MmaDq mma;
+  auto thr = mma.get_thread_slice(tid);
+  Tensor tArD = thr.partition_fragment_A(sDs);   // descriptors: (MMA, M, K, consumers * STAGES)
+  Tensor tBrK = thr.partition_fragment_B(sKt);   // (MMA, N = D, K = BN, STAGES)
+  Tensor acc = partition_fragment_C(mma, Shape<Int<Cfg::kDsRows>, Int<D>>{});
+  clear(acc);
+  // Visit j's matmul is issued before visit j - 1's is waited for, whose stage is then released.
+  int it = 0;
+  for (int r = 0; r < 2; ++r) {
+    for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
+      const int stage = it % STAGES, phase = (it / STAGES) & 1;
+      Barrier::wait(&ss.full[stage], phase);
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tArD); ++kb)
+        gemm(mma, tArD(_, _, kb, stage * Cfg::kConsumers + consumer), tBrK(_, _, kb, stage), acc);
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc);
+      if (it > 0) Barrier::arrive(&ss.empty[(it - 1) % STAGES]);
+    }
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  // (The last stage is not released: nothing more is loaded.)
+  Tensor tQcQ = thr.partition_C(make_identity_tensor(Shape<Int<Cfg::kDsRows>, Int<D>>{}));
+  typename Cfg::Elem* dq = p.dq + b * p.dq_stride_b + h * p.dq_stride_h;
+  store_rows(acc, tQcQ, p.scale, dq, p.dq_stride_s, q_tile.lo + consumer * Cfg::kDsRows, q_tile.hi);
+}
+
+}  // namespace dlm::sm90
