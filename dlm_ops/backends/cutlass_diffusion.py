@@ -176,9 +176,11 @@ def _ds_plan(ext, q: torch.Tensor, mask) -> dict:
         return {}
     b, _, h, _ = q.shape
     slots, visits = _ds_slots(mask.n_noisy, mask.n_clean, mask.block_size, str(q.device))
-    elems = (1 + b * h * visits) * ext.ds_block
-    if elems * q.element_size() > DS_SCRATCH_MAX_BYTES:
+    blocks = 1 + b * h * visits
+    # The kernels address the scratch's rows (128 per block) with 32-bit integers.
+    if blocks * ext.ds_block * q.element_size() > DS_SCRATCH_MAX_BYTES or blocks * DS_TILE >= 2**31:
         return {}
+    elems = blocks * ext.ds_block
     return {"ds_scratch": torch.empty(elems, dtype=q.dtype, device=q.device), "ds_slots": slots,
             "ds_visits": visits}
 
