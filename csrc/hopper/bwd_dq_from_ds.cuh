@@ -19,10 +19,14 @@
 
 namespace dlm::sm90 {
 
-template <class Elem_, int D_ = 128, int STAGES_ = 3>
+// PERSISTENT_: a grid of at most one CTA per SM walks the (query tile, slot) items in snake order
+// (common.cuh snake_item) with the ring continued across items, so that one item's last matmul and
+// dQ stores overlap the next item's loads; otherwise one CTA per item.
+template <class Elem_, int D_ = 128, int STAGES_ = 3, bool PERSISTENT_ = false>
 struct DqFromDsConfig {
   using Elem = Elem_;
   static constexpr int D = D_, BM = 128, BN = 128, STAGES = STAGES_;
+  static constexpr bool kPersistent = PERSISTENT_;
   static constexpr int kDsRows = 64;  // queries per dS^T block (the dK/dV kernel's BM)
   static constexpr int kConsumers = BM / kDsRows, kThreads = 128 * (1 + kConsumers);
   static_assert(D == 128, "one 64 x D accumulator per consumer, the dS store's D");
@@ -67,6 +71,7 @@ struct DqFromDsParams {
   const int32_t* tile_order;  // query tiles of fwd_tiles(BM, BN), most expensive first
   const int32_t* ds_slots;    // the slot table (diffusion_bwd.cuh launch_bwd_ds)
   int ds_k_tiles, ds_visits;
+  int entries;                // of tile_order: the items are (entry, batch * head slot), entry-major
 };
 
 template <class Cfg>
@@ -82,13 +87,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKt{});
   Tensor sDs = make_tensor(make_smem_ptr(ss.ds), typename Cfg::SmemLayoutDs{});
 
-  const int slots = p.batch * p.heads;
-  const int e = blockIdx.x / slots, bh = blockIdx.x % slots;  // entry-major: dearest tiles first
-  const int b = bh / p.heads, h = bh % p.heads, kvh = h / (p.heads / p.kv_heads);
+  const int slots = p.batch * p.heads, num_items = slots * p.entries;
   const TilePlans plans = p.mask.fwd_tiles(BM, BN);
-  const int qt = p.tile_order[e];
-  const Interval q_tile = plans.tile(qt);
-  const TileRuns runs = plans.runs(qt);
+  struct Item {
+    int b, h, bh, qt;
+  };
+  auto item_at = [&](int w) {
+    const int e = w / slots, bh = w % slots;  // entry-major: the dearest tiles first
+    return Item{bh / p.heads, bh % p.heads, bh, p.tile_order[e]};
+  };
+  // f(item) for the CTA's items: its one (blockIdx.x), or (Cfg::kPersistent) snake_item's walk.
+  auto for_each_item = [&](auto&& f) {
+    if constexpr (Cfg::kPersistent) {
+      for (int i = 0, w = snake_item(0); w < num_items; w = snake_item(++i)) f(item_at(w));
+    } else {
+      f(item_at(blockIdx.x));
+    }
+  };
   const int warp_group = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -105,31 +120,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0) {
       Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen, D, p.kv_heads, p.batch));
       auto tma_k = p.tma_k.get_slice(0);
-      Tensor tKgK = tma_k.partition_S(local_tile(mK(_, _, kvh, b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
       Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
       const int blocks = 1 + slots * p.ds_visits;
       Tensor mDs = p.tma_ds.get_tma_tensor(make_shape(int(Cfg::kDsRows), int(BN), blocks));
       auto tma_ds = p.tma_ds.get_slice(0);
       Tensor tDgD = tma_ds.partition_S(mDs);  // (TMA, 1, 1, blocks)
       Tensor tDsD = tma_ds.partition_D(sDs);  // (TMA, 1, 1, consumers * STAGES)
-      const int32_t* slot_rows = p.ds_slots + qt * Cfg::kConsumers * p.ds_k_tiles;
-      const int first_block = 1 + bh * p.ds_visits;
-      int it = 0;
-      for (int r = 0; r < 2; ++r) {
-        for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
-          const int stage = it % STAGES, phase = (it / STAGES) & 1;
-          Barrier::wait(&ss.empty[stage], phase ^ 1);
-          TxBarrier::arrive_and_expect_tx(&ss.full[stage],
-                                          Cfg::kTileBytesK + Cfg::kConsumers * Cfg::kBlockBytesDs);
-          copy(p.tma_k.with(ss.full[stage]), tKgK(_, _, _, kt), tKsK(_, _, _, stage));
-          for (int c = 0; c < Cfg::kConsumers; ++c) {
-            // A 64-row half that no dK/dV visit covers (slot -1) reads block 0, all zeros.
-            const int slot = slot_rows[c * p.ds_k_tiles + kt];
-            copy(p.tma_ds.with(ss.full[stage]), tDgD(_, _, _, slot < 0 ? 0 : first_block + slot),
-                 tDsD(_, _, _, stage * Cfg::kConsumers + c));
+      int it = 0;  // the ring position, continued across items
+      for_each_item([&](const Item t) {
+        const int kvh = t.h / (p.heads / p.kv_heads);
+        const TileRuns runs = plans.runs(t.qt);
+        Tensor tKgK = tma_k.partition_S(
+            local_tile(mK(_, _, kvh, t.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
+        const int32_t* slot_rows = p.ds_slots + t.qt * Cfg::kConsumers * p.ds_k_tiles;
+        const int first_block = 1 + t.bh * p.ds_visits;
+        for (int r = 0; r < 2; ++r) {
+          for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
+            const int stage = it % STAGES, phase = (it / STAGES) & 1;
+            Barrier::wait(&ss.empty[stage], phase ^ 1);
+            TxBarrier::arrive_and_expect_tx(&ss.full[stage],
+                                            Cfg::kTileBytesK + Cfg::kConsumers * Cfg::kBlockBytesDs);
+            copy(p.tma_k.with(ss.full[stage]), tKgK(_, _, _, kt), tKsK(_, _, _, stage));
+            for (int c = 0; c < Cfg::kConsumers; ++c) {
+              // A 64-row half that no dK/dV visit covers (slot -1) reads block 0, all zeros.
+              const int slot = slot_rows[c * p.ds_k_tiles + kt];
+              copy(p.tma_ds.with(ss.full[stage]), tDgD(_, _, _, slot < 0 ? 0 : first_block + slot),
+                   tDsD(_, _, _, stage * Cfg::kConsumers + c));
+            }
           }
         }
-      }
+      });
     }
     return;
   }
@@ -142,30 +162,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor tArD = thr.partition_fragment_A(sDs);   // descriptors: (MMA, M, K, consumers * STAGES)
   Tensor tBrK = thr.partition_fragment_B(sKt);   // (MMA, N = D, K = BN, STAGES)
   Tensor acc = partition_fragment_C(mma, Shape<Int<Cfg::kDsRows>, Int<D>>{});
-  clear(acc);
-  // Visit j's matmul is issued before visit j - 1's is waited for, whose stage is then released.
-  int it = 0;
-  for (int r = 0; r < 2; ++r) {
-    for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
-      const int stage = it % STAGES, phase = (it / STAGES) & 1;
-      Barrier::wait(&ss.full[stage], phase);
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tArD); ++kb)
-        gemm(mma, tArD(_, _, kb, stage * Cfg::kConsumers + consumer), tBrK(_, _, kb, stage), acc);
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc);
-      if (it > 0) Barrier::arrive(&ss.empty[(it - 1) % STAGES]);
-    }
-  }
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
-  // (The last stage is not released: nothing more is loaded.)
   Tensor tQcQ = thr.partition_C(make_identity_tensor(Shape<Int<Cfg::kDsRows>, Int<D>>{}));
-  typename Cfg::Elem* dq = p.dq + b * p.dq_stride_b + h * p.dq_stride_h;
-  store_rows(acc, tQcQ, p.scale, dq, p.dq_stride_s, q_tile.lo + consumer * Cfg::kDsRows, q_tile.hi);
+  int it = 0;  // the producer's ring position, kept in step
+  for_each_item([&](const Item t) {
+    const TileRuns runs = plans.runs(t.qt);
+    const Interval q_tile = plans.tile(t.qt);
+    clear(acc);
+    // Visit j's matmul is issued before visit j - 1's is waited for, whose stage is then released.
+    const int first = it;
+    for (int r = 0; r < 2; ++r) {
+      for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
+        const int stage = it % STAGES, phase = (it / STAGES) & 1;
+        Barrier::wait(&ss.full[stage], phase);
+        warpgroup_fence_operand(acc);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tArD); ++kb)
+          gemm(mma, tArD(_, _, kb, stage * Cfg::kConsumers + consumer), tBrK(_, _, kb, stage), acc);
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(acc);
+        if (it > first) Barrier::arrive(&ss.empty[(it - 1) % STAGES]);
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (it > first) Barrier::arrive(&ss.empty[(it - 1) % STAGES]);  // the item's last visit
+    typename Cfg::Elem* dq = p.dq + t.b * p.dq_stride_b + t.h * p.dq_stride_h;
+    store_rows(acc, tQcQ, p.scale, dq, p.dq_stride_s, q_tile.lo + consumer * Cfg::kDsRows, q_tile.hi);
+  });
 }
 
 }  // namespace dlm::sm90

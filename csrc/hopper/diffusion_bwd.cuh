@@ -208,12 +208,20 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
       static_cast<Elem*>(a.dq), a.dq_stride[1], a.dq_stride[2], a.dq_stride[0],
       a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale, a.dq_order, a.ds_slots,
-      (a.seqlen + Cfg::BN - 1) / Cfg::BN, a.ds_visits};
+      (a.seqlen + Cfg::BN - 1) / Cfg::BN, a.ds_visits, a.dq_tiles};
   auto kernel = diffusion_bwd_dq_from_ds_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);
   if (configured != cudaSuccess) return configured;
-  kernel<<<a.batch * a.heads * a.dq_tiles, Cfg::kThreads, smem, a.stream>>>(p);
+  int ctas = a.batch * a.heads * a.dq_tiles;
+  if constexpr (Cfg::kPersistent) {
+    int device = 0, sms = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    ctas = ctas < sms ? ctas : sms;
+  }
+  kernel<<<ctas, Cfg::kThreads, smem, a.stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -256,6 +264,10 @@ using DkDvStoreDs = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, kSta
 template <class Elem, int D, int STORE = kDsStore>
 using DkDvStoreDsPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false,
                                          true, true, false, STORE>;
+// The dQ-from-dS kernel persistent (harness `ds-dq`, session 18: the dQ kernel 1.03-1.18x, the whole
+// backward 1.00-1.03x against one CTA per item).
+template <class Elem, int D>
+using DqFromDsPersistent = DqFromDsConfig<Elem, D, 3, true>;
 
 // Preprocess, dK/dV writing dS^T, dQ from dS. a.ds_scratch: 1 + B * H * a.ds_visits blocks of 64 x 128
 // elements (block 0 is zeroed here: it stands for the halves of dQ tiles that no dK/dV visit covers),
@@ -269,7 +281,7 @@ cudaError_t launch_bwd_ds(const BwdArgs& a) {
   cudaError_t err = cudaMemsetAsync(a.ds_scratch, 0, 64 * 128 * sizeof(Elem), a.stream);
   if (err == cudaSuccess) err = launch_preprocess<Elem, D>(a);
   if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDvStoreDsPersistent<Elem, D, STORE>>(a);
-  if (err == cudaSuccess && a.dq_tiles) err = launch_dq_from_ds<DqFromDsConfig<Elem, D>>(a);
+  if (err == cudaSuccess && a.dq_tiles) err = launch_dq_from_ds<DqFromDsPersistent<Elem, D>>(a);
   return err;
 }
 

@@ -113,7 +113,7 @@ PERSISTENT_DKDV_HEAD_DIMS = (64, 128)
 # written by one CTA, no atomics). Batched calls at D = 128 with both halves multiples of 128
 # (its kernels' tiles start at tile multiples), while the scratch, (1 + B * H * visits) blocks of
 # 64 x 128 elements, stays within DS_SCRATCH_MAX_BYTES (0 turns the path off). Harness `ds` (bf16,
-# D = 128, 16K tokens, H = 16, session 18): the whole backward 1.11-1.13x the two-kernel one's (its
+# D = 128, 16K tokens, H = 16, session 18): the whole backward 1.12-1.17x the two-kernel one's (its
 # faster dK/dV kernel per shape) at n = 1K-8K, block 4 / 16 and GQA 32/8; the scratch is then 0.34
 # GB at n = 1K and 2.2 GB at n = 8K (about a quarter of S x S x H x 2 bytes).
 DS_HEAD_DIMS = (128,)

@@ -30,7 +30,8 @@
 //                               # rows against fp64, then varlen vs batched timing at 16K tokens
 //                               # (csrc/NOTES.md "Odd lengths and varlen"); exit 1 on a failure
 //   ./bwd_standalone ds         # dS through HBM (dK/dV stores dS^T, dQ reads it: 5 matmuls): checks,
-//                               # then the A/B against the shipped kernels; ds-small for sanitizers
+//                               # then the A/B against the shipped kernels; ds-small for sanitizers;
+//                               # ds-dq: the dQ-from-dS kernel one CTA per item vs persistent
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -475,19 +476,21 @@ void timing(const char* name, const std::vector<Run>& runs = {std::begin(kTiming
 // backward of four arms (shipped with the one-CTA-per-tile and with the persistent dK/dV kernel; dS
 // with the persistent dK/dV kernel staging dS^T before or behind its dV / dK matmuls) in 8 rounds,
 // odd rounds in reverse order, medians; then each kernel alone. bf16 D = 128, 16K tokens.
-template <class Dk, class DkP, class DkS1, class DkS2, class Dq, class DqS>
-void timing_ds() {
-  printf("== dS through HBM (bf16, D=128, 16K tokens; ms, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n");
-  printf("| B | n | H/Hkv | bs | shipped | persistent dK/dV | dS (store before) | dS (store behind) | dK/dV: shipped"
-         " / persistent / + dS before / + dS behind | dQ: shipped / from dS | dS scratch GB |\n");
+template <class Dk, class DkP, class DkS1, class DkS2, class Dq, class DqS1, class DqS2 = DqS1>
+void timing_ds(const char* arm2, const char* arm3) {
+  constexpr int D = Dk::D;
+  printf("== dS through HBM (bf16, D=%d, 16K tokens; ms, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n", D);
+  printf("| B | n | H/Hkv | bs | shipped | persistent dK/dV | dS (%s) | dS (%s) | dK/dV: shipped"
+         " / persistent / + dS (%s) / + dS (%s) | dQ: shipped / from dS (%s / %s) | dS scratch GB |\n", arm2,
+         arm3, arm2, arm3, arm2, arm3);
   printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Run& r : kTimingRuns) {
-    Problem<bf16> P(r, 128);
+    Problem<bf16> P(r, D);
     P.to_device();
-    Bwd<bf16, 128, Dk, Dq> a0(P);
-    Bwd<bf16, 128, DkP, Dq> a1(P);
-    Bwd<bf16, 128, DkS1, DqS> a2(P);
-    Bwd<bf16, 128, DkS2, DqS> a3(P);
+    Bwd<bf16, D, Dk, Dq> a0(P);
+    Bwd<bf16, D, DkP, Dq> a1(P);
+    Bwd<bf16, D, DkS1, DqS1> a2(P);
+    Bwd<bf16, D, DkS2, DqS2> a3(P);
     std::vector<float> t[4];
     auto arm = [&](int i) {
       switch (i) {
@@ -511,12 +514,13 @@ void timing_ds() {
     const float k0 = time_ms([&] { a0.dkdv(); }, 10), k1 = time_ms([&] { a1.dkdv(); }, 10);
     const float k2 = time_ms([&] { a2.dkdv(); }, 10), k3 = time_ms([&] { a3.dkdv(); }, 10);
     const float q0 = time_ms([&] { a0.dq(); }, 10), q2 = time_ms([&] { a2.dq(); }, 10);
+    const float q3 = time_ms([&] { a3.dq(); }, 10);
     CK(cudaGetLastError());
-    const double matmul = 2.0 * (double)P.mask.num_pairs() * 128 * r.H * r.B / 1e9;
+    const double matmul = 2.0 * (double)P.mask.num_pairs() * D * r.H * r.B / 1e9;
     printf("| %d | %d | %d/%d | %d | %.3f (%.0f) | %.3f (%.2fx) | %.3f (%.2fx) | %.3f (%.2fx) | %.3f / %.3f / %.3f / "
-           "%.3f | %.3f / %.3f | %.2f |\n",
+           "%.3f | %.3f / %.3f / %.3f | %.2f |\n",
            r.B, r.n, r.H, r.Hkv, r.bs, med[0], 5 * matmul / med[0], med[1], med[0] / med[1], med[2],
-           med[0] / med[2], med[3], med[0] / med[3], k0, k1, k2, k3, q0, q2, a2.ds_bytes / 1e9);
+           med[0] / med[2], med[3], med[0] / med[3], k0, k1, k2, k3, q0, q2, q3, a2.ds_bytes / 1e9);
   }
 }
 
@@ -1080,7 +1084,22 @@ int main(int argc, char** argv) {
     printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
     if (g_failures) return 1;
     timing_ds<DkDvShipped<bf16, 128, kBatchedStart>, DkDvPersistent<bf16, 128, kBatchedStart>, DkSP, DkSP2,
-              DqShipped<bf16, 128, kBatchedStart>, DqS>();
+              DqShipped<bf16, 128, kBatchedStart>, DqS>("store before", "store behind");
+    return 0;
+  }
+  if (mode == "ds-dq") {  // the dQ-from-dS kernel one CTA per item vs persistent (both after the
+    // persistent dK/dV kernel storing dS behind its matmuls): checks, then the A/B
+    using DkSP2 = DkDvStoreDsPersistent<bf16, 128, 2>;
+    using DqP = DqFromDsConfig<bf16, 128, 3, true>;
+    checks<bf16, 128, DkSP2, DqP>("dS, persistent dQ bf16 D=128", true);
+    checks<fp16, 128, DkDvStoreDsPersistent<fp16, 128, 2>, DqFromDsConfig<fp16, 128, 3, true>>(
+        "dS, persistent dQ fp16 D=128", false);
+    check<bf16, 128, DkSP2, DqP>("dS, persistent dQ, 2 items per CTA", {2, 2048, 8, 8, 16, false, 61});
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_ds<DkDvShipped<bf16, 128, kBatchedStart>, DkDvPersistent<bf16, 128, kBatchedStart>, DkSP2, DkSP2,
+              DqShipped<bf16, 128, kBatchedStart>, DqFromDsConfig<bf16, 128>, DqP>("dQ per item",
+                                                                                  "dQ persistent");
     return 0;
   }
   if (mode == "varlen") {
