@@ -97,6 +97,15 @@ constexpr int bwd_block_n(int d) { return d == 256 ? 64 : kBwdBlockN; }
 constexpr int dq_block_m(int d) { return d == 256 ? 64 : kDqBlockM; }
 constexpr int dq_block_n(int d) { return d == 256 ? 64 : kDqBlockN; }
 
+// A persistent grid: at most one CTA per SM of the current device.
+inline cudaError_t cap_at_sm_count(int& ctas) {
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess && sms < ctas) ctas = sms;
+  return err;
+}
+
 template <class Kernel>
 cudaError_t set_smem(Kernel kernel, int smem) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -157,12 +166,9 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
   static const cudaError_t configured = set_smem(kernel, smem);  // once: the attribute is per function
   if (configured != cudaSuccess) return configured;
   int ctas = a.batch * a.kv_heads * a.dkdv_tiles;
-  if constexpr (Cfg::kPersistent) {  // one CTA per SM (1 fits: 192 KB of shared memory at D = 128)
-    int device = 0, sms = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) return err;
-    ctas = ctas < sms ? ctas : sms;
+  // Persistent: one CTA per SM (1 fits: 192 KB of shared memory at D = 128).
+  if constexpr (Cfg::kPersistent) {
+    if (const cudaError_t err = cap_at_sm_count(ctas); err != cudaSuccess) return err;
   }
   kernel<<<ctas, Cfg::kThreads, smem, a.stream>>>(p);
   return cudaGetLastError();
@@ -215,11 +221,7 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
   if (configured != cudaSuccess) return configured;
   int ctas = a.batch * a.heads * a.dq_tiles;
   if constexpr (Cfg::kPersistent) {
-    int device = 0, sms = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) return err;
-    ctas = ctas < sms ? ctas : sms;
+    if (const cudaError_t err = cap_at_sm_count(ctas); err != cudaSuccess) return err;
   }
   kernel<<<ctas, Cfg::kThreads, smem, a.stream>>>(p);
   return cudaGetLastError();
