@@ -35,7 +35,7 @@ class NoOpExtension:
         return torch.zeros(1, dtype=torch.int32)
 
     def bwd_tile_orders(self, n_noisy, n_clean, block_size, head_dim):
-        return torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        return tuple(torch.zeros(1, dtype=torch.int32) for _ in range(3))
 
     def fwd(self, *args, **kwargs):
         pass

@@ -45,8 +45,9 @@ class FakeExtension:
         return _i32(_order(SequenceMask(nn, nc, bs).fwd_tiles(128, 64 if d > 128 else 128)))
 
     def bwd_tile_orders(self, nn, nc, bs, d):
-        m, t = SequenceMask(nn, nc, bs), 64 if d > 128 else 128  # diffusion_bwd.cuh bwd_block_n / dq_block_*
-        return _i32(_order(m.bwd_tiles(64, t))), _i32(_order(m.fwd_tiles(t, t)))
+        m, t = SequenceMask(nn, nc, bs), 64 if d > 128 else 128  # bwd_parts.cuh bwd_block_n / dq_block_*
+        return (_i32(_order(m.bwd_tiles(64, t))), _i32(_order(m.fwd_tiles(t, t))),
+                _i32(_order(m.fwd_tiles(128, t))))  # the dQ-from-dS kernel's: 128 rows x key tile
 
     def varlen_tile_order(self, cu, bs, d):
         self.table_builds += 1
@@ -288,19 +289,23 @@ def test_empty_packing_with_expanded_dout_runs_cutlass(fake, halves):
 class DsExtension(FakeExtension):
     """An extension built with the dS backward (diffusion_bwd.cuh launch_bwd_ds)."""
 
-    ds_block = 64 * 128
+    @staticmethod
+    def ds_block(d):  # 64 queries x the dK/dV kernel's key tile; 0: not at this head dim
+        return {128: 64 * 128, 256: 64 * 64}.get(d, 0)
 
 
 @pytest.mark.parametrize("nn,nc,d,max_bytes,takes", [
     (256, 384, 128, cd.DS_SCRATCH_MAX_BYTES, True),
     (0, 256, 128, cd.DS_SCRATCH_MAX_BYTES, True),      # block-causal (no noisy half)
+    (256, 384, 256, cd.DS_SCRATCH_MAX_BYTES, True),    # D = 256: 64-key blocks
     (256, 200, 128, cd.DS_SCRATCH_MAX_BYTES, False),   # a half off the 128 grid
     (256, 256, 64, cd.DS_SCRATCH_MAX_BYTES, False),    # D = 64: the two-kernel dQ
     (256, 256, 128, 0, False),                         # the scratch's bound (0: off)
 ])
 def test_ds_backward_where_it_applies(fake, monkeypatch, nn, nc, d, max_bytes, takes):
-    """The dS backward: batched, D = 128, halves on the 128 grid, within DS_SCRATCH_MAX_BYTES; its
-    scratch is (1 + B * H * visits) blocks of q's dtype, its table the slot table of the mask."""
+    """The dS backward: batched, D = 128 or 256, halves on the 128 grid, within
+    DS_SCRATCH_MAX_BYTES; its scratch is (1 + B * H * visits) blocks of q's dtype, its table the
+    slot table of the mask, its dQ order the 128-row one."""
     ext = DsExtension()
     monkeypatch.setattr(cd, "_EXT", ext)
     monkeypatch.setattr(cd, "_extension", lambda: ext)
@@ -315,26 +320,31 @@ def test_ds_backward_where_it_applies(fake, monkeypatch, nn, nc, d, max_bytes, t
     if not takes:
         assert call["ds_scratch"] is None and call["ds_slots"] is None
         return
-    slots, visits = cd._ds_slots(nn, nc, 16, "cpu")
+    key_tile = 64 if d == 256 else 128
+    slots, visits = cd._ds_slots(nn, nc, 16, key_tile, "cpu")
     assert call["ds_visits"] == visits and torch.equal(call["ds_slots"], slots)
-    assert call["ds_scratch"].dtype == q.dtype and call["ds_scratch"].numel() == (1 + 2 * 4 * visits) * 8192
+    assert slots.numel() == (nn + nc) // 64 * ((nn + nc) // key_tile)
+    assert call["ds_scratch"].dtype == q.dtype
+    assert call["ds_scratch"].numel() == (1 + 2 * 4 * visits) * 64 * key_tile
+    assert torch.equal(call["dq_order"], ext.bwd_tile_orders(nn, nc, 16, d)[2])
 
 
-@given(st.integers(0, 4), st.integers(0, 4), st.sampled_from([1, 3, 16, 64, 100, 128, 300]))
-def test_ds_slots_cover_every_visible_pair_once_per_visit(nn_tiles, nc_tiles, bs):
+@given(st.integers(0, 4), st.integers(0, 4), st.sampled_from([1, 3, 16, 64, 100, 128, 300]),
+       st.sampled_from([64, 128]))
+def test_ds_slots_cover_every_visible_pair_once_per_visit(nn_tiles, nc_tiles, bs, key_tile):
     """The slot table (cutlass_diffusion._ds_slots): one slot per visit of the dK/dV kernel (64-query
-    tile x 128-key tile of bwd_tiles(64, 128)), numbered 0 .. visits - 1, consecutively within a key
-    tile in its visit order (the kernel derives a visit's slot from its key tile's first); every
-    visible pair lies in a visited tile, so the dQ kernel's zero block only stands in for 64-row
-    halves without a visible pair."""
+    tile x key tile of bwd_tiles(64, key_tile): 128 keys at D = 128, 64 at D = 256), numbered 0 ..
+    visits - 1, consecutively within a key tile in its visit order (the kernel derives a visit's
+    slot from its key tile's first); every visible pair lies in a visited tile, so the dQ kernel's
+    zero block only stands in for 64-row halves without a visible pair."""
     nn, nc = 128 * nn_tiles, 128 * nc_tiles
     mask = SequenceMask(nn, nc, bs)
-    slots, visits = cd._ds_slots(nn, nc, bs, "cpu")
+    slots, visits = cd._ds_slots(nn, nc, bs, key_tile, "cpu")
     s = nn + nc
-    table = slots.view(s // 64, s // 128)
+    table = slots.view(s // 64, s // key_tile)
     visited = table[table >= 0]
     assert sorted(visited.tolist()) == list(range(visits))
-    plans = mask.bwd_tiles(64, 128)
+    plans = mask.bwd_tiles(64, key_tile)
     assert visits == sum(len(p.visits) for p in plans)
     for kt, plan in enumerate(plans):
         column = [table[v.start // 64, kt].item() for v in plan.visits]
@@ -343,4 +353,4 @@ def test_ds_slots_cover_every_visible_pair_once_per_visit(nn_tiles, nc_tiles, bs
         rows = torch.arange(s)
         seen = mask.visible(rows, rows)
         q_idx, k_idx = seen.nonzero(as_tuple=True)
-        assert (table[q_idx // 64, k_idx // 128] >= 0).all()
+        assert (table[q_idx // 64, k_idx // key_tile] >= 0).all()

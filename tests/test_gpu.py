@@ -483,21 +483,23 @@ def test_cutlass_varlen_is_the_default_on_sm90():
 
 @_SM90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("n,block_size,heads,layout", [
     (256, 16, (4, 4), "bd3"), (384, 5, (8, 2), "bd3"), (1024, 300, (2, 2), "bd3"),
-    (1024, 4, (4, 4), "bd3"),   # 2 x 16 x 4 = 128 dK/dV items: persistent CTAs walk several
+    (1024, 4, (4, 4), "bd3"),   # 2 x 16 x 4 = 128 dK/dV items at D = 128: persistent CTAs walk several
     (128, 1, (4, 2), "causal"),  # block-causal: no noisy half
 ])
-def test_cutlass_ds_backward(monkeypatch, dtype, n, block_size, heads, layout):
+def test_cutlass_ds_backward(monkeypatch, dtype, head_dim, n, block_size, heads, layout):
     """The dS backward (cutlass_diffusion DS_*; csrc/hopper/bwd_dq_from_ds.cuh), the default at D =
-    128 with halves on the 128 grid: it runs (STATS), meets the accuracy rule for dq, dk, dv with an
-    upstream dlse, is bitwise deterministic, and against the two-kernel backward (the path turned off
-    by DS_SCRATCH_MAX_BYTES = 0) gives bitwise the same dk, dv (the same dK/dV tiles in the same
-    order) and dq within a few units of dS's rounding (dS^T there comes from K Q^T, here from Q K^T)."""
+    128 and 256 with halves on the 128 grid: it runs (STATS), meets the accuracy rule for dq, dk, dv
+    with an upstream dlse, is bitwise deterministic, and against the two-kernel backward (the path
+    turned off by DS_SCRATCH_MAX_BYTES = 0) gives bitwise the same dk, dv (the same dK/dV tiles in
+    the same order) and dq within a few units of dS's rounding (dS^T there comes from K Q^T, here
+    from Q K^T)."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
     h, hkv = heads
-    q, k, v = _qkv(2, 2 * n, h, hkv, 128, dtype, seed=n + h)
+    q, k, v = _qkv(2, 2 * n, h, hkv, head_dim, dtype, seed=n + h)
     attn, ref = ((dlm_ops.block_causal_attn_func, block_causal_attn_ref) if layout == "causal"
                  else (dlm_ops.diffusion_attn_func, diffusion_attn_ref))
 

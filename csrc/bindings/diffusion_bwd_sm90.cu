@@ -21,18 +21,29 @@ using dlm_bindings::tile_order_tensor;
 using dlm::sm90::bwd_block_n;
 using dlm::sm90::dq_block_m;
 using dlm::sm90::dq_block_n;
+using dlm::sm90::ds_backward_supports;
+using dlm::sm90::ds_block_elems;
+using dlm::sm90::ds_dq_block_n;
 using dlm::sm90::kBwdBlockM;
-constexpr int64_t kDsBlock = int64_t{dlm::sm90::kBwdBlockM} * dlm::sm90::kBwdBlockN;
+using dlm::sm90::kDsDqBlockM;
 
-// The two CTA schedules as CPU int32 tensors, most expensive first: key tiles of the dK/dV kernel,
-// query tiles of the dQ kernel (their tiles depend on the head dim).
+// The CTA schedules as CPU int32 tensors, most expensive first: key tiles of the dK/dV kernel, query
+// tiles of the dQ kernel, query tiles of the dQ-from-dS kernel (their tiles depend on the head dim).
 std::vector<torch::Tensor> bwd_tile_orders(int64_t n_noisy, int64_t n_clean, int64_t block_size,
                                            int64_t head_dim) {
   const dlm::SequenceMask mask{static_cast<int>(n_noisy), static_cast<int>(n_clean),
                                static_cast<int>(block_size)};
   const int d = static_cast<int>(head_dim);
   return {tile_order_tensor(mask.bwd_tiles(kBwdBlockM, bwd_block_n(d))),
-          tile_order_tensor(mask.fwd_tiles(dq_block_m(d), dq_block_n(d)))};
+          tile_order_tensor(mask.fwd_tiles(dq_block_m(d), dq_block_n(d))),
+          tile_order_tensor(mask.fwd_tiles(kDsDqBlockM, ds_dq_block_n(d)))};
+}
+
+// Elements per dS^T block of the dS backward (64 queries x the dK/dV kernel's key tile), 0 for a head
+// dim the path does not cover.
+int64_t ds_block(int64_t head_dim) {
+  const int d = static_cast<int>(head_dim);
+  return ds_backward_supports(d) ? ds_block_elems(d) : 0;
 }
 
 // The work entries of packed samples: {dK/dV key tiles, their samples, dQ query tiles, their
@@ -65,10 +76,10 @@ struct LaunchBwd {
 // samples (varlen): B = 1, S = total tokens, the orders and samples from varlen_bwd_tile_orders and
 // cu_seqlens the (num_samples + 1,) int32 offsets on the device; n_noisy is then unused.
 // persistent_dkdv: the persistent dK/dV kernel (D = 64 / 128; other head dims run the one-CTA-per-tile
-// kernel regardless). ds_scratch / ds_slots / ds_visits (batched, D = 128, both halves multiples of
-// 128): the backward with dS through HBM (diffusion_bwd.cuh launch_bwd_ds), ds_scratch of q's dtype
-// with at least (1 + B * H * ds_visits) * ds_block elements, ds_slots the (S / 64) x (S / 128) int32
-// slot table.
+// kernel regardless). ds_scratch / ds_slots / ds_visits (batched, D = 128 or 256, both halves
+// multiples of 128): the backward with dS through HBM (diffusion_bwd.cuh launch_bwd_ds), ds_scratch
+// of q's dtype with at least (1 + B * H * ds_visits) * ds_block(D) elements, ds_slots the (S / 64) x
+// (S / key tile) int32 slot table, dq_order the third of bwd_tile_orders.
 void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
          torch::Tensor lse, std::optional<torch::Tensor> dlse, torch::Tensor dq, torch::Tensor dk,
          torch::Tensor dv, torch::Tensor lse2, torch::Tensor delta, torch::Tensor dkdv_order,
@@ -117,16 +128,19 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   }
   TORCH_CHECK(ds_scratch.has_value() == ds_slots.has_value(), "ds_scratch and ds_slots together");
   if (ds_scratch) {
-    const int64_t s = q.size(1);
-    TORCH_CHECK(!varlen && q.size(3) == 128 && n_noisy % 128 == 0 && (s - n_noisy) % 128 == 0,
-                "the dS backward: batched, D = 128, both halves multiples of 128");
+    const int64_t s = q.size(1), d = q.size(3), block = ds_block(d);
+    TORCH_CHECK(!varlen && block && n_noisy % kDsDqBlockM == 0 && (s - n_noisy) % kDsDqBlockM == 0,
+                "the dS backward: batched, D = 128 or 256, both halves multiples of ", kDsDqBlockM);
     TORCH_CHECK(ds_scratch->device() == dev && ds_scratch->scalar_type() == q.scalar_type() &&
                     ds_scratch->is_contiguous() && reinterpret_cast<uintptr_t>(ds_scratch->data_ptr()) % 16 == 0 &&
-                    ds_visits >= 0 && ds_scratch->numel() >= (1 + q.size(0) * q.size(2) * ds_visits) * kDsBlock,
-                "ds_scratch: contiguous, q's dtype, (1 + B * H * ds_visits) * ", kDsBlock, " elements");
+                    ds_visits >= 0 && ds_scratch->numel() >= (1 + q.size(0) * q.size(2) * ds_visits) * block,
+                "ds_scratch: contiguous, q's dtype, (1 + B * H * ds_visits) * ", block, " elements");
+    const int64_t key_tiles = s / ds_dq_block_n(static_cast<int>(d));
     TORCH_CHECK(ds_slots->device() == dev && ds_slots->scalar_type() == torch::kInt32 &&
-                    ds_slots->is_contiguous() && ds_slots->numel() == (s / 64) * (s / 128),
-                "ds_slots: contiguous int32, (S / 64) * (S / 128) entries");
+                    ds_slots->is_contiguous() && ds_slots->numel() == (s / kBwdBlockM) * key_tiles,
+                "ds_slots: contiguous int32, (S / ", kBwdBlockM, ") * ", key_tiles, " entries");
+    TORCH_CHECK(dq_order.size(0) == s / kDsDqBlockM,
+                "dq_order: the dQ-from-dS kernel's query tiles (bwd_tile_orders()[2]), ", s / kDsDqBlockM);
   }
   const c10::cuda::CUDAGuard guard(dev);
   dlm::sm90::BwdArgs a{};
@@ -176,6 +190,6 @@ void add_bwd(pybind11::module_& m) {
         pybind11::arg("ds_scratch") = pybind11::none(), pybind11::arg("ds_slots") = pybind11::none(),
         pybind11::arg("ds_visits") = 0);
   m.attr("scratch_pad") = dlm::sm90::kVarlenScratchPad;  // floats past lse2 / delta, zeroed
-  m.attr("ds_block") = kDsBlock;  // elements per dS^T block of the dS backward (64 queries x 128 keys)
+  m.def("ds_block", &ds_block, pybind11::arg("head_dim"));
 }
 }  // namespace dlm_bindings

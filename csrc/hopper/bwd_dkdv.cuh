@@ -358,6 +358,48 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               for (int i = 0; i < kRows; ++i) dp(i, j) = s(i, j) * (dp(i, j) - dl);
             }
           }
+          // Cfg::kStoreDs: this warpgroup's 64 keys of the tile's dS^T block (ds_frag, the Elem
+          // copy of dS^T in the accumulator's layout), staged in shared memory, then one TMA store
+          // per warp (16 keys). Cfg::kRoles: the dK warpgroup's (the dV one holds no dS^T).
+          [[maybe_unused]] auto store_ds = [&](auto& ds_frag) {
+            if constexpr (Cfg::kStoreDs) {
+              using DsStore = typename Cfg::DsStore;
+              const int lane = tid % 32, warp = tid / 32, x = lane / 4, hb = it & 1;
+              // The buffer's store of two visits ago (this warp's lane 0 issued it) has read it.
+              if (lane == 0) tma_store_wait<1>();
+              __syncwarp();
+              // By the accumulator layout (as the forward's O): rows 16 warp + x and + 8, in
+              // column group c the pair 8 c + 2 (lane % 4); the 128-byte swizzle puts chunk c of
+              // row r at c ^ (r % 8) = c ^ x: one XOR per pair.
+              const uint32_t t0 = smem_addr(ss.ds_store.ds[hb][Cfg::kRoles ? 0 : consumer]) + (16 * warp + x) * (BM * 2) +
+                                  (x << 4) + (lane % 4) * 4;
+              Tensor ds_rc = make_tensor(ds_frag.data(), acc_rowcol(ds_frag.layout()));
+              CUTE_UNROLL
+              for (int i = 0; i < kRows; ++i)
+                CUTE_UNROLL
+                for (int c = 0; c < BM / 8; ++c) {
+                  alignas(4) Elem pair[2] = {ds_rc(i, 2 * c), ds_rc(i, 2 * c + 1)};
+                  st_shared_b32((t0 ^ (c << 4)) + i * 8 * (BM * 2), *reinterpret_cast<uint32_t*>(pair));
+                }
+              tma_store_fence();  // the generic-proxy writes, visible to the TMA (async proxy)
+              __syncwarp();
+              if (lane == 0) {
+                const int bh = b * p.heads + kvh * group + g;
+                const int visit = qt - run_begin(runs, r) + (r ? run_end(runs, 0) - run_begin(runs, 0) : 0);
+                const int block = 1 + bh * p.ds_visits + ds_slot0 + visit;
+                const int rows = (1 + p.batch * p.heads * p.ds_visits) * BN;
+                Tensor mDs = p.tma_ds.get_tma_tensor(make_shape(rows, int(BM)));
+                Tensor gDs = local_tile(mDs, Shape<Int<DsStore::kWarpRows>, Int<BM>>{},
+                                        make_coord((block * BN + key_slot * kRowsW) / DsStore::kWarpRows + warp, 0));
+                Tensor sDs = local_tile(
+                    make_tensor(make_smem_ptr(ss.ds_store.ds[hb][Cfg::kRoles ? 0 : consumer]), typename DsStore::SmemLayout{}),
+                    Shape<Int<DsStore::kWarpRows>, Int<BM>>{}, make_coord(warp, 0));
+                auto tma = p.tma_ds.get_slice(0);
+                copy(p.tma_ds, tma.partition_S(sDs), tma.partition_D(gDs));
+                tma_store_arrive();
+              }
+            }
+          };
           if constexpr (Cfg::kRoles) {  // this warpgroup's one matmul: dV += P^T dO or dK += dS^T Q
             Tensor g_elem = make_fragment_like<Elem>(acc_s);
             if (grad_dk) {
@@ -369,11 +411,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             }
             Tensor tGa = make_tensor(g_elem.data(), acc_as_operand_a(g_elem.layout()));
             if (!computes_s) Barrier::wait(&ss.q_full[stage], phase);  // dK's Q^T
+            if constexpr (Cfg::kStoreDs && !Cfg::kStoreDsBehind) {
+              if (grad_dk) store_ds(g_elem);
+            }
             warpgroup_fence_operand(acc_dv);
             warpgroup_arrive();
             CUTE_UNROLL
             for (int kb = 0; kb < size<2>(tGa); ++kb) gemm(mma_kv, tGa(_, _, kb), tGrB(_, _, kb, stage), acc_dv);
             warpgroup_commit_batch();
+            if constexpr (Cfg::kStoreDsBehind) {
+              if (grad_dk) store_ds(g_elem);
+            }
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_dv);
             Barrier::arrive(&ss.empty[stage]);
@@ -406,48 +454,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             }
           }
 
-          // Cfg::kStoreDs: this warpgroup's 64 keys of the tile's dS^T block, staged in shared
-          // memory, then one TMA store per warp (16 keys).
-          [[maybe_unused]] auto store_ds = [&] {
-            if constexpr (Cfg::kStoreDs) {
-              using DsStore = typename Cfg::DsStore;
-              const int lane = tid % 32, warp = tid / 32, x = lane / 4, hb = it & 1;
-              // The buffer's store of two visits ago (this warp's lane 0 issued it) has read it.
-              if (lane == 0) tma_store_wait<1>();
-              __syncwarp();
-              // By the accumulator layout (as the forward's O): rows 16 warp + x and + 8, in
-              // column group c the pair 8 c + 2 (lane % 4); the 128-byte swizzle puts chunk c of
-              // row r at c ^ (r % 8) = c ^ x: one XOR per pair.
-              const uint32_t t0 = smem_addr(ss.ds_store.ds[hb][consumer]) + (16 * warp + x) * (BM * 2) +
-                                  (x << 4) + (lane % 4) * 4;
-              Tensor ds_rc = make_tensor(ds_elem.data(), acc_rowcol(ds_elem.layout()));
-              CUTE_UNROLL
-              for (int i = 0; i < kRows; ++i)
-                CUTE_UNROLL
-                for (int c = 0; c < BM / 8; ++c) {
-                  alignas(4) Elem pair[2] = {ds_rc(i, 2 * c), ds_rc(i, 2 * c + 1)};
-                  st_shared_b32((t0 ^ (c << 4)) + i * 8 * (BM * 2), *reinterpret_cast<uint32_t*>(pair));
-                }
-              tma_store_fence();  // the generic-proxy writes, visible to the TMA (async proxy)
-              __syncwarp();
-              if (lane == 0) {
-                const int bh = b * p.heads + kvh * group + g;
-                const int visit = qt - run_begin(runs, r) + (r ? run_end(runs, 0) - run_begin(runs, 0) : 0);
-                const int block = 1 + bh * p.ds_visits + ds_slot0 + visit;
-                const int rows = (1 + p.batch * p.heads * p.ds_visits) * BN;
-                Tensor mDs = p.tma_ds.get_tma_tensor(make_shape(rows, int(BM)));
-                Tensor gDs = local_tile(mDs, Shape<Int<DsStore::kWarpRows>, Int<BM>>{},
-                                        make_coord((block * BN + key_slot * kRowsW) / DsStore::kWarpRows + warp, 0));
-                Tensor sDs = local_tile(
-                    make_tensor(make_smem_ptr(ss.ds_store.ds[hb][consumer]), typename DsStore::SmemLayout{}),
-                    Shape<Int<DsStore::kWarpRows>, Int<BM>>{}, make_coord(warp, 0));
-                auto tma = p.tma_ds.get_slice(0);
-                copy(p.tma_ds, tma.partition_S(sDs), tma.partition_D(gDs));
-                tma_store_arrive();
-              }
-            }
-          };
-          if constexpr (Cfg::kStoreDs && !Cfg::kStoreDsBehind) store_ds();
+          if constexpr (Cfg::kStoreDs && !Cfg::kStoreDsBehind) store_ds(ds_elem);
           warpgroup_fence_operand(acc_dv);
           warpgroup_fence_operand(acc_dk);
           warpgroup_arrive();
@@ -495,7 +502,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               tma_store_arrive();
             }
           } else {
-            if constexpr (Cfg::kStoreDsBehind) store_ds();
+            if constexpr (Cfg::kStoreDsBehind) store_ds(ds_elem);
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_dv);
             warpgroup_fence_operand(acc_dk);

@@ -4,15 +4,16 @@
 // per tile pair, dQ += dS K, where the shipped dQ kernel runs three (S = Q K^T and dP = dO V^T
 // again, then dQ): 5 matmuls per tile pair instead of 7, paid with the dS traffic through HBM.
 //
-// The scratch holds one block of 128 keys x 64 queries per visit of the dK/dV kernel (queries
-// contiguous, as it holds dS^T), numbered by the slot table (diffusion_bwd.cuh launch_bwd_ds), plus
-// block 0, all zeros, which stands for the 64-row halves of a visited 128 x 128 dQ tile that no
-// dK/dV visit covers.
+// The scratch holds one block of BN keys x 64 queries per visit of the dK/dV kernel (BN: its key
+// tile, 128 at D = 128, 64 at D = 256; queries contiguous, as it holds dS^T), numbered by the slot
+// table (diffusion_bwd.cuh launch_bwd_ds), plus block 0, all zeros, which stands for the 64-row
+// halves of a visited 128 x BN dQ tile that no dK/dV visit covers.
 //
 // One CTA per (batch, head, 128-row query tile), in the dQ kernel's order; per visited key tile a
-// producer thread loads K (128 keys x D) and the tile's two dS^T blocks into a ring; consumer c
-// multiplies its block by K (wgmma SS: dS^T read as the MN-major A operand, K^T MN-major).
-// Tiles start at multiples of their size (kStartTile): halves of multiples of 128.
+// producer thread loads K (BN keys x D) and the tile's two dS^T blocks into a ring; consumer c
+// multiplies its block by K (wgmma SS: dS^T read as the MN-major A operand, K^T MN-major) into its
+// 64 x D accumulator (128 registers at D = 256). Tiles start at multiples of their size
+// (kStartTile): halves of multiples of 128.
 #pragma once
 
 #include "hopper/bwd_parts.cuh"
@@ -25,11 +26,12 @@ namespace dlm::sm90 {
 template <class Elem_, int D_ = 128, int STAGES_ = 3, bool PERSISTENT_ = false>
 struct DqFromDsConfig {
   using Elem = Elem_;
-  static constexpr int D = D_, BM = 128, BN = 128, STAGES = STAGES_;
+  // BN: the dK/dV kernel's key tile, one dS^T block's keys.
+  static constexpr int D = D_, BM = kDsDqBlockM, BN = ds_dq_block_n(D), STAGES = STAGES_;
   static constexpr bool kPersistent = PERSISTENT_;
-  static constexpr int kDsRows = 64;  // queries per dS^T block (the dK/dV kernel's BM)
+  static constexpr int kDsRows = kBwdBlockM;  // queries per dS^T block
   static constexpr int kConsumers = BM / kDsRows, kThreads = 128 * (1 + kConsumers);
-  static_assert(D == 128, "one 64 x D accumulator per consumer, the dS store's D");
+  static_assert(D == 128 || D == 256, "the head dims whose dK/dV kernel stores dS^T");
 
   using SmemLayoutK = SwizzledTiles<Elem, BN, D, STAGES>;
   using SmemLayoutKt = SwizzledTilesT<Elem, BN, D, STAGES>;  // K^T: (D, BN, STAGES), D contiguous

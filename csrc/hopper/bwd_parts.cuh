@@ -20,6 +20,20 @@ namespace dlm::sm90 {
 
 using namespace cute;
 
+// The tile shapes the shipped instantiations use (the binding builds the orders for them): at D <=
+// 128, dK/dV over (64 queries) x (128 keys) tiles and dQ over (128 rows) x (128 keys); at D = 256
+// both over 64 x 64 (DkDvConfig kRoles, DqConfig kSplitKeys say why). The backward with dS through
+// HBM (hopper/bwd_dq_from_ds.cuh) keeps the dK/dV tiles, and its dQ kernel takes 128 rows x the
+// dK/dV kernel's key tile (ds_dq_block_n): one scratch block of dS^T per (64 rows, key tile).
+constexpr int kBwdBlockM = 64, kBwdBlockN = 128, kBwdStages = 2;
+constexpr int kDqBlockM = 128, kDqBlockN = 128, kDqStages = 2;
+constexpr int bwd_block_n(int d) { return d == 256 ? 64 : kBwdBlockN; }
+constexpr int dq_block_m(int d) { return d == 256 ? 64 : kDqBlockM; }
+constexpr int dq_block_n(int d) { return d == 256 ? 64 : kDqBlockN; }
+constexpr int kDsDqBlockM = 128;
+constexpr int ds_dq_block_n(int d) { return bwd_block_n(d); }
+constexpr int64_t ds_block_elems(int d) { return int64_t{kBwdBlockM} * bwd_block_n(d); }
+
 // Named barriers of the fused dK/dV/dQ kernel (id 0 is __syncthreads): both consumers' dS^T
 // written (256 threads); one consumer's dQ partial staged (128 threads, id kFusedDqBarrier + consumer).
 constexpr int kFusedDsBarrier = 1, kFusedDqBarrier = 2;
@@ -144,15 +158,16 @@ struct PHandoff {
 };
 constexpr int kHandoffReady = 1, kHandoffFree = 3;  // named barriers (+ buffer), 256 threads
 
-// STORE_DS_'s pieces: each consumer stages its 64 keys x BM queries of dS^T (bf16, queries
-// contiguous, 128-byte swizzle) in one of two buffers, and each of its warps stores its 16 keys with
-// one TMA store: no barrier beyond the warp, the buffer reused two visits later (bulk group wait).
-template <class Elem, int BM, int kConsumers>
+// STORE_DS_'s pieces: each storing warpgroup (every consumer; at D = 256 the dK one alone) stages
+// its 64 keys x BM queries of dS^T (bf16, queries contiguous, 128-byte swizzle) in one of two
+// buffers, and each of its warps stores its 16 keys with one TMA store: no barrier beyond the warp,
+// the buffer reused two visits later (bulk group wait).
+template <class Elem, int BM, int kStorers>
 struct DsStoreParts {
   static constexpr int kWarpRows = 16;  // keys per warp
   using SmemLayout = SwizzledTile<Elem, 64, BM>;
   struct Smem {
-    alignas(1024) Elem ds[2][kConsumers][cosize_v<SmemLayout>];
+    alignas(1024) Elem ds[2][kStorers][cosize_v<SmemLayout>];
   };
   // The scratch as (rows, BM): block k's BN keys are rows [k BN, (k + 1) BN).
   static auto make_tma(Elem* p, int rows) {
@@ -175,8 +190,9 @@ struct DkDvConfig {
   // before the dV / dK matmuls are issued; 2: behind them (reading their A operand's registers).
   static constexpr bool kStoreDs = STORE_DS_ != 0;
   static constexpr bool kStoreDsBehind = STORE_DS_ == 2;
-  static_assert(!STORE_DS_ || (D_ == 128 && START_ == kStartTile && !FUSED_DQ_),
-                "the dS store: D = 128, tiles at multiples of the tile size");
+  // At D = 256 (the role split below) the dK warpgroup alone holds dS^T, so it alone stores it.
+  static_assert(!STORE_DS_ || ((D_ == 128 || (D_ == 256 && !HANDOFF_)) && START_ == kStartTile && !FUSED_DQ_),
+                "the dS store: D = 128 or 256 (without the hand-over), tiles at multiples of the tile size");
   // TMA_STORE_: the epilogue stages dK / dV in the warpgroup's own (now dead) rows of K / V in
   // shared memory and stores them with TMA (store_rows_tma) instead of 4-byte register stores.
   static constexpr bool kTmaStore = TMA_STORE_;
@@ -222,7 +238,7 @@ struct DkDvConfig {
   static constexpr int kKvBufs = kPersistent ? 2 : 1;
   static_assert(!(kFusedDq && kPersistent), "the fused dQ is not persistent");
   using Fused = std::conditional_t<kFusedDq, FusedDqParts<Elem, D, BM, BN, kConsumers>, NoFusedDq>;
-  using DsStore = std::conditional_t<kStoreDs, DsStoreParts<Elem, BM, kConsumers>, NoFusedDq>;
+  using DsStore = std::conditional_t<kStoreDs, DsStoreParts<Elem, BM, kRoles ? 1 : kConsumers>, NoFusedDq>;
 
   using SmemLayoutQ = SwizzledTiles<Elem, BM, D, STAGES>;    // Q and dO: (BM, D, STAGES)
   using SmemLayoutQt = SwizzledTilesT<Elem, BM, D, STAGES>;  // their transpose: (D, BM, STAGES)

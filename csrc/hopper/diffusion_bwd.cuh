@@ -81,21 +81,13 @@ struct BwdArgs {
   // (B, S, H, D) contiguous fp32 scratch, then scaled into dq; dq_order / dq_tiles unused.
   float* dq_accum = nullptr;
   // The backward with dS through HBM (hopper/bwd_dq_from_ds.cuh; launch_bwd takes it where
-  // ds_scratch is set): the scratch of 1 + B * H * ds_visits blocks of 64 x 128 and the slot table
-  // (launch_bwd_ds says what it holds) on the device.
+  // ds_scratch is set): the scratch of 1 + B * H * ds_visits blocks of ds_block_elems(D) and the
+  // slot table (launch_bwd_ds says what it holds) on the device; dq_order / dq_tiles then list the
+  // query tiles of fwd_tiles(kDsDqBlockM, ds_dq_block_n(D)).
   void* ds_scratch = nullptr;
   const int32_t* ds_slots = nullptr;
   int ds_visits = 0;
 };
-
-// The tile shapes the shipped instantiations use (the binding builds the orders for them): at D <=
-// 128, dK/dV over (64 queries) x (128 keys) tiles and dQ over (128 rows) x (128 keys); at D = 256
-// both over 64 x 64 (DkDvConfig kRoles, DqConfig kSplitKeys say why).
-constexpr int kBwdBlockM = 64, kBwdBlockN = 128, kBwdStages = 2;
-constexpr int kDqBlockM = 128, kDqBlockN = 128, kDqStages = 2;
-constexpr int bwd_block_n(int d) { return d == 256 ? 64 : kBwdBlockN; }
-constexpr int dq_block_m(int d) { return d == 256 ? 64 : kDqBlockM; }
-constexpr int dq_block_n(int d) { return d == 256 ? 64 : kDqBlockN; }
 
 // A persistent grid: at most one CTA per SM of the current device.
 inline cudaError_t cap_at_sm_count(int& ctas) {
@@ -256,12 +248,13 @@ cudaError_t launch_convert_dq(const BwdArgs& a) {
 // The backward with dS through HBM (hopper/bwd_dq_from_ds.cuh, csrc/NOTES.md "Session 18"): the
 // dK/dV kernels that also store dS^T (kStartTile: halves on multiples of 128), staging it behind
 // their dV / dK matmuls (kDsStore = 2; harness `ds`, session 18: the whole backward 1.04-1.05x
-// faster than staging it before them); the persistent one at every length (call 3: the whole
-// backward 1.12-1.21x the shipped one's with it, 1.03-1.06x with one CTA per key tile).
+// faster than staging it before them); at D = 128 the persistent one at every length (call 3: the
+// whole backward 1.12-1.21x the shipped one's with it, 1.03-1.06x with one CTA per key tile); at
+// D = 256 the role split, one CTA per key tile (its only dK/dV kernel).
 constexpr int kDsStore = 2;
-constexpr bool ds_backward_supports(int d) { return d == 128; }
+constexpr bool ds_backward_supports(int d) { return d == 128 || d == 256; }
 template <class Elem, int D, int STORE = kDsStore>
-using DkDvStoreDs = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false, false,
+using DkDvStoreDs = DkDvConfig<Elem, D, kBwdBlockM, bwd_block_n(D), kBwdStages, kStartTile, false, false,
                                false, false, STORE>;
 template <class Elem, int D, int STORE = kDsStore>
 using DkDvStoreDsPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false,
@@ -271,18 +264,21 @@ using DkDvStoreDsPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdSt
 template <class Elem, int D>
 using DqFromDsPersistent = DqFromDsConfig<Elem, D, 3, true>;
 
-// Preprocess, dK/dV writing dS^T, dQ from dS. a.ds_scratch: 1 + B * H * a.ds_visits blocks of 64 x 128
-// elements (block 0 is zeroed here: it stands for the halves of dQ tiles that no dK/dV visit covers),
-// a.ds_slots: the block of each (64-query tile, key tile) visit of the dK/dV kernel per (batch, head),
-// numbered key tile by key tile in its visit order, -1 where it does not visit (the Python backend
-// builds it from geometry.py: cutlass_diffusion._ds_slots). a.persistent_dkdv is not read.
+// Preprocess, dK/dV writing dS^T, dQ from dS. a.ds_scratch: 1 + B * H * a.ds_visits blocks of
+// ds_block_elems(D) (block 0 is zeroed here: it stands for the halves of dQ tiles that no dK/dV visit
+// covers), a.ds_slots: the block of each (64-query tile, key tile) visit of the dK/dV kernel per
+// (batch, head), numbered key tile by key tile in its visit order, -1 where it does not visit (the
+// Python backend builds it from geometry.py: cutlass_diffusion._ds_slots); a.dq_order: the query
+// tiles of fwd_tiles(kDsDqBlockM, ds_dq_block_n(D)). a.persistent_dkdv is not read.
 template <class Elem, int D, int STORE = kDsStore>
 cudaError_t launch_bwd_ds(const BwdArgs& a) {
-  static_assert(ds_backward_supports(D), "the dS store and the dQ-from-dS kernel: D = 128");
+  static_assert(ds_backward_supports(D), "the dS store and the dQ-from-dS kernel: D = 128 or 256");
+  using DkDv = std::conditional_t<dkdv_persistent_supports(D), DkDvStoreDsPersistent<Elem, D, STORE>,
+                                  DkDvStoreDs<Elem, D, STORE>>;
   if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
-  cudaError_t err = cudaMemsetAsync(a.ds_scratch, 0, 64 * 128 * sizeof(Elem), a.stream);
+  cudaError_t err = cudaMemsetAsync(a.ds_scratch, 0, ds_block_elems(D) * sizeof(Elem), a.stream);
   if (err == cudaSuccess) err = launch_preprocess<Elem, D>(a);
-  if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDvStoreDsPersistent<Elem, D, STORE>>(a);
+  if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDv>(a);
   if (err == cudaSuccess && a.dq_tiles) err = launch_dq_from_ds<DqFromDsPersistent<Elem, D>>(a);
   return err;
 }
@@ -290,8 +286,8 @@ cudaError_t launch_bwd_ds(const BwdArgs& a) {
 // The whole backward: preprocess, dK/dV, dQ (one stream, so each sees the previous one's writes).
 // START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, dkdv_sample,
 // dq_sample and cu_seqlens set). Unless START is kStartTile, lse2 / delta need kVarlenScratchPad
-// zeroed floats past their B * H * S. Batched calls with a.ds_scratch set (D = 128, halves on
-// multiples of 128; the binding checks) run launch_bwd_ds instead.
+// zeroed floats past their B * H * S. Batched calls with a.ds_scratch set (D = 128 or 256, halves
+// on multiples of 128; the binding checks) run launch_bwd_ds instead.
 template <class Elem, int D, int START = kBatchedStart>
 cudaError_t launch_bwd(const BwdArgs& a) {
   if constexpr (ds_backward_supports(D) && START == kBatchedStart) {

@@ -109,16 +109,19 @@ PERSISTENT_DKDV_HEAD_DIMS = (64, 128)
 
 # The backward with dS through HBM (csrc/hopper/bwd_dq_from_ds.cuh, diffusion_bwd.cuh
 # launch_bwd_ds; csrc/NOTES.md "Session 18"): the dK/dV kernel also writes each visited tile's dS^T
-# (2 bytes per pair of a visited 64 x 128 tile) to a scratch buffer and the dQ kernel reads it back
-# instead of recomputing S and dP: 5 matmuls per tile pair instead of 7, deterministic (every block
-# written by one CTA, no atomics). Batched calls at D = 128 with both halves multiples of 128
-# (its kernels' tiles start at tile multiples), while the scratch, (1 + B * H * visits) blocks of
-# 64 x 128 elements, stays within DS_SCRATCH_MAX_BYTES (0 turns the path off). Harness `ds` (bf16,
-# D = 128, 16K tokens, H = 16, session 18): the whole backward 1.12-1.17x the two-kernel one's (its
-# faster dK/dV kernel per shape) at n = 1K-8K, block 4 / 16 and GQA 32/8; the scratch is then 0.34
-# GB at n = 1K and 2.2 GB at n = 8K (about a quarter of S x S x H x 2 bytes).
-DS_HEAD_DIMS = (128,)
-DS_TILE = 128
+# (2 bytes per pair of a visited 64-query x key tile: 128 keys at D = 128, 64 at D = 256) to a
+# scratch buffer and the dQ kernel reads it back instead of recomputing S and dP: 5 matmuls per
+# tile pair instead of 7 (6 instead of 8 at D = 256, whose dK/dV kernel computes S^T twice),
+# deterministic (every block written by one CTA, no atomics). Batched calls at the head dims whose
+# extension has it (ext.ds_block(d) > 0: D = 128, 256) with both halves multiples of DS_HALF_MULTIPLE
+# (the dQ kernel's 128-row tiles start at tile multiples), while the scratch, 1 + B * H * visits
+# blocks of ext.ds_block(d) elements, stays within DS_SCRATCH_MAX_BYTES (0 turns the path off).
+# Harness `ds` (bf16, D = 128, 16K tokens, H = 16, session 18): the whole backward 1.12-1.17x the
+# two-kernel one's (its faster dK/dV kernel per shape) at n = 1K-8K, block 4 / 16 and GQA 32/8; the
+# scratch is then 0.34 GB at n = 1K and 2.2 GB at n = 8K (about a quarter of S x S x H x 2 bytes).
+DS_HEAD_DIMS = (128, 256)
+DS_HALF_MULTIPLE = 128
+DS_QUERY_TILE = 64  # queries per dS^T block: the dK/dV kernel's query tile
 DS_SCRATCH_MAX_BYTES = 4 << 30
 
 
@@ -147,24 +150,27 @@ def _persistent_dkdv(longest_half: int, head_dim: int, group: int) -> bool:
 
 @lru_cache(maxsize=64)
 def _bwd_tile_orders(n_noisy: int, n_clean: int, block_size: int, head_dim: int, device: str):
-    """(key tiles of the dK/dV kernel, query tiles of the dQ kernel), most expensive first."""
+    """(key tiles of the dK/dV kernel, query tiles of the dQ kernel, query tiles of the dS
+    backward's dQ kernel), most expensive first."""
     return tuple(t.to(device) for t in _EXT.bwd_tile_orders(n_noisy, n_clean, block_size, head_dim))
 
 
 @lru_cache(maxsize=64)
-def _ds_slots(n_noisy: int, n_clean: int, block_size: int, device: str) -> tuple[torch.Tensor, int]:
+def _ds_slots(n_noisy: int, n_clean: int, block_size: int, key_tile: int,
+              device: str) -> tuple[torch.Tensor, int]:
     """The dS backward's slot table and its visits: one scratch block per visit of the dK/dV kernel
-    (a 64-query tile seeing a 128-key tile), numbered key tile by key tile in the kernel's visit
-    order (each key tile's run of query tiles, in position order, as geometry.py lists them; the
-    kernel finds a visit's block from its key tile's first), and -1 where it does not visit, as an
-    int32 (S / 64) x (S / 128) table on ``device``. Halves must be multiples of DS_TILE."""
+    (a 64-query tile seeing a ``key_tile``-key tile), numbered key tile by key tile in the kernel's
+    visit order (each key tile's run of query tiles, in position order, as geometry.py lists them;
+    the kernel finds a visit's block from its key tile's first), and -1 where it does not visit, as
+    an int32 (S / 64) x (S / key_tile) table on ``device``. Halves must be multiples of
+    DS_HALF_MULTIPLE."""
     mask = SequenceMask(n_noisy, n_clean, block_size)
-    plans = mask.bwd_tiles(DS_TILE // 2, DS_TILE)
-    slots = torch.full((mask.seqlen // (DS_TILE // 2), len(plans)), -1, dtype=torch.int32)
+    plans = mask.bwd_tiles(DS_QUERY_TILE, key_tile)
+    slots = torch.full((mask.seqlen // DS_QUERY_TILE, len(plans)), -1, dtype=torch.int32)
     visits = 0
     for kt, plan in enumerate(plans):
         for visit in plan.visits:
-            slots[visit.start // (DS_TILE // 2), kt] = visits
+            slots[visit.start // DS_QUERY_TILE, kt] = visits
             visits += 1
     return slots.flatten().to(device), visits
 
@@ -172,18 +178,19 @@ def _ds_slots(n_noisy: int, n_clean: int, block_size: int, device: str) -> tuple
 def _ds_plan(ext, q: torch.Tensor, mask) -> dict:
     """The dS backward's arguments of ext.bwd (scratch, slot table, visits) for this batched call,
     or none where it does not apply (head dim, halves off the tile grid, the scratch's bound)."""
-    if (q.shape[-1] not in DS_HEAD_DIMS or mask.n_noisy % DS_TILE or mask.n_clean % DS_TILE
-            or not hasattr(ext, "ds_block")):
+    d = q.shape[-1]
+    block = ext.ds_block(d) if d in DS_HEAD_DIMS and hasattr(ext, "ds_block") else 0
+    if not block or mask.n_noisy % DS_HALF_MULTIPLE or mask.n_clean % DS_HALF_MULTIPLE:
         return {}
     b, _, h, _ = q.shape
-    slots, visits = _ds_slots(mask.n_noisy, mask.n_clean, mask.block_size, str(q.device))
+    key_tile = block // DS_QUERY_TILE
+    slots, visits = _ds_slots(mask.n_noisy, mask.n_clean, mask.block_size, key_tile, str(q.device))
     blocks = 1 + b * h * visits
-    # The kernels address the scratch's rows (128 per block) with 32-bit integers.
-    if blocks * ext.ds_block * q.element_size() > DS_SCRATCH_MAX_BYTES or blocks * DS_TILE >= 2**31:
+    # The kernels address the scratch's rows (key_tile per block) with 32-bit integers.
+    if blocks * block * q.element_size() > DS_SCRATCH_MAX_BYTES or blocks * key_tile >= 2**31:
         return {}
-    elems = blocks * ext.ds_block
-    return {"ds_scratch": torch.empty(elems, dtype=q.dtype, device=q.device), "ds_slots": slots,
-            "ds_visits": visits}
+    return {"ds_scratch": torch.empty(blocks * block, dtype=q.dtype, device=q.device),
+            "ds_slots": slots, "ds_visits": visits}
 
 
 class VarlenTables(NamedTuple):
@@ -315,9 +322,12 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         if ext is None or not self._covers(ext, mask, BACKWARD_HEAD_DIMS, q, k, v, dout, out):
             STATS["bwd_fallback"] += 1
             return super().bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic)
-        dkdv_order, dq_order = _bwd_tile_orders(mask.n_noisy, mask.n_clean, mask.block_size,
-                                                q.shape[-1], str(q.device))
+        dkdv_order, dq_order, ds_dq_order = _bwd_tile_orders(mask.n_noisy, mask.n_clean,
+                                                             mask.block_size, q.shape[-1],
+                                                             str(q.device))
         ds = _ds_plan(ext, q, mask)
+        if ds:
+            dq_order = ds_dq_order
         grads = self._run_bwd(ext, dout, q, k, v, out, lse, dlse, mask.n_noisy, mask.block_size,
                               scale, (dkdv_order, None), (dq_order, None),
                               max(mask.n_noisy, mask.n_clean), ds=ds)

@@ -31,7 +31,8 @@
 //                               # (csrc/NOTES.md "Odd lengths and varlen"); exit 1 on a failure
 //   ./bwd_standalone ds         # dS through HBM (dK/dV stores dS^T, dQ reads it: 5 matmuls): checks,
 //                               # then the A/B against the shipped kernels; ds-small for sanitizers;
-//                               # ds-dq: the dQ-from-dS kernel one CTA per item vs persistent
+//                               # ds-dq: the dQ-from-dS kernel one CTA per item vs persistent;
+//                               # ds256 (-small): the same at D = 256
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -236,11 +237,9 @@ static std::vector<int32_t> order_of(const dlm::TilePlans& plans, int32_t** dev)
 // The dS^T scratch's slot table (diffusion_bwd.cuh launch_bwd_ds; the Python backend builds the same
 // from geometry.py: cutlass_diffusion._ds_slots): one block per visit of the dK/dV kernel, numbered
 // key tile by key tile in its visit order, slots[qt * key tiles + kt], -1 where it does not visit.
-// Returns the visits.
-static int ds_slot_table(const dlm::SequenceMask& mask, std::vector<int32_t>& slots) {
-  using dlm::sm90::kBwdBlockM;
-  using dlm::sm90::kBwdBlockN;
-  const dlm::TilePlans plans = mask.bwd_tiles(kBwdBlockM, kBwdBlockN);
+// Returns the visits. key_tile: the dK/dV kernel's (bwd_block_n of the head dim).
+static int ds_slot_table(const dlm::SequenceMask& mask, int key_tile, std::vector<int32_t>& slots) {
+  const dlm::TilePlans plans = mask.bwd_tiles(dlm::sm90::kBwdBlockM, key_tile);
   const int k_tiles = plans.count(), q_tiles = plans.other.count();
   slots.assign(static_cast<size_t>(q_tiles) * k_tiles, -1);
   int visits = 0;
@@ -293,12 +292,12 @@ struct Bwd {
     if constexpr (DkCfg::kFusedDq) CK(cudaMalloc(&a.dq_accum, P.nq * sizeof(float)));
     if constexpr (DkCfg::kStoreDs) {  // the dS^T scratch and its slot table (bwd_dq_from_ds.cuh)
       std::vector<int32_t> slots;
-      a.ds_visits = ds_slot_table(P.mask, slots);
+      a.ds_visits = ds_slot_table(P.mask, DkCfg::BN, slots);
       int32_t* d_slots = nullptr;
       CK(cudaMalloc(&d_slots, slots.size() * 4));
       CK(cudaMemcpy(d_slots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
       a.ds_slots = d_slots;
-      ds_bytes = (1 + (size_t)r.B * r.H * a.ds_visits) * 64 * 128 * sizeof(Elem);
+      ds_bytes = (1 + (size_t)r.B * r.H * a.ds_visits) * dlm::sm90::ds_block_elems(D) * sizeof(Elem);
       CK(cudaMalloc(&a.ds_scratch, ds_bytes));
       CK(cudaMemset(a.ds_scratch, 0xff, ds_bytes));  // NaN poison: only block 0 is zeroed (all())
     }
@@ -322,7 +321,8 @@ struct Bwd {
       pre(), dkdv();
       CK((dlm::sm90::launch_convert_dq<Elem, D>(a)));
     } else {
-      if constexpr (DkCfg::kStoreDs) CK(cudaMemsetAsync(a.ds_scratch, 0, 64 * 128 * sizeof(Elem), a.stream));
+      if constexpr (DkCfg::kStoreDs)
+        CK(cudaMemsetAsync(a.ds_scratch, 0, dlm::sm90::ds_block_elems(D) * sizeof(Elem), a.stream));
       pre(), dkdv(), dq();
     }
   }
@@ -475,16 +475,18 @@ void timing(const char* name, const std::vector<Run>& runs = {std::begin(kTiming
 // kernel, hopper/bwd_dq_from_ds.cuh) against the shipped kernels, on the same inputs: the whole
 // backward of four arms (shipped with the one-CTA-per-tile and with the persistent dK/dV kernel; dS
 // with the persistent dK/dV kernel staging dS^T before or behind its dV / dK matmuls) in 8 rounds,
-// odd rounds in reverse order, medians; then each kernel alone. bf16 D = 128, 16K tokens.
+// odd rounds in reverse order, medians; then each kernel alone. bf16, 16K tokens. arm1 names DkP
+// (at D = 256, which has no persistent dK/dV kernel, the shipped one again: an A/A control).
 template <class Dk, class DkP, class DkS1, class DkS2, class Dq, class DqS1, class DqS2 = DqS1>
-void timing_ds(const char* arm2, const char* arm3) {
+void timing_ds(const char* arm1, const char* arm2, const char* arm3,
+               const std::vector<Run>& runs = {std::begin(kTimingRuns), std::end(kTimingRuns)}) {
   constexpr int D = Dk::D;
   printf("== dS through HBM (bf16, D=%d, 16K tokens; ms, TFLOPS = 2.5 * 4 * pairs * D * H / time)\n", D);
-  printf("| B | n | H/Hkv | bs | shipped | persistent dK/dV | dS (%s) | dS (%s) | dK/dV: shipped"
-         " / persistent / + dS (%s) / + dS (%s) | dQ: shipped / from dS (%s / %s) | dS scratch GB |\n", arm2,
-         arm3, arm2, arm3, arm2, arm3);
+  printf("| B | n | H/Hkv | bs | shipped | %s | dS (%s) | dS (%s) | dK/dV: shipped"
+         " / %s / + dS (%s) / + dS (%s) | dQ: shipped / from dS (%s / %s) | dS scratch GB |\n", arm1, arm2,
+         arm3, arm1, arm2, arm3, arm2, arm3);
   printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
-  for (const Run& r : kTimingRuns) {
+  for (const Run& r : runs) {
     Problem<bf16> P(r, D);
     P.to_device();
     Bwd<bf16, D, Dk, Dq> a0(P);
@@ -1084,7 +1086,7 @@ int main(int argc, char** argv) {
     printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
     if (g_failures) return 1;
     timing_ds<DkDvShipped<bf16, 128, kBatchedStart>, DkDvPersistent<bf16, 128, kBatchedStart>, DkSP, DkSP2,
-              DqShipped<bf16, 128, kBatchedStart>, DqS>("store before", "store behind");
+              DqShipped<bf16, 128, kBatchedStart>, DqS>("persistent dK/dV", "store before", "store behind");
     return 0;
   }
   if (mode == "ds-dq") {  // the dQ-from-dS kernel one CTA per item vs persistent (both after the
@@ -1098,8 +1100,31 @@ int main(int argc, char** argv) {
     printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
     if (g_failures) return 1;
     timing_ds<DkDvShipped<bf16, 128, kBatchedStart>, DkDvPersistent<bf16, 128, kBatchedStart>, DkSP2, DkSP2,
-              DqShipped<bf16, 128, kBatchedStart>, DqFromDsConfig<bf16, 128>, DqP>("dQ per item",
-                                                                                  "dQ persistent");
+              DqShipped<bf16, 128, kBatchedStart>, DqFromDsConfig<bf16, 128>, DqP>(
+        "persistent dK/dV", "dQ per item", "dQ persistent");
+    return 0;
+  }
+  if (mode == "ds256" || mode == "ds256-small") {  // the dS backward at D = 256: the role-split
+    // dK/dV kernel's dK warpgroup stores dS^T (64 x 64 blocks), the persistent dQ-from-dS kernel
+    // reads it over 64-key tiles; checks, then the A/B against the shipped D = 256 kernels
+    using DkS1 = DkDvStoreDs<bf16, 256, 1>;
+    using DkS2 = DkDvStoreDs<bf16, 256, 2>;
+    using DqS = DqFromDsPersistent<bf16, 256>;
+    if (mode == "ds256-small") {  // e.g. under compute-sanitizer
+      check<bf16, 256, DkS2, DqS>("dS bf16 D=256", {1, 128, 2, 1, 16});
+      check<bf16, 256, DkS2, DqS>("dS bf16 D=256", {1, 256, 2, 2, 5, true});
+      printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+      return g_failures != 0;
+    }
+    checks<bf16, 256, DkS2, DqS>("dS behind bf16 D=256", true);
+    checks<bf16, 256, DkS1, DqS>("dS before bf16 D=256", false);
+    checks<fp16, 256, DkDvStoreDs<fp16, 256, 2>, DqFromDsPersistent<fp16, 256>>("dS behind fp16 D=256", false);
+    check<bf16, 256, DkS2, DqS>("dS D=256, 2 items per CTA", {2, 2048, 8, 8, 16, false, 61});
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    using Dk256 = DkDvShipped<bf16, 256, kBatchedStart>;
+    timing_ds<Dk256, Dk256, DkS1, DkS2, DqShipped<bf16, 256, kBatchedStart>, DqS>(
+        "shipped again (A/A)", "store before", "store behind", kTimingRuns256);
     return 0;
   }
   if (mode == "varlen") {
