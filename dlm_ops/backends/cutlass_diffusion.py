@@ -14,8 +14,8 @@ fp16/bf16, no softcap (declared capabilities: such calls select ``triton``) and,
 direction and layout. (Were kBatchedStart flipped back to kStartTile, the extension says so
 through ``batched_any_length`` and batched halves that are not multiples of 128 run Triton's
 again.) The backward (preprocess, dK/dV per key tile, dQ per query tile: three kernels with
-disjoint writes; batched at D = 128 on the 128 grid the dK/dV kernel also stores dS, which the dQ
-kernel reads instead of recomputing it: DS_* below) is bitwise deterministic, batched and varlen,
+disjoint writes; batched at D = 128 and 256 on the 128 grid the dK/dV kernel also stores dS, which
+the dQ kernel reads instead of recomputing it: DS_* below) is bitwise deterministic, batched and varlen,
 so ``deterministic=True`` takes it too.
 
 Work tables (the CTA schedules, most expensive tile first) are built in C++ from dlm/geometry.h

@@ -33,6 +33,7 @@
 //                               # then the A/B against the shipped kernels; ds-small for sanitizers;
 //                               # ds-dq: the dQ-from-dS kernel one CTA per item vs persistent;
 //                               # ds256 (-small): the same at D = 256
+//   ./bwd_standalone bm128-64   # D = 64 dK/dV over 128-query tiles: checks, then A/Bs
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -1235,6 +1236,24 @@ int main(int argc, char** argv) {
     using Dq64 = DqShipped<bf16, 64, kBatchedStart>;
     timing_ab<Dk64, Dq64, DkDvPersistent<bf16, 64, kBatchedStart>, Dq64>("persistent dK/dV", "shipped",
                                                                         "persistent TMA-store dK/dV");
+  }
+  if (mode == "bm128-64") {  // D = 64: the dK/dV kernel over 128-query tiles (BM = 128: S^T / dP^T
+    // 64 x 128, dK / dV 64 x 64, the same 192 accumulator registers as D = 128 at BM = 64):
+    // checks, then A/Bs against the shipped BM = 64, one CTA per key tile and persistent
+    using Dk64 = DkDvShipped<bf16, 64, kBatchedStart>;
+    using Dq64 = DqShipped<bf16, 64, kBatchedStart>;
+    using DkWide = DkDvConfig<bf16, 64, 128, kBwdBlockN, kBwdStages, kBatchedStart>;
+    using DkWideP = DkDvConfig<bf16, 64, 128, kBwdBlockN, kBwdStages, kBatchedStart, false, true, true>;
+    checks<bf16, 64, DkWide, Dq64>("bf16 D=64 dK/dV BM=128", true);
+    checks<bf16, 64, DkWideP, Dq64>("bf16 D=64 persistent dK/dV BM=128", true);
+    checks<fp16, 64, DkDvConfig<fp16, 64, 128, kBwdBlockN, kBwdStages, kBatchedStart>,
+           DqShipped<fp16, 64, kBatchedStart>>("fp16 D=64 dK/dV BM=128", false);
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_ab<Dk64, Dq64, DkWide, Dq64>("dK/dV over 128-query tiles", "shipped BM=64", "BM=128");
+    timing_ab<DkDvPersistent<bf16, 64, kBatchedStart>, Dq64, DkWideP, Dq64>(
+        "persistent dK/dV over 128-query tiles", "persistent BM=64", "persistent BM=128");
+    return 0;
   }
   if (mode == "d256-time")  // the timing alone (`d256` checks first)
     timing<DkDvShipped<bf16, 256, kStartTile>, DqShipped<bf16, 256, kStartTile>>("D=256", kTimingRuns256);
