@@ -3,6 +3,7 @@ where the sources and headers are found, the build cache key, package data, the 
 (where nvcc and the CUTLASS headers exist) and, on the H200, the JIT-built smoke extension."""
 
 import fnmatch
+import itertools
 import re
 import shutil
 import subprocess
@@ -308,18 +309,20 @@ def test_the_cutlass_backend_is_the_default_unless_opted_out(monkeypatch):
 
 def test_the_persistent_rules(monkeypatch):
     """The forward: one CTA per SM walking the work items, whatever the length and head dim; the
-    dK/dV kernel: the persistent one at D = 64 / 128 up to PERSISTENT_DKDV_MAX_HALF, or _GQA where
-    query heads share a K / V head (the measured crossovers: cutlass_diffusion's comments; D = 256
-    has its own role-split kernel, one CTA per key tile); the main limit at 0 turns it off."""
+    dK/dV kernel: the persistent one at D = 64 at every length, at D = 128 up to
+    PERSISTENT_DKDV_MAX_HALF, or _GQA where query heads share a K / V head (the measured crossovers:
+    cutlass_diffusion's comments; D = 256 has its own role-split kernel, one CTA per key tile); the
+    main limit at 0 turns it off everywhere."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
     monkeypatch.setattr(cd, "_sm_count", lambda device: 132)
     assert cd._max_ctas("cuda") == 132
     assert cd.PERSISTENT_DKDV_MAX_HALF == 2048 and cd.PERSISTENT_DKDV_MAX_HALF_GQA == 1024
     for group, limit in ((1, cd.PERSISTENT_DKDV_MAX_HALF), (4, cd.PERSISTENT_DKDV_MAX_HALF_GQA)):
-        for d in (64, 128):
-            assert cd._persistent_dkdv(1, d, group) and cd._persistent_dkdv(limit, d, group)
-            assert not cd._persistent_dkdv(limit + 1, d, group)
+        assert cd._persistent_dkdv(1, 128, group) and cd._persistent_dkdv(limit, 128, group)
+        assert not cd._persistent_dkdv(limit + 1, 128, group)
+        assert cd._persistent_dkdv(1, 64, group) and cd._persistent_dkdv(1 << 20, 64, group)
         assert not cd._persistent_dkdv(1, 256, group)
     monkeypatch.setattr(cd, "PERSISTENT_DKDV_MAX_HALF", 0)
-    assert not cd._persistent_dkdv(1, 128, 1) and not cd._persistent_dkdv(1, 128, 4)
+    for d, group in itertools.product((64, 128), (1, 4)):
+        assert not cd._persistent_dkdv(1, d, group)

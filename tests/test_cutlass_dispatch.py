@@ -46,7 +46,7 @@ class FakeExtension:
 
     def bwd_tile_orders(self, nn, nc, bs, d):
         m, t = SequenceMask(nn, nc, bs), 64 if d > 128 else 128  # bwd_parts.cuh bwd_block_n / dq_block_*
-        return (_i32(_order(m.bwd_tiles(64, t))), _i32(_order(m.fwd_tiles(t, t))),
+        return (_i32(_order(m.bwd_tiles(128 if d == 64 else 64, t))), _i32(_order(m.fwd_tiles(t, t))),
                 _i32(_order(m.fwd_tiles(128, t))))  # the dQ-from-dS kernel's: 128 rows x key tile
 
     def varlen_tile_order(self, cu, bs, d):
@@ -55,7 +55,7 @@ class FakeExtension:
 
     def varlen_bwd_tile_orders(self, cu, bs, d):
         t = 64 if d > 128 else 128
-        dkdv = entries(cu, bs, lambda m: m.bwd_tiles(64, t))
+        dkdv = entries(cu, bs, lambda m: m.bwd_tiles(128 if d == 64 else 64, t))  # bwd_block_m
         dq = entries(cu, bs, lambda m: m.fwd_tiles(t, t))
         return [_i32(x) for x in (*dkdv, *dq)]
 
@@ -145,13 +145,13 @@ def test_batched_halves_of_any_length_run_cutlass(nn, nc, bs, d, any_length):
         assert call["n_noisy"] == nn and call["tile_sample"] is None and call["cu_seqlens"] is None
         assert call["order"].tolist() == _order(SequenceMask(nn, nc, bs).fwd_tiles(128, 64 if d > 128 else 128))
         assert not fwd[0].isnan().any() and not fwd[1].isnan().any()
-        # the persistent rules: the forward always, the dK/dV kernel at D = 64 / 128 up to
-        # PERSISTENT_DKDV_MAX_HALF_GQA (two query heads share the K / V head here)
+        # the persistent rules: the forward always, the dK/dV kernel at D = 64 always, at D = 128
+        # up to PERSISTENT_DKDV_MAX_HALF_GQA (two query heads share the K / V head here)
         assert call["max_ctas"] == 132
     if bwd[0] != "triton" and nn + nc:
         call = dict(ext.calls)["bwd"]
-        assert call["persistent_dkdv"] == (d in (64, 128)
-                                           and max(nn, nc) <= cd.PERSISTENT_DKDV_MAX_HALF_GQA)
+        assert call["persistent_dkdv"] == (d == 64 or (
+            d == 128 and max(nn, nc) <= cd.PERSISTENT_DKDV_MAX_HALF_GQA))
 
 
 def test_softcap_head_dims_alignment_and_failed_builds_fall_back(fake, monkeypatch):

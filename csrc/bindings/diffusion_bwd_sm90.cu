@@ -18,6 +18,7 @@ namespace {
 using dlm_bindings::strides3;
 using dlm_bindings::tile_order_tensor;
 
+using dlm::sm90::bwd_block_m;
 using dlm::sm90::bwd_block_n;
 using dlm::sm90::dq_block_m;
 using dlm::sm90::dq_block_n;
@@ -34,7 +35,7 @@ std::vector<torch::Tensor> bwd_tile_orders(int64_t n_noisy, int64_t n_clean, int
   const dlm::SequenceMask mask{static_cast<int>(n_noisy), static_cast<int>(n_clean),
                                static_cast<int>(block_size)};
   const int d = static_cast<int>(head_dim);
-  return {tile_order_tensor(mask.bwd_tiles(kBwdBlockM, bwd_block_n(d))),
+  return {tile_order_tensor(mask.bwd_tiles(bwd_block_m(d), bwd_block_n(d))),
           tile_order_tensor(mask.fwd_tiles(dq_block_m(d), dq_block_n(d))),
           tile_order_tensor(mask.fwd_tiles(kDsDqBlockM, ds_dq_block_n(d)))};
 }
@@ -52,7 +53,7 @@ std::vector<torch::Tensor> varlen_bwd_tile_orders(std::vector<int64_t> cu_seqlen
                                                   int64_t head_dim) {
   const int d = static_cast<int>(head_dim);
   auto dkdv = dlm_bindings::varlen_entries(cu_seqlens, block_size, [d](const dlm::SequenceMask& m) {
-    return m.bwd_tiles(kBwdBlockM, bwd_block_n(d));
+    return m.bwd_tiles(bwd_block_m(d), bwd_block_n(d));
   });
   auto dq = dlm_bindings::varlen_entries(cu_seqlens, block_size, [d](const dlm::SequenceMask& m) {
     return m.fwd_tiles(dq_block_m(d), dq_block_n(d));

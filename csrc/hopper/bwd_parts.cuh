@@ -20,13 +20,18 @@ namespace dlm::sm90 {
 
 using namespace cute;
 
-// The tile shapes the shipped instantiations use (the binding builds the orders for them): at D <=
-// 128, dK/dV over (64 queries) x (128 keys) tiles and dQ over (128 rows) x (128 keys); at D = 256
-// both over 64 x 64 (DkDvConfig kRoles, DqConfig kSplitKeys say why). The backward with dS through
-// HBM (hopper/bwd_dq_from_ds.cuh) keeps the dK/dV tiles, and its dQ kernel takes 128 rows x the
-// dK/dV kernel's key tile (ds_dq_block_n): one scratch block of dS^T per (64 rows, key tile).
+// The tile shapes the shipped instantiations use (the binding builds the orders for them): at D =
+// 128, dK/dV over (64 queries) x (128 keys) tiles and dQ over (128 rows) x (128 keys); at D = 64
+// dK/dV over 128 x 128 (bwd_block_m: S^T / dP^T 64 x 128 per warpgroup, dK / dV 64 x 64, the same
+// 192 accumulator registers as D = 128's 64 x 64 and 64 x 128; harness `bm128-64`, session 19: the
+// dK/dV kernel 1.13-1.20x, the whole backward 1.07-1.14x the 64-query tiles' with the persistent
+// kernel, 1.03-1.05x one CTA per key tile); at D = 256 both over 64 x 64 (DkDvConfig kRoles, DqConfig
+// kSplitKeys say why). The backward with dS through HBM (hopper/bwd_dq_from_ds.cuh; D = 128 / 256)
+// keeps the dK/dV tiles, and its dQ kernel takes 128 rows x the dK/dV kernel's key tile
+// (ds_dq_block_n): one scratch block of dS^T per (64 rows, key tile).
 constexpr int kBwdBlockM = 64, kBwdBlockN = 128, kBwdStages = 2;
 constexpr int kDqBlockM = 128, kDqBlockN = 128, kDqStages = 2;
+constexpr int bwd_block_m(int d) { return d == 64 ? 128 : kBwdBlockM; }
 constexpr int bwd_block_n(int d) { return d == 256 ? 64 : kBwdBlockN; }
 constexpr int dq_block_m(int d) { return d == 256 ? 64 : kDqBlockM; }
 constexpr int dq_block_n(int d) { return d == 256 ? 64 : kDqBlockN; }
@@ -207,7 +212,7 @@ struct DkDvConfig {
   static constexpr int kRowPad = kStart == kStartTile ? 0 : 4;
   // BM: queries per visited tile; BN: keys per CTA, 64 per consumer warpgroup. BM = 64 keeps the
   // four accumulators of a warpgroup (dK, dV: 64 x D; S^T, dP^T: 64 x BM) at 192 fp32 registers
-  // per thread for D = 128, under setmaxnreg's 240.
+  // per thread for D = 128, under setmaxnreg's 240; BM = 128 does the same at D = 64 (bwd_block_m).
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_;
   // D = 256: the consumers split the work by gradient, not by key. Both take the CTA's BN = 64 keys;
   // consumer 0 accumulates dV += P^T dO, consumer 1 dK += dS^T Q, each over all 256 columns (one

@@ -3,12 +3,12 @@
 //
 //   preprocess  one pass over O and dO: delta = rowsum(dO * O) - dlse and lse2 = lse * log2 e,
 //               fp32, (B, H, S) contiguous scratch (plain CUDA, memory bound).
-//   dK/dV       one CTA per (batch, kv head, key tile of BN = 128 keys), or (DkDvPersistent, D = 64 /
-//               128, halves up to the Python backend's PERSISTENT_DKDV_MAX_HALF) one per SM walking
-//               those items with two K / V buffers and a TMA-store epilogue (DkDvConfig PERSISTENT_ /
-//               TMA_STORE_). Warpgroup 0 produces: one
+//   dK/dV       one CTA per (batch, kv head, key tile of BN = 128 keys), or (DkDvPersistent, D = 64 at
+//               every length, D = 128 for halves up to the Python backend's PERSISTENT_DKDV_MAX_HALF)
+//               one per SM walking those items with two K / V buffers and a TMA-store epilogue
+//               (DkDvConfig PERSISTENT_ / TMA_STORE_). Warpgroup 0 produces: one
 //               thread loads K and V once, then for each query head of the kv head's group and
-//               each query tile of BM = 64 rows that sees the key tile (dlm/geometry.h bwd_tiles:
+//               each query tile of BM = 64 rows (128 at D = 64: bwd_block_m) that sees the key tile (dlm/geometry.h bwd_tiles:
 //               at most two runs) it issues TMA copies of Q and dO plus bulk copies of that tile's
 //               lse2 and delta into a ring of STAGES buffers. Warpgroups 1 and 2 consume, each
 //               owning 64 of the 128 keys, in the transposed form (keys are the wgmma M side):
@@ -62,7 +62,7 @@ struct BwdArgs {
   int64_t lse_stride[2], dlse_stride[2];  // (batch, head)
   int batch, seqlen, heads, kv_heads, n_noisy, block_size;  // mask: [n_noisy | seqlen - n_noisy]
   float scale;
-  const int32_t* dkdv_order;  // key tiles of bwd_tiles(kBwdBlockM, bwd_block_n(D)), most expensive first
+  const int32_t* dkdv_order;  // key tiles of bwd_tiles(bwd_block_m(D), bwd_block_n(D)), most expensive first
   int dkdv_tiles;
   const int32_t* dq_order;    // query tiles of fwd_tiles(dq_block_m(D), dq_block_n(D)), most expensive first
   int dq_tiles;
@@ -74,8 +74,8 @@ struct BwdArgs {
   // lse2 / delta scratch.
   const int32_t *dkdv_sample = nullptr, *dq_sample = nullptr, *cu_seqlens = nullptr;
   // launch_bwd: run the persistent dK/dV kernel (DkDvPersistent) where the head dim has one
-  // (dkdv_persistent_supports); the caller decides by the halves' lengths (the Python backend:
-  // PERSISTENT_DKDV_MAX_HALF).
+  // (dkdv_persistent_supports); the caller decides by the head dim and the halves' lengths (the
+  // Python backend: PERSISTENT_DKDV_*).
   bool persistent_dkdv = false;
   // launch_bwd_fused only (D = 128): dQ computed by the dK/dV kernel and reduce-added into this
   // (B, S, H, D) contiguous fp32 scratch, then scaled into dq; dq_order / dq_tiles unused.
@@ -221,7 +221,7 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
 
 // The shipped configs with their tiles starting per START (the one place that names the options).
 template <class Elem, int D, int START>
-using DkDvShipped = DkDvConfig<Elem, D, kBwdBlockM, bwd_block_n(D), kBwdStages, START>;
+using DkDvShipped = DkDvConfig<Elem, D, bwd_block_m(D), bwd_block_n(D), kBwdStages, START>;
 template <class Elem, int D, int START>
 using DqShipped = DqConfig<Elem, D, dq_block_m(D), dq_block_n(D), kDqStages, START>;
 template <class Elem, int D, int START>
@@ -230,9 +230,11 @@ using DkDvFused = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, START,
 // `persistent` (session 9, bf16 D = 128, 16K tokens) against DkDvShipped: the dK/dV kernel 1.12x /
 // 1.20x at n = 1K (block 16 / 4), the whole backward 1.07x / 1.10x; at 2K 0.98x (whole 1.03x), at
 // 4K 0.92x (0.91x), at 8K 1.00x (0.93x), GQA 32/8 at 2K 0.90x. D = 64 (session 10, `persistent64`):
-// the whole backward 1.055x / 1.058x at n = 1K, 1.01x at 2K, 0.97x at 4K, 0.91x at 8K, 0.94x GQA.
+// the whole backward 1.055x / 1.058x at n = 1K, 1.01x at 2K, 0.97x at 4K, 0.91x at 8K, 0.94x GQA;
+// over 128-query tiles (session 19, `bm128-64`) 1.09 / 1.04 / 1.04 / 1.01x (n = 1K-8K), GQA 1.01x the one-CTA-
+// per-tile kernel over the same tiles, 1.05-1.09x the best of session 18's two at every shape.
 template <class Elem, int D, int START>
-using DkDvPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, START, false, true, true>;
+using DkDvPersistent = DkDvConfig<Elem, D, bwd_block_m(D), kBwdBlockN, kBwdStages, START, false, true, true>;
 constexpr bool dkdv_persistent_supports(int d) { return d == 64 || d == 128; }
 constexpr bool fused_dq_supports(int d) { return d == 128; }
 

@@ -22,9 +22,9 @@ Work tables (the CTA schedules, most expensive tile first) are built in C++ from
 and cached here: batched per (halves, block_size[, head dim], device), varlen per (cu_seqlens,
 block_size, head dim, device), the host tuple of VarlenMask (no device sync), each entry one
 host-to-device copy of the offsets and every kernel's (tile, sample) table. The forward's grid is
-persistent (one CTA per SM); the backward's dK/dV kernel is the persistent one at D = 64 / 128
-where halves are at most PERSISTENT_DKDV_MAX_HALF long (_GQA with grouped heads; varlen: the
-longest sample's half).
+persistent (one CTA per SM); the backward's dK/dV kernel is the persistent one at D = 64, and at
+D = 128 where halves are at most PERSISTENT_DKDV_MAX_HALF long (_GQA with grouped heads; varlen:
+the longest sample's half).
 
 The build happens at the first call (one WARNING line; 27 translation units compiled in parallel
 by ninja: 121 s on the H200 machine's 16 cores with 23 of them, before the D = 256 backward).
@@ -102,10 +102,14 @@ BACKWARD_HEAD_DIMS = (64, 128, 256)
 # at 1K, 1.01x at 2K, 0.97x at 4K, 0.91x at 8K, 0.94x GQA. Through torch (session 13, the op's
 # backward, 10 interleaved rounds, B = 4, n = 2K): 1.067x / 1.054x (block 16 / 4; the step 1.020x /
 # 1.025x), GQA 32/8 0.980x, D = 64 1.009x; hence 2048 for one query head per K / V head and 1024
-# (_GQA) where a group of query heads shares them.
+# (_GQA) where a group of query heads shares them. Since session 19 the D = 64 kernels visit
+# 128-query tiles (diffusion_bwd.cuh bwd_block_m), where the persistent one wins at every length
+# (harness `bm128-64`, the whole backward against one CTA per tile: 1.09 / 1.04 / 1.04 / 1.01x at
+# n = 1K-8K, GQA 32/8 1.01x): PERSISTENT_DKDV_EVERY_LENGTH, still off with PERSISTENT_DKDV_MAX_HALF 0.
 PERSISTENT_DKDV_MAX_HALF = 2048
 PERSISTENT_DKDV_MAX_HALF_GQA = 1024
 PERSISTENT_DKDV_HEAD_DIMS = (64, 128)
+PERSISTENT_DKDV_EVERY_LENGTH = (64,)
 
 # The backward with dS through HBM (csrc/hopper/bwd_dq_from_ds.cuh, diffusion_bwd.cuh
 # launch_bwd_ds; csrc/NOTES.md "Session 18"): the dK/dV kernel also writes each visited tile's dS^T
@@ -141,11 +145,15 @@ def _max_ctas(device: torch.device) -> int:
 
 def _persistent_dkdv(longest_half: int, head_dim: int, group: int) -> bool:
     """Whether the backward runs the persistent dK/dV kernel for halves up to ``longest_half``,
-    ``group`` query heads per K / V head (PERSISTENT_DKDV_MAX_HALF bounds both limits, so that
-    setting it to 0 turns the persistent kernel off everywhere)."""
+    ``group`` query heads per K / V head (PERSISTENT_DKDV_MAX_HALF bounds both limits, and setting
+    it to 0 turns the persistent kernel off everywhere, PERSISTENT_DKDV_EVERY_LENGTH included)."""
+    if head_dim not in PERSISTENT_DKDV_HEAD_DIMS or PERSISTENT_DKDV_MAX_HALF <= 0:
+        return False
+    if head_dim in PERSISTENT_DKDV_EVERY_LENGTH:
+        return True
     limit = PERSISTENT_DKDV_MAX_HALF if group == 1 else min(PERSISTENT_DKDV_MAX_HALF,
                                                             PERSISTENT_DKDV_MAX_HALF_GQA)
-    return head_dim in PERSISTENT_DKDV_HEAD_DIMS and longest_half <= limit
+    return longest_half <= limit
 
 
 @lru_cache(maxsize=64)
