@@ -24,6 +24,7 @@
 //                                  # exit 1 on a failure
 //   ./fwd_standalone softmax-ab    # shipped softmax vs one chain / four chains: checks, then A/B at D 128/64/256
 //   ./fwd_standalone epi-ab        # the item's end: two Q buffers, the store knocked out
+//   ./fwd_standalone bn256-64      # D = 64 over 256-key tiles: checks, then the A/B
 //   ./fwd_standalone trace         # where an item's time goes: per-phase means (trace_stats.h)
 //   ./fwd_standalone small         # one small check per head dim (compute-sanitizer runs)
 //   ./fwd_standalone prove         # host only (no GPU): the hoisted FULL test equals tile_kind's
@@ -663,6 +664,27 @@ int main(int argc, char** argv) {
     run_d(std::integral_constant<int, 128>{});
     run_d(std::integral_constant<int, 64>{});
     run_d(std::integral_constant<int, 256>{});
+    return 0;
+  }
+  if (v == "bn256-64") {  // D = 64 over 256-key tiles (S 64 x 256 per consumer: half the visits,
+    using namespace dlm::sm90;  // twice the masked width at the diagonals): checks, then the A/B
+    CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
+    using Ship = FwdShipped<bf16, 64, kBatchedStart>;
+    using Wide = FwdConfig<bf16, 64, kFwdBlockM, 256, kFwdStages, true, kBatchedStart, 1, fwd_smem_o(64), true,
+                           fwd_stale_max(64)>;
+    for (int ctas : {3, 0}) {
+      g_max_ctas = ctas;
+      ab_checks<Wide>("bf16 D=64 BN=256");
+    }
+    g_max_ctas = 3;
+    odd_checks<FwdConfig<bf16, 64, kFwdBlockM, 256, kFwdStages, true, kStartAny, 1, fwd_smem_o(64), true>,
+               FwdConfig<bf16, 64, kFwdBlockM, 256, kFwdStages, true, kStartVarlen, 1, fwd_smem_o(64), true>>(
+        "bf16 D=64 BN=256, 3 CTAs");
+    g_max_ctas = 0;
+    printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
+    if (g_failed) return 1;
+    static const char* names[] = {"shipped (BN=128)", "BN=256", "shipped again"};
+    ab_timing<Variants<Ship, Wide, Ship>, 64>(names);
     return 0;
   }
   if (v == "trace") {
