@@ -123,10 +123,13 @@ PERSISTENT_DKDV_EVERY_LENGTH = (64,)
 # Harness `ds` (bf16, D = 128, 16K tokens, H = 16, session 18): the whole backward 1.12-1.17x the
 # two-kernel one's (its faster dK/dV kernel per shape) at n = 1K-8K, block 4 / 16 and GQA 32/8; the
 # scratch is then 0.34 GB at n = 1K and 2.2 GB at n = 8K (about a quarter of S x S x H x 2 bytes).
+# The bound is 8 GiB since session 19: at 4 GiB GQA 32/8 at n = 8K (4.4 GB) ran the two-kernel
+# backward, which harness `ds-rule` measured 1.05x slower (the caching allocator keeps the block
+# for the next layer's backward: one scratch per step, not one per layer).
 DS_HEAD_DIMS = (128, 256)
 DS_HALF_MULTIPLE = 128
 DS_QUERY_TILE = 64  # queries per dS^T block: the dK/dV kernel's query tile
-DS_SCRATCH_MAX_BYTES = 4 << 30
+DS_SCRATCH_MAX_BYTES = 8 << 30
 
 
 # The forward's grid: one CTA per SM walking its work items in a snake (hopper/common.cuh

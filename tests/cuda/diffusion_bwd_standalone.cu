@@ -34,6 +34,7 @@
 //                               # ds-dq: the dQ-from-dS kernel one CTA per item vs persistent;
 //                               # ds256 (-small): the same at D = 256
 //   ./bwd_standalone bm128-64   # D = 64 dK/dV over 128-query tiles: checks, then A/Bs
+//   ./bwd_standalone ds-rule    # the dS backward: persistent dK/dV vs per key tile at long halves, GQA
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -1236,6 +1237,18 @@ int main(int argc, char** argv) {
     using Dq64 = DqShipped<bf16, 64, kBatchedStart>;
     timing_ab<Dk64, Dq64, DkDvPersistent<bf16, 64, kBatchedStart>, Dq64>("persistent dK/dV", "shipped",
                                                                         "persistent TMA-store dK/dV");
+  }
+  if (mode == "ds-rule") {  // the dS backward with the persistent dK/dV kernel (shipped at every length)
+    // against one CTA per key tile, at long halves and GQA (session 9's per-tile rule for the
+    // kernels without the store: persistent up to 2048, 1024 with GQA); timing only (`ds` checks both)
+    using DkS = DkDvStoreDs<bf16, 128, 2>;
+    using DkSP = DkDvStoreDsPersistent<bf16, 128, 2>;
+    const std::vector<Run> runs = {{2, 4096, 16, 16, 16}, {1, 8192, 16, 16, 16}, {4, 2048, 32, 8, 16},
+                                   {2, 4096, 32, 8, 16}, {1, 8192, 32, 8, 16}};
+    timing_ds<DkDvShipped<bf16, 128, kBatchedStart>, DkDvPersistent<bf16, 128, kBatchedStart>, DkS, DkSP,
+              DqShipped<bf16, 128, kBatchedStart>, DqFromDsPersistent<bf16, 128>>(
+        "persistent dK/dV", "dK/dV per key tile", "dK/dV persistent (shipped)", runs);
+    return 0;
   }
   if (mode == "bm128-64") {  // D = 64: the dK/dV kernel over 128-query tiles (BM = 128: S^T / dP^T
     // 64 x 128, dK / dV 64 x 64, the same 192 accumulator registers as D = 128 at BM = 64):

@@ -25,6 +25,7 @@
 //   ./fwd_standalone softmax-ab    # shipped softmax vs one chain / four chains: checks, then A/B at D 128/64/256
 //   ./fwd_standalone epi-ab        # the item's end: two Q buffers, the store knocked out
 //   ./fwd_standalone bn256-64      # D = 64 over 256-key tiles: checks, then the A/B
+//   ./fwd_standalone ab64          # D = 64: 3 / 4 stages, no ping-pong, two Q buffers against shipped
 //   ./fwd_standalone trace         # where an item's time goes: per-phase means (trace_stats.h)
 //   ./fwd_standalone small         # one small check per head dim (compute-sanitizer runs)
 //   ./fwd_standalone prove         # host only (no GPU): the hoisted FULL test equals tile_kind's
@@ -685,6 +686,31 @@ int main(int argc, char** argv) {
     if (g_failed) return 1;
     static const char* names[] = {"shipped (BN=128)", "BN=256", "shipped again"};
     ab_timing<Variants<Ship, Wide, Ship>, 64>(names);
+    return 0;
+  }
+  if (v == "ab64") {  // D = 64's remaining knobs: ring depth (3 / 4 stages), ping-pong off, two Q
+    using namespace dlm::sm90;  // buffers; checks of each, then the A/B against the shipped config
+    CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
+    using Ship = FwdShipped<bf16, 64, kBatchedStart>;
+    constexpr bool kO = fwd_smem_o(64), kStale = fwd_stale_max(64);
+    using S3 = FwdConfig<bf16, 64, kFwdBlockM, 128, 3, true, kBatchedStart, 1, kO, true, kStale>;
+    using S4 = FwdConfig<bf16, 64, kFwdBlockM, 128, 4, true, kBatchedStart, 1, kO, true, kStale>;
+    using NoPP = FwdConfig<bf16, 64, kFwdBlockM, 128, kFwdStages, false, kBatchedStart, 1, kO, true, kStale>;
+    using Q2S3 = FwdConfig<bf16, 64, kFwdBlockM, 128, 3, true, kBatchedStart, 2, kO, true, kStale>;
+    for (int ctas : {3, 0}) {
+      g_max_ctas = ctas;
+      ab_checks<S3>("bf16 D=64 3 stages");
+      ab_checks<S4>("bf16 D=64 4 stages");
+      ab_checks<NoPP>("bf16 D=64 no ping-pong");
+      ab_checks<Q2S3>("bf16 D=64 two Q buffers, 3 stages");
+    }
+    g_max_ctas = 0;
+    printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
+    if (g_failed) return 1;
+    // Persistent<>: the shipped grid (one CTA per SM) at every length, as the backend runs it.
+    static const char* names[] = {"shipped", "3 stages", "4 stages", "no ping-pong", "2 Q + 3 stages", "shipped again"};
+    ab_timing<Variants<Persistent<Ship>, Persistent<S3>, Persistent<S4>, Persistent<NoPP>, Persistent<Q2S3>,
+                       Persistent<Ship>>, 64>(names);
     return 0;
   }
   if (v == "trace") {
