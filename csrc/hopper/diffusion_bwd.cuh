@@ -8,9 +8,10 @@
 //               one per SM walking those items with two K / V buffers and a TMA-store epilogue
 //               (DkDvConfig PERSISTENT_ / TMA_STORE_). Warpgroup 0 produces: one
 //               thread loads K and V once, then for each query head of the kv head's group and
-//               each query tile of BM = 64 rows (128 at D = 64: bwd_block_m) that sees the key tile (dlm/geometry.h bwd_tiles:
-//               at most two runs) it issues TMA copies of Q and dO plus bulk copies of that tile's
-//               lse2 and delta into a ring of STAGES buffers. Warpgroups 1 and 2 consume, each
+//               each query tile of BM = 64 rows (128 at D = 64: bwd_block_m) that sees the key
+//               tile (dlm/geometry.h bwd_tiles: at most two runs) it issues TMA copies of Q and
+//               dO plus bulk copies of that tile's lse2 and delta into a ring of STAGES buffers.
+//               Warpgroups 1 and 2 consume, each
 //               owning 64 of the 128 keys, in the transposed form (keys are the wgmma M side):
 //                 S^T = K Q^T, dP^T = V dO^T      (wgmma, both operands from shared memory)
 //                 P^T = exp2(S^T * scale log2 e - lse2)   (element mask only on PARTIAL tiles)
@@ -231,8 +232,9 @@ using DkDvFused = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, START,
 // 1.20x at n = 1K (block 16 / 4), the whole backward 1.07x / 1.10x; at 2K 0.98x (whole 1.03x), at
 // 4K 0.92x (0.91x), at 8K 1.00x (0.93x), GQA 32/8 at 2K 0.90x. D = 64 (session 10, `persistent64`):
 // the whole backward 1.055x / 1.058x at n = 1K, 1.01x at 2K, 0.97x at 4K, 0.91x at 8K, 0.94x GQA;
-// over 128-query tiles (session 19, `bm128-64`) 1.09 / 1.04 / 1.04 / 1.01x (n = 1K-8K), GQA 1.01x the one-CTA-
-// per-tile kernel over the same tiles, 1.05-1.09x the best of session 18's two at every shape.
+// over 128-query tiles (session 19, `bm128-64`) 1.09 / 1.04 / 1.04 / 1.01x (n = 1K-8K), GQA 1.01x
+// the one-CTA-per-tile kernel over the same tiles, 1.05-1.09x the best of session 18's two at every
+// shape.
 template <class Elem, int D, int START>
 using DkDvPersistent = DkDvConfig<Elem, D, bwd_block_m(D), kBwdBlockN, kBwdStages, START, false, true, true>;
 constexpr bool dkdv_persistent_supports(int d) { return d == 64 || d == 128; }

@@ -35,6 +35,7 @@
 //                               # ds256 (-small): the same at D = 256
 //   ./bwd_standalone bm128-64   # D = 64 dK/dV over 128-query tiles: checks, then A/Bs
 //   ./bwd_standalone ds-rule    # the dS backward: persistent dK/dV vs per key tile at long halves, GQA
+//   ./bwd_standalone ds-prof    # the shipped dS backward twice at n = 1K, for ncu
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -1237,6 +1238,18 @@ int main(int argc, char** argv) {
     using Dq64 = DqShipped<bf16, 64, kBatchedStart>;
     timing_ab<Dk64, Dq64, DkDvPersistent<bf16, 64, kBatchedStart>, Dq64>("persistent dK/dV", "shipped",
                                                                         "persistent TMA-store dK/dV");
+  }
+  if (mode == "ds-prof") {  // for ncu: the shipped dS backward (preprocess, persistent dK/dV + dS
+    // store, persistent dQ from dS) twice at n = 1K (bf16, B = 8, H = 16, block 16), the second
+    // pass with the L2 the first left; profile with -k regex:dq_from_ds / dkdv --launch-skip 1
+    Problem<bf16> P({8, 1024, 16, 16, 16}, 128);
+    P.to_device();
+    Bwd<bf16, 128, DkDvStoreDsPersistent<bf16, 128>, DqFromDsPersistent<bf16, 128>> b(P);
+    b.all();
+    b.all();
+    CK(cudaDeviceSynchronize());
+    printf("ds-prof: done\n");
+    return 0;
   }
   if (mode == "ds-rule") {  // the dS backward with the persistent dK/dV kernel (shipped at every length)
     // against one CTA per key tile, at long halves and GQA (session 9's per-tile rule for the
