@@ -36,6 +36,7 @@
 //   ./bwd_standalone bm128-64   # D = 64 dK/dV over 128-query tiles: checks, then A/Bs
 //   ./bwd_standalone ds-rule    # the dS backward: persistent dK/dV vs per key tile at long halves, GQA
 //   ./bwd_standalone ds-prof    # the shipped dS backward twice at n = 1K, for ncu
+//   ./bwd_standalone ds-orders  # the dS backward's dK/dV kernel under the L2-chunked work orders
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -1249,6 +1250,12 @@ int main(int argc, char** argv) {
     b.all();
     CK(cudaDeviceSynchronize());
     printf("ds-prof: done\n");
+    return 0;
+  }
+  if (mode == "ds-orders") {  // the dS backward's dK/dV kernel under the L2-chunked WorkOrders (ncu,
+    // session 19: at n = 1K it runs at 68 % of DRAM bandwidth, L2 hit 38 %); the dQ-from-dS kernel
+    // walks its own (entry-major) order, so its column only shows the L2 the dK/dV kernel left
+    timing_orders<DkDvStoreDsPersistent<bf16, 128>, DqFromDsPersistent<bf16, 128>>();
     return 0;
   }
   if (mode == "ds-rule") {  // the dS backward with the persistent dK/dV kernel (shipped at every length)
