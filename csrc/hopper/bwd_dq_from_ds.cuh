@@ -73,7 +73,8 @@ struct DqFromDsParams {
   const int32_t* tile_order;  // query tiles of fwd_tiles(BM, BN), most expensive first
   const int32_t* ds_slots;    // the slot table (diffusion_bwd.cuh launch_bwd_ds)
   int ds_k_tiles, ds_visits;
-  int entries;                // of tile_order: the items are (entry, batch * head slot), entry-major
+  int entries;                // of tile_order: the items are (entry, batch * head slot)
+  WorkOrder order;            // their order (entry-major, or L2 chunks of slots: work_order)
 };
 
 template <class Cfg>
@@ -95,7 +96,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     int b, h, bh, qt;
   };
   auto item_at = [&](int w) {
-    const int e = w / slots, bh = w % slots;  // entry-major: the dearest tiles first
+    int e, bh;
+    p.order.decode(w, p.entries, e, bh);
     return Item{bh / p.heads, bh % p.heads, bh, p.tile_order[e]};
   };
   // f(item) for the CTA's items: its one (blockIdx.x), or (Cfg::kPersistent) snake_item's walk.

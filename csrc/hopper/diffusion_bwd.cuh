@@ -207,7 +207,11 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
       static_cast<Elem*>(a.dq), a.dq_stride[1], a.dq_stride[2], a.dq_stride[0],
       a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale, a.dq_order, a.ds_slots,
-      (a.seqlen + Cfg::BN - 1) / Cfg::BN, a.ds_visits, a.dq_tiles};
+      (a.seqlen + Cfg::BN - 1) / Cfg::BN, a.ds_visits, a.dq_tiles,
+      // A (batch, head) slot re-reads its kv head's K (shared by the group: adjacent slots); the dS
+      // blocks it reads are its own.
+      work_order(a.batch * a.heads, int64_t{a.seqlen} * D * sizeof(Elem) * a.kv_heads / a.heads,
+                 a.order_chunk, a.order_block)};
   auto kernel = diffusion_bwd_dq_from_ds_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);
@@ -264,16 +268,23 @@ template <class Elem, int D, int STORE = kDsStore>
 using DkDvStoreDsPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false,
                                          true, true, false, STORE>;
 // The dQ-from-dS kernel persistent (harness `ds-dq`, session 18: the dQ kernel 1.03-1.18x, the whole
-// backward 1.00-1.03x against one CTA per item).
+// backward 1.00-1.03x against one CTA per item), walking its items in L2 chunks of (batch, head)
+// slots, 4-wave blocks (work_order's chunk -1, block 0): at n = 1K it re-read K from DRAM 3.5x in
+// the plain entry-major order (ncu, session 19: the kernel at 76 % of DRAM bandwidth); harness
+// `ds-dq-order`: the dQ kernel 1.135 / 1.143 / 1.073 / 1.017x at n = 1K-8K (1.115x block 4, 1.006x
+// GQA 32/8), the whole backward 1.03 / 1.03 / 1.03 / 1.00x.
 template <class Elem, int D>
 using DqFromDsPersistent = DqFromDsConfig<Elem, D, 3, true>;
+constexpr int kDsDqOrderChunk = -1, kDsDqOrderBlock = 0;
 
 // Preprocess, dK/dV writing dS^T, dQ from dS. a.ds_scratch: 1 + B * H * a.ds_visits blocks of
 // ds_block_elems(D) (block 0 is zeroed here: it stands for the halves of dQ tiles that no dK/dV visit
 // covers), a.ds_slots: the block of each (64-query tile, key tile) visit of the dK/dV kernel per
 // (batch, head), numbered key tile by key tile in its visit order, -1 where it does not visit (the
 // Python backend builds it from geometry.py: cutlass_diffusion._ds_slots); a.dq_order: the query
-// tiles of fwd_tiles(kDsDqBlockM, ds_dq_block_n(D)). a.persistent_dkdv is not read.
+// tiles of fwd_tiles(kDsDqBlockM, ds_dq_block_n(D)). a.persistent_dkdv is not read, nor a.order_*:
+// the dK/dV kernel walks the plain order, the dQ kernel kDsDqOrderChunk / kDsDqOrderBlock's (the
+// harness times others through launch_dkdv / launch_dq_from_ds).
 template <class Elem, int D, int STORE = kDsStore>
 cudaError_t launch_bwd_ds(const BwdArgs& a) {
   static_assert(ds_backward_supports(D), "the dS store and the dQ-from-dS kernel: D = 128 or 256");
@@ -282,8 +293,11 @@ cudaError_t launch_bwd_ds(const BwdArgs& a) {
   if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
   cudaError_t err = cudaMemsetAsync(a.ds_scratch, 0, ds_block_elems(D) * sizeof(Elem), a.stream);
   if (err == cudaSuccess) err = launch_preprocess<Elem, D>(a);
-  if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDv>(a);
-  if (err == cudaSuccess && a.dq_tiles) err = launch_dq_from_ds<DqFromDsPersistent<Elem, D>>(a);
+  BwdArgs dkdv = a, dq = a;
+  dkdv.order_chunk = 0, dkdv.order_block = 0;
+  dq.order_chunk = kDsDqOrderChunk, dq.order_block = kDsDqOrderBlock;
+  if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDv>(dkdv);
+  if (err == cudaSuccess && a.dq_tiles) err = launch_dq_from_ds<DqFromDsPersistent<Elem, D>>(dq);
   return err;
 }
 

@@ -37,6 +37,7 @@
 //   ./bwd_standalone ds-rule    # the dS backward: persistent dK/dV vs per key tile at long halves, GQA
 //   ./bwd_standalone ds-prof    # the shipped dS backward twice at n = 1K, for ncu
 //   ./bwd_standalone ds-orders  # the dS backward's dK/dV kernel under the L2-chunked work orders
+//   ./bwd_standalone ds-dq-order # the dQ-from-dS kernel in L2 chunks: checks, then the A/B
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -1250,6 +1251,52 @@ int main(int argc, char** argv) {
     b.all();
     CK(cudaDeviceSynchronize());
     printf("ds-prof: done\n");
+    return 0;
+  }
+  if (mode == "ds-dq-order") {  // the dQ-from-dS kernel in L2 chunks of (batch, head) slots (its K
+    // re-read from DRAM 3.5x at n = 1K, ncu session 19), the dK/dV kernel in the plain order:
+    // checks with every kernel chunked, then the A/B (whole backward and the dQ kernel alone)
+    using DkSP = DkDvStoreDsPersistent<bf16, 128>;
+    using DqP = DqFromDsPersistent<bf16, 128>;
+    g_order_chunk = -1;
+    checks<bf16, 128, DkSP, DqP>("dS, L2-chunked orders, bf16 D=128", true);
+    checks<bf16, 256, DkDvStoreDs<bf16, 256>, DqFromDsPersistent<bf16, 256>>("dS, L2-chunked orders, bf16 D=256",
+                                                                              false);
+    g_order_chunk = 0;
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    struct { int chunk, block; const char* name; } arms[] = {
+        {0, 0, "plain (shipped)"}, {-1, 0, "dQ in L2 chunks, 4-wave blocks"}, {-1, 1 << 30, "dQ L2 chunk-major"},
+        {0, 0, "plain again"}};
+    constexpr int kArms = 4;
+    printf("== the dQ-from-dS kernel's order (bf16 D=128, 16K tokens; ms, medians of 8 rounds, odd rounds reversed)\n");
+    for (const Run& r : kTimingRuns) {
+      Problem<bf16> P(r, 128);
+      P.to_device();
+      Bwd<bf16, 128, DkSP, DqP> bwd(P);
+      std::vector<float> whole[kArms], dq[kArms];
+      auto arm = [&](int i) {
+        auto set = [&](int chunk, int block) { bwd.a.order_chunk = chunk, bwd.a.order_block = block; };
+        whole[i].push_back(time_ms([&] {
+          CK(cudaMemsetAsync(bwd.a.ds_scratch, 0, dlm::sm90::ds_block_elems(128) * 2, bwd.a.stream));
+          set(0, 0), bwd.pre(), bwd.dkdv(), set(arms[i].chunk, arms[i].block), bwd.dq();
+        }, 10));
+        set(arms[i].chunk, arms[i].block);
+        dq[i].push_back(time_ms([&] { bwd.dq(); }, 10));
+        set(0, 0);
+      };
+      arm(0);
+      whole[0].clear(), dq[0].clear();
+      for (int round = 0; round < 8; ++round)
+        for (int j = 0; j < kArms; ++j) arm(round & 1 ? kArms - 1 - j : j);
+      CK(cudaGetLastError());
+      auto med = [](std::vector<float> v) { std::sort(v.begin(), v.end()); return 0.5f * (v[3] + v[4]); };
+      printf("B=%d n=%d H=%d/%d bs=%d:", r.B, r.n, r.H, r.Hkv, r.bs);
+      for (int i = 0; i < kArms; ++i)
+        printf("  %s: bwd %.3f (%.3fx) dQ %.3f (%.3fx);", arms[i].name, med(whole[i]), med(whole[0]) / med(whole[i]),
+               med(dq[i]), med(dq[0]) / med(dq[i]));
+      printf("\n");
+    }
     return 0;
   }
   if (mode == "ds-orders") {  // the dS backward's dK/dV kernel under the L2-chunked WorkOrders (ncu,
