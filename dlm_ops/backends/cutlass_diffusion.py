@@ -15,8 +15,8 @@ direction and layout. (Were kBatchedStart flipped back to kStartTile, the extens
 through ``batched_any_length`` and batched halves that are not multiples of 128 run Triton's
 again.) The backward (preprocess, dK/dV per key tile, dQ per query tile: three kernels with
 disjoint writes; batched at D = 128 and 256 on the 128 grid the dK/dV kernel also stores dS, which
-the dQ kernel reads instead of recomputing it: DS_* below) is bitwise deterministic, batched and varlen,
-so ``deterministic=True`` takes it too.
+the dQ kernel reads instead of recomputing it: DS_* below) is bitwise deterministic, batched and
+varlen, so ``deterministic=True`` takes it too.
 
 Work tables (the CTA schedules, most expensive tile first) are built in C++ from dlm/geometry.h
 and cached here: batched per (halves, block_size[, head dim], device), varlen per (cu_seqlens,
@@ -105,7 +105,8 @@ BACKWARD_HEAD_DIMS = (64, 128, 256)
 # (_GQA) where a group of query heads shares them. Since session 19 the D = 64 kernels visit
 # 128-query tiles (diffusion_bwd.cuh bwd_block_m), where the persistent one wins at every length
 # (harness `bm128-64`, the whole backward against one CTA per tile: 1.09 / 1.04 / 1.04 / 1.01x at
-# n = 1K-8K, GQA 32/8 1.01x): PERSISTENT_DKDV_EVERY_LENGTH, still off with PERSISTENT_DKDV_MAX_HALF 0.
+# n = 1K-8K, GQA 32/8 1.01x): PERSISTENT_DKDV_EVERY_LENGTH, still off with
+# PERSISTENT_DKDV_MAX_HALF = 0.
 PERSISTENT_DKDV_MAX_HALF = 2048
 PERSISTENT_DKDV_MAX_HALF_GQA = 1024
 PERSISTENT_DKDV_HEAD_DIMS = (64, 128)
@@ -117,9 +118,10 @@ PERSISTENT_DKDV_EVERY_LENGTH = (64,)
 # scratch buffer and the dQ kernel reads it back instead of recomputing S and dP: 5 matmuls per
 # tile pair instead of 7 (6 instead of 8 at D = 256, whose dK/dV kernel computes S^T twice),
 # deterministic (every block written by one CTA, no atomics). Batched calls at the head dims whose
-# extension has it (ext.ds_block(d) > 0: D = 128, 256) with both halves multiples of DS_HALF_MULTIPLE
-# (the dQ kernel's 128-row tiles start at tile multiples), while the scratch, 1 + B * H * visits
-# blocks of ext.ds_block(d) elements, stays within DS_SCRATCH_MAX_BYTES (0 turns the path off).
+# extension has it (ext.ds_block(d) > 0: D = 128, 256) with both halves multiples of
+# DS_HALF_MULTIPLE (the dQ kernel's 128-row tiles start at tile multiples), while the scratch,
+# 1 + B * H * visits blocks of ext.ds_block(d) elements, stays within DS_SCRATCH_MAX_BYTES (0 turns
+# the path off).
 # Harness `ds` (bf16, D = 128, 16K tokens, H = 16, session 18): the whole backward 1.12-1.17x the
 # two-kernel one's (its faster dK/dV kernel per shape) at n = 1K-8K, block 4 / 16 and GQA 32/8; the
 # scratch is then 0.34 GB at n = 1K and 2.2 GB at n = 8K (about a quarter of S x S x H x 2 bytes).
