@@ -23,9 +23,14 @@ namespace dlm::sm90 {
 // PERSISTENT_: a grid of at most one CTA per SM walks the (query tile, slot) items in snake order
 // (common.cuh snake_item) with the ring continued across items, so that one item's last matmul and
 // dQ stores overlap the next item's loads; otherwise one CTA per item.
-template <class Elem_, int D_ = 128, int STAGES_ = 3, bool PERSISTENT_ = false>
+// TMA_STORE_ (session 19, prepared, not measured; default off): each consumer stages its 64 x D dQ
+// in its own shared buffer (stage_rows) and one thread stores it with TMA (store_rows_tma), where
+// the register stores' 4-byte STGs took 13 % of the kernel's stall samples at n = 1K (ncu). The
+// buffer is reused one item later, after that store has read it. 224 KB of shared memory at D = 128.
+template <class Elem_, int D_ = 128, int STAGES_ = 3, bool PERSISTENT_ = false, bool TMA_STORE_ = false>
 struct DqFromDsConfig {
   using Elem = Elem_;
+  static constexpr bool kTmaStore = TMA_STORE_;
   // BN: the dK/dV kernel's key tile, one dS^T block's keys.
   static constexpr int D = D_, BM = kDsDqBlockM, BN = ds_dq_block_n(D), STAGES = STAGES_;
   static constexpr bool kPersistent = PERSISTENT_;
@@ -42,10 +47,17 @@ struct DqFromDsConfig {
       SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kDsRows>, Int<D>, Int<BN>>,
                                  GMMA::Major::MN, GMMA::Major::MN>()));
 
+  // kTmaStore: a consumer's dQ rows, K-major swizzled as the TMA store's boxes read them.
+  using SmemLayoutDq = SwizzledTile<Elem, kDsRows, D>;
+  struct DqStaging {
+    alignas(1024) Elem dq[kConsumers][cosize_v<SmemLayoutDq>];
+  };
+
   struct SharedStorage {
     alignas(1024) Elem k[cosize_v<SmemLayoutK>];
     alignas(1024) Elem ds[cosize_v<SmemLayoutDs>];
     alignas(8) uint64_t full[STAGES], empty[STAGES];
+    std::conditional_t<kTmaStore, DqStaging, NoFusedDq::Smem> dq_store;
   };
   static constexpr int kTileBytesK = BN * D * sizeof(Elem);
   static constexpr int kBlockBytesDs = kDsRows * BN * sizeof(Elem);
@@ -75,6 +87,7 @@ struct DqFromDsParams {
   int ds_k_tiles, ds_visits;
   int entries;                // of tile_order: the items are (entry, batch * head slot)
   WorkOrder order;            // their order (entry-major, or L2 chunks of slots: work_order)
+  TmaStoreRows<Elem> tma_store{};  // Cfg::kTmaStore: dq as (S, D, H, B)
 };
 
 template <class Cfg>
@@ -192,9 +205,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     if (it > first) Barrier::arrive(&ss.empty[(it - 1) % STAGES]);  // the item's last visit
-    typename Cfg::Elem* dq = p.dq + t.b * p.dq_stride_b + t.h * p.dq_stride_h;
-    store_rows(acc, tQcQ, p.scale, dq, p.dq_stride_s, q_tile.lo + consumer * Cfg::kDsRows, q_tile.hi);
+    const int row0 = q_tile.lo + consumer * Cfg::kDsRows;
+    if constexpr (Cfg::kTmaStore) {
+      // Tiles start at multiples of 128 inside halves of multiples of 128 (kStartTile): every
+      // consumer's 64 rows lie in the tile. The previous item's store has read the buffer before
+      // any thread of this warpgroup writes it.
+      Tensor sDq = make_tensor(make_smem_ptr(ss.dq_store.dq[consumer]), typename Cfg::SmemLayoutDq{});
+      if (tid == 0) tma_store_wait<0>();
+      bar_sync(kGradStoreBarrier + consumer, 128);
+      stage_rows<typename Cfg::Elem>(acc, p.scale, sDq, thr);
+      tma_store_fence();
+      bar_sync(kGradStoreBarrier + consumer, 128);
+      if (tid == 0) {
+        store_rows_tma<D>(p.tma_store, sDq, p.seqlen, p.heads, p.batch, row0, t.h, t.b);
+        tma_store_arrive();
+      }
+    } else {
+      typename Cfg::Elem* dq = p.dq + t.b * p.dq_stride_b + t.h * p.dq_stride_h;
+      store_rows(acc, tQcQ, p.scale, dq, p.dq_stride_s, row0, q_tile.hi);
+    }
   });
+  if constexpr (Cfg::kTmaStore) {
+    if (tid == 0) tma_store_wait<0>();  // the last store has read its buffer before the CTA exits
+  }
 }
 
 }  // namespace dlm::sm90

@@ -212,6 +212,9 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
       // blocks it reads are its own.
       work_order(a.batch * a.heads, int64_t{a.seqlen} * D * sizeof(Elem) * a.kv_heads / a.heads,
                  a.order_chunk, a.order_block)};
+  if constexpr (Cfg::kTmaStore)
+    p.tma_store = make_tma_store_rows(static_cast<Elem*>(a.dq), a.seqlen, D, a.heads, a.batch,
+                                      a.dq_stride[1], a.dq_stride[2], a.dq_stride[0]);
   auto kernel = diffusion_bwd_dq_from_ds_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);

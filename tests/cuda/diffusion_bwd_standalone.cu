@@ -38,6 +38,7 @@
 //   ./bwd_standalone ds-prof    # the shipped dS backward twice at n = 1K, for ncu
 //   ./bwd_standalone ds-orders  # the dS backward's dK/dV kernel under the L2-chunked work orders
 //   ./bwd_standalone ds-dq-order # the dQ-from-dS kernel in L2 chunks: checks, then the A/B
+//   ./bwd_standalone ds-dq-tma  # the dQ-from-dS kernel's TMA-store epilogue: checks, then the A/B
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -1297,6 +1298,27 @@ int main(int argc, char** argv) {
                med(dq[i]), med(dq[0]) / med(dq[i]));
       printf("\n");
     }
+    return 0;
+  }
+  if (mode == "ds-dq-tma") {  // the dQ-from-dS kernel's TMA-store epilogue (DqFromDsConfig TMA_STORE_,
+    // prepared in session 19, not yet run): checks (one CTA per item and persistent, D = 128 / 256,
+    // fp16), then the A/B against the register stores, both after the persistent dK/dV kernel
+    using DkSP = DkDvStoreDsPersistent<bf16, 128>;
+    using DqP = DqFromDsPersistent<bf16, 128>;
+    using DqT = DqFromDsConfig<bf16, 128, 3, true, true>;
+    checks<bf16, 128, DkSP, DqT>("dS, dQ TMA store, bf16 D=128", true);
+    checks<bf16, 128, DkSP, DqFromDsConfig<bf16, 128, 3, false, true>>("dS, dQ TMA store per item, bf16 D=128",
+                                                                       false);
+    check<bf16, 128, DkSP, DqT>("dS, dQ TMA store, 2 items per CTA", {2, 2048, 8, 8, 16, false, 61});
+    checks<bf16, 256, DkDvStoreDs<bf16, 256>, DqFromDsConfig<bf16, 256, 3, true, true>>(
+        "dS, dQ TMA store, bf16 D=256", false);
+    checks<fp16, 128, DkDvStoreDsPersistent<fp16, 128>, DqFromDsConfig<fp16, 128, 3, true, true>>(
+        "dS, dQ TMA store, fp16 D=128", false);
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_ds<DkDvShipped<bf16, 128, kBatchedStart>, DkDvPersistent<bf16, 128, kBatchedStart>, DkSP, DkSP,
+              DqShipped<bf16, 128, kBatchedStart>, DqP, DqT>("persistent dK/dV", "dQ register stores",
+                                                             "dQ TMA store");
     return 0;
   }
   if (mode == "ds-orders") {  // the dS backward's dK/dV kernel under the L2-chunked WorkOrders (ncu,
