@@ -167,6 +167,13 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
   return cudaGetLastError();
 }
 
+// The TMA-store descriptor of dq (B, S, H, D) for the dQ kernels' TMA-store epilogues.
+template <class Elem, int D>
+TmaStoreRows<Elem> make_tma_store_dq(const BwdArgs& a) {
+  return make_tma_store_rows(static_cast<Elem*>(a.dq), a.seqlen, D, a.heads, a.batch, a.dq_stride[1],
+                             a.dq_stride[2], a.dq_stride[0]);
+}
+
 template <class Cfg>
 cudaError_t launch_dq(const BwdArgs& a) {
   using Elem = typename Cfg::Elem;
@@ -185,9 +192,7 @@ cudaError_t launch_dq(const BwdArgs& a) {
       // A (batch, head) slot re-reads its kv head's K and V (shared by the group: adjacent slots).
       work_order(a.batch * a.heads, int64_t{2} * a.seqlen * D * sizeof(Elem) * a.kv_heads / a.heads,
                  a.order_chunk, a.order_block)};
-  if constexpr (Cfg::kTmaStore)
-    p.tma_store_a = make_tma_store_rows(static_cast<Elem*>(a.dq), a.seqlen, D, a.heads, a.batch,
-                                        a.dq_stride[1], a.dq_stride[2], a.dq_stride[0]);
+  if constexpr (Cfg::kTmaStore) p.tma_store_a = make_tma_store_dq<Elem, D>(a);
   auto kernel = diffusion_bwd_dq_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);
@@ -212,9 +217,7 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
       // blocks it reads are its own.
       work_order(a.batch * a.heads, int64_t{a.seqlen} * D * sizeof(Elem) * a.kv_heads / a.heads,
                  a.order_chunk, a.order_block)};
-  if constexpr (Cfg::kTmaStore)
-    p.tma_store = make_tma_store_rows(static_cast<Elem*>(a.dq), a.seqlen, D, a.heads, a.batch,
-                                      a.dq_stride[1], a.dq_stride[2], a.dq_stride[0]);
+  if constexpr (Cfg::kTmaStore) p.tma_store = make_tma_store_dq<Elem, D>(a);
   auto kernel = diffusion_bwd_dq_from_ds_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);
