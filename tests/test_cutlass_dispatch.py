@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from dlm_ops.backends import cutlass_diffusion as cd
 from dlm_ops.backends.triton_backend import TritonBackend
-from dlm_ops.geometry import SequenceMask, VarlenMask, most_expensive_first
+from dlm_ops.geometry import SequenceMask, VarlenMask, most_expensive_first, plain_order_schedule
 
 
 def _order(plans):
@@ -59,6 +59,11 @@ class FakeExtension:
         dq = entries(cu, bs, lambda m: m.fwd_tiles(t, t))
         return [_i32(x) for x in (*dkdv, *dq)]
 
+    def dkdv_schedule(self, nn, nc, bs, d, slots, group, ctas):
+        bm, bn = 128 if d == 64 else 64, 64 if d > 128 else 128
+        plans = SequenceMask(nn, nc, bs).bwd_tiles(bm, bn)
+        return _i32(plain_order_schedule(plans, _order(plans), slots, group, ctas, bm, bn))
+
     def fwd(self, q, k, v, out, lse, order, n_noisy, block_size, scale, max_ctas, tile_sample=None,
             cu_seqlens=None):
         self.calls.append(("fwd", dict(q=q, out=out, lse=lse, order=order, n_noisy=n_noisy,
@@ -68,12 +73,13 @@ class FakeExtension:
 
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
             n_noisy, block_size, scale, dkdv_sample=None, dq_sample=None, cu_seqlens=None,
-            persistent_dkdv=False, ds_scratch=None, ds_slots=None, ds_visits=0):
+            persistent_dkdv=False, ds_scratch=None, ds_slots=None, ds_visits=0, dkdv_schedule=None):
         self.calls.append(("bwd", dict(q=q, lse=lse, dlse=dlse, lse2=lse2, delta=delta,
                                        dkdv_order=dkdv_order, dq_order=dq_order,
                                        dkdv_sample=dkdv_sample, dq_sample=dq_sample,
                                        cu_seqlens=cu_seqlens, persistent_dkdv=persistent_dkdv,
-                                       ds_scratch=ds_scratch, ds_slots=ds_slots, ds_visits=ds_visits)))
+                                       ds_scratch=ds_scratch, ds_slots=ds_slots, ds_visits=ds_visits,
+                                       dkdv_schedule=dkdv_schedule)))
         for g in (dq, dk, dv):
             g.zero_()
 
@@ -88,11 +94,12 @@ def fake(monkeypatch):
     monkeypatch.setattr(cd, "_sm_count", lambda device: 132)  # no GPU to ask
     for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd"):
         monkeypatch.setattr(TritonBackend, name, lambda self, *a, _n=name: ("triton", _n))
-    for cached in (cd._tile_order, cd._bwd_tile_orders, cd._varlen_tables):
+    caches = (cd._tile_order, cd._bwd_tile_orders, cd._varlen_tables, cd._dkdv_schedule)
+    for cached in caches:
         cached.cache_clear()
     monkeypatch.setattr(cd, "STATS", dict.fromkeys(cd.STATS, 0))
     yield ext
-    for cached in (cd._tile_order, cd._bwd_tile_orders, cd._varlen_tables):
+    for cached in caches:
         cached.cache_clear()
 
 
@@ -354,3 +361,35 @@ def test_ds_slots_cover_every_visible_pair_once_per_visit(nn_tiles, nc_tiles, bs
         seen = mask.visible(rows, rows)
         q_idx, k_idx = seen.nonzero(as_tuple=True)
         assert (table[q_idx // 64, k_idx // key_tile] >= 0).all()
+
+
+@pytest.mark.parametrize("balanced", [True, False])
+@pytest.mark.parametrize("b,nn,h,hkv,d,ds", [
+    (8, 1024, 16, 16, 128, True),   # the dS backward: its persistent dK/dV kernel
+    (4, 1024, 16, 4, 64, False),    # D = 64: persistent at every length
+    (1, 4096, 16, 16, 128, False),  # n = 4K at D = 128 without dS: one CTA per key tile
+    (1, 256, 2, 2, 128, True),      # fewer items than CTAs: the snake is the grid
+    (4, 1024, 16, 16, 256, True),   # D = 256: no persistent dK/dV kernel
+])
+def test_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced, b, nn, h, hkv, d, ds):
+    """Batched backwards hand the persistent dK/dV kernel the balanced schedule of its work on the
+    SM count's grid (geometry.plain_order_schedule, items weighing their group of query heads) when
+    it has more items than CTAs; BALANCED_SCHEDULE False, an item per CTA, or a dK/dV kernel that
+    is not persistent: none (the snake). The forward walks the snake."""
+    ext = DsExtension()
+    monkeypatch.setattr(cd, "_EXT", ext)
+    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    monkeypatch.setattr(cd, "BALANCED_SCHEDULE", balanced)
+    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", cd.DS_SCRATCH_MAX_BYTES if ds else 0)
+    cd._ds_slots.cache_clear()
+    mask = SequenceMask(nn, nn, 16)
+    q, k, v = _batched(b, nn, nn, h, hkv, d)
+    _run_batched(cd.CutlassDiffusionBackend(), q, k, v, mask)
+    bwd = dict(ext.calls)["bwd"]
+    persistent = d in (64, 128) and (bwd["persistent_dkdv"] or bwd["ds_scratch"] is not None)
+    if balanced and persistent and b * hkv * bwd["dkdv_order"].numel() > 132:
+        assert torch.equal(bwd["dkdv_schedule"], ext.dkdv_schedule(nn, nn, 16, d, b * hkv, h // hkv, 132))
+    else:
+        assert bwd["dkdv_schedule"] is None
+    if balanced and (b, nn, d) in ((8, 1024, 128), (4, 1024, 64)):  # the cases it is for: built
+        assert bwd["dkdv_schedule"] is not None

@@ -420,6 +420,34 @@ def test_cutlass_persistent_dkdv_is_bitwise_the_per_tile_kernel(monkeypatch, d, 
 
 
 @_SM90
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", [(8, 8), (16, 4)])
+def test_cutlass_balanced_schedule_is_bitwise_the_snake(monkeypatch, d, heads):
+    """cutlass_diffusion.BALANCED_SCHEDULE hands each CTA of the persistent dK/dV kernel other
+    items, never other arithmetic: the gradients bitwise equal to the snake walk's, at a shape
+    where that kernel (D = 128: the dS backward's) has more work items (512 or 256) than SMs, so
+    that the schedule is built and walked."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    h, hkv = heads
+    q, k, v = _qkv(4, 2048, h, hkv, d, torch.bfloat16, seed=11)
+    dout = torch.randn_like(q)
+
+    def grads(balanced):
+        monkeypatch.setattr(cd, "BALANCED_SCHEDULE", balanced)
+        cd._dkdv_schedule.cache_clear()
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        g = torch.autograd.grad(dlm_ops.diffusion_attn_func(*x, 16), x, dout)
+        return g, cd._dkdv_schedule.cache_info().currsize
+
+    snake, none = grads(False)
+    balanced, built = grads(True)
+    assert none == 0 and built == 1
+    for name, a, b in zip(("dq", "dk", "dv"), balanced, snake):
+        assert torch.equal(a, b), name
+
+
+@_SM90
 @pytest.mark.parametrize("cu_list", [[0], [0, 0, 0], [0, 0, 8, 8]])
 def test_cutlass_varlen_empty_packings(cu_list):
     """No tokens at all, only zero-length samples, or a tiny sample among empty ones: no launch

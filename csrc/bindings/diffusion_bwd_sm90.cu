@@ -40,6 +40,18 @@ std::vector<torch::Tensor> bwd_tile_orders(int64_t n_noisy, int64_t n_clean, int
           tile_order_tensor(mask.fwd_tiles(kDsDqBlockM, ds_dq_block_n(d)))};
 }
 
+// The balanced schedule of the persistent dK/dV kernel's batched work (bwd_tile_orders' first
+// entries x `slots` = B * Hkv, each item walking `group` query heads) on `ctas` CTAs (the SM count,
+// fewer than the items), as a CPU int32 tensor.
+torch::Tensor dkdv_schedule(int64_t n_noisy, int64_t n_clean, int64_t block_size, int64_t head_dim,
+                            int64_t slots, int64_t group, int64_t ctas) {
+  const dlm::SequenceMask mask{static_cast<int>(n_noisy), static_cast<int>(n_clean),
+                               static_cast<int>(block_size)};
+  const int d = static_cast<int>(head_dim);
+  return dlm_bindings::schedule_tensor(mask.bwd_tiles(bwd_block_m(d), bwd_block_n(d)), static_cast<int>(slots),
+                                       static_cast<int>(group), static_cast<int>(ctas));
+}
+
 // Elements per dS^T block of the dS backward (64 queries x the dK/dV kernel's key tile), 0 for a head
 // dim the path does not cover.
 int64_t ds_block(int64_t head_dim) {
@@ -80,14 +92,17 @@ struct LaunchBwd {
 // kernel regardless). ds_scratch / ds_slots / ds_visits (batched, D = 128 or 256, both halves
 // multiples of 128): the backward with dS through HBM (diffusion_bwd.cuh launch_bwd_ds), ds_scratch
 // of q's dtype with at least (1 + B * H * ds_visits) * ds_block(D) elements, ds_slots the (S / 64) x
-// (S / key tile) int32 slot table, dq_order the third of bwd_tile_orders.
+// (S / key tile) int32 slot table, dq_order the third of bwd_tile_orders. dkdv_schedule (batched):
+// dkdv_schedule's for this call's B * Hkv slots on min(SM count, items) CTAs, on the device, walked
+// where the dK/dV kernel that runs is the persistent one (ignored otherwise); none: the snake.
 void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
          torch::Tensor lse, std::optional<torch::Tensor> dlse, torch::Tensor dq, torch::Tensor dk,
          torch::Tensor dv, torch::Tensor lse2, torch::Tensor delta, torch::Tensor dkdv_order,
          torch::Tensor dq_order, int64_t n_noisy, int64_t block_size, double scale,
          std::optional<torch::Tensor> dkdv_sample, std::optional<torch::Tensor> dq_sample,
          std::optional<torch::Tensor> cu_seqlens, bool persistent_dkdv,
-         std::optional<torch::Tensor> ds_scratch, std::optional<torch::Tensor> ds_slots, int64_t ds_visits) {
+         std::optional<torch::Tensor> ds_scratch, std::optional<torch::Tensor> ds_slots, int64_t ds_visits,
+         std::optional<torch::Tensor> dkdv_schedule) {
   const bool varlen = cu_seqlens.has_value();
   const auto dev = q.device();
   for (const auto& t : {dout, k, v, out, lse, dq, dk, dv, lse2, delta, dkdv_order, dq_order})
@@ -169,6 +184,15 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     a.dkdv_sample = dkdv_sample->data_ptr<int32_t>(), a.dq_sample = dq_sample->data_ptr<int32_t>();
     a.cu_seqlens = cu_seqlens->data_ptr<int32_t>();
   }
+  if (dkdv_schedule) {
+    const int64_t items = int64_t{a.batch} * a.kv_heads * a.dkdv_tiles;
+    TORCH_CHECK(items < INT32_MAX, "dkdv_schedule: fewer than 2^31 work items");
+    int ctas = static_cast<int>(items);  // the persistent launch's grid: min(items, SM count)
+    C10_CUDA_CHECK(dlm::sm90::cap_at_sm_count(ctas));
+    TORCH_CHECK(!varlen && ctas < items, "dkdv_schedule: batched calls with more work items than SMs");
+    dlm_bindings::check_schedule(*dkdv_schedule, dev, ctas, items);
+    a.dkdv_schedule = dkdv_schedule->data_ptr<int32_t>();
+  }
   // launch_bwd skips empty problems and each gradient kernel whose grid would be empty.
   const cudaError_t err =
       dlm_bindings::dispatch<64, 128, 256>(q.scalar_type(), q.size(3), LaunchBwd{a, varlen});
@@ -181,6 +205,7 @@ namespace dlm_bindings {
 void add_bwd(pybind11::module_& m) {
   m.def("bwd_tile_orders", &bwd_tile_orders);
   m.def("varlen_bwd_tile_orders", &varlen_bwd_tile_orders);
+  m.def("dkdv_schedule", &dkdv_schedule);
   m.def("bwd", &bwd, pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
         pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("dlse"), pybind11::arg("dq"),
         pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("lse2"), pybind11::arg("delta"),
@@ -189,7 +214,7 @@ void add_bwd(pybind11::module_& m) {
         pybind11::arg("dkdv_sample") = pybind11::none(), pybind11::arg("dq_sample") = pybind11::none(),
         pybind11::arg("cu_seqlens") = pybind11::none(), pybind11::arg("persistent_dkdv") = false,
         pybind11::arg("ds_scratch") = pybind11::none(), pybind11::arg("ds_slots") = pybind11::none(),
-        pybind11::arg("ds_visits") = 0);
+        pybind11::arg("ds_visits") = 0, pybind11::arg("dkdv_schedule") = pybind11::none());
   m.attr("scratch_pad") = dlm::sm90::kVarlenScratchPad;  // floats past lse2 / delta, zeroed
   m.def("ds_block", &ds_block, pybind11::arg("head_dim"));
 }

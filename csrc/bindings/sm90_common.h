@@ -6,6 +6,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <vector>
@@ -57,6 +58,29 @@ inline torch::Tensor tile_order_tensor(const dlm::TilePlans& plans) {
   auto order = torch::empty({count}, torch::dtype(torch::kInt32));
   dlm::most_expensive_first(area.data(), count, order.data_ptr<int32_t>());
   return order;
+}
+
+// The balanced schedule (dlm/geometry.h plain_order_schedule) of a kernel's plain-order work over
+// `plans` in tile_order_tensor's order, `slots` slots per entry, each item weighing `weight` times
+// its area, on `ctas` CTAs, as a CPU int32 tensor (ctas + 1 offsets, then the items).
+inline torch::Tensor schedule_tensor(const dlm::TilePlans& plans, int slots, int weight, int ctas) {
+  TORCH_CHECK(slots >= 1 && weight >= 1 && ctas >= 1, "schedule: slots, weight and ctas >= 1");
+  const torch::Tensor order = tile_order_tensor(plans);
+  TORCH_CHECK(order.numel() * int64_t{slots} < INT32_MAX, "schedule: fewer than 2^31 work items");
+  const std::vector<int32_t> sched = dlm::plain_order_schedule(
+      plans, order.data_ptr<int32_t>(), static_cast<int>(order.numel()), slots, weight, ctas);
+  auto out = torch::empty({static_cast<int64_t>(sched.size())}, torch::dtype(torch::kInt32));
+  std::copy(sched.begin(), sched.end(), out.data_ptr<int32_t>());
+  return out;
+}
+
+// A schedule handed to a launch: contiguous int32 on `dev` with the length of one built for `ctas`
+// CTAs over `items` work items (its content is the builder's: tests/test_csrc_geometry.py).
+inline void check_schedule(const torch::Tensor& schedule, const c10::Device& dev, int64_t ctas, int64_t items) {
+  TORCH_CHECK(schedule.device() == dev && schedule.scalar_type() == torch::kInt32 && schedule.is_contiguous() &&
+                  schedule.numel() == ctas + 1 + items,
+              "schedule: contiguous int32 on the inputs' device, built for ", ctas, " CTAs and ", items,
+              " work items (", ctas + 1 + items, " entries), got ", schedule.numel());
 }
 
 // The work entries of packed samples (kStartVarlen): every sample's tiles (plans_of(mask) gives

@@ -26,8 +26,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int warp_group = threadIdx.x / 128;
 
   // Work item w: (entry, batch * kv head slot) of p.order; the CTA's own (one per CTA), or those
-  // of snake_item's walk (Cfg::kPersistent). The CTA's item-th item uses K / V buffer
-  // item % kKvBufs for the (item / kKvBufs)-th time: its barriers' phase parity.
+  // of its walk (Cfg::kPersistent: walk_item, the snake or p.schedule). The CTA's item-th item
+  // uses K / V buffer item % kKvBufs for the (item / kKvBufs)-th time: its barriers' phase parity.
   [[maybe_unused]] const int num_items = p.entries * p.batch * p.kv_heads;
   struct Item {
     int b, kvh, kt, offset;  // offset: the packed row of the sample's position 0 (kStartVarlen)
@@ -54,11 +54,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto item_of = [&](int w) {
     if constexpr (Cfg::kPersistent) return item_at(w); else return own;
   };
-  // f(w, item) for the CTA's items: its one (blockIdx.x), or (persistent) snake_item's walk. The
+  // f(w, item) for the CTA's items: its one (blockIdx.x), or (persistent) walk_item's walk. The
   // one-item form has no loop: an outer loop around the tile loop cost ~30 registers of spills.
   auto for_each_item = [&](auto&& f) {
     if constexpr (Cfg::kPersistent) {
-      for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) f(w, item);
+      for (int item = 0, w = walk_item(p.schedule, 0, num_items); w < num_items;
+           w = walk_item(p.schedule, ++item, num_items))
+        f(w, item);
     } else {
       f(static_cast<int>(blockIdx.x), 0);
     }

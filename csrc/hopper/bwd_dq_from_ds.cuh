@@ -23,10 +23,11 @@ namespace dlm::sm90 {
 // PERSISTENT_: a grid of at most one CTA per SM walks the (query tile, slot) items in snake order
 // (common.cuh snake_item) with the ring continued across items, so that one item's last matmul and
 // dQ stores overlap the next item's loads; otherwise one CTA per item.
-// TMA_STORE_ (session 19, prepared, not measured; default off): each consumer stages its 64 x D dQ
-// in its own shared buffer (stage_rows) and one thread stores it with TMA (store_rows_tma), where
-// the register stores' 4-byte STGs took 13 % of the kernel's stall samples at n = 1K (ncu). The
-// buffer is reused one item later, after that store has read it. 224 KB of shared memory at D = 128.
+// TMA_STORE_ (written in session 19, shipped in session 20: diffusion_bwd.cuh DqFromDsPersistent):
+// each consumer stages its 64 x D dQ in its own shared buffer (stage_rows) and one thread stores it
+// with TMA (store_rows_tma), where the register stores' 4-byte STGs took 13 % of the kernel's stall
+// samples at n = 1K (ncu). The buffer is reused one item later, after that store has read it.
+// 224 KB of shared memory at D = 128, 208 KB at D = 256.
 template <class Elem_, int D_ = 128, int STAGES_ = 3, bool PERSISTENT_ = false, bool TMA_STORE_ = false>
 struct DqFromDsConfig {
   using Elem = Elem_;

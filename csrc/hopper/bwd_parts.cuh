@@ -380,6 +380,9 @@ struct BwdParams {
   const int32_t* ds_slots = nullptr;
   int ds_k_tiles = 0, ds_visits = 0;
   typename Cfg::DsStore::TmaDs tma_ds{};
+  // The persistent dK/dV kernel's walk: the balanced schedule built for exactly this grid
+  // (common.cuh walk_item), or null: the snake.
+  const int32_t* schedule = nullptr;
 };
 
 // Floats past the end of the lse2 / delta scratch (B * H * S) that the odd-length / varlen dK/dV

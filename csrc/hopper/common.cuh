@@ -46,6 +46,11 @@ constexpr int kOrderWaves = 4;
 // This CTA's item-th work index on the launch's grid: dlm/geometry.h snake_index (why a snake, and
 // what it measured: there and csrc/NOTES.md session 9).
 CUTE_DEVICE int snake_item(int item) { return dlm::snake_index(item, gridDim.x, blockIdx.x); }
+// The same through a host-built balanced schedule (dlm/geometry.h balanced_schedule, for exactly
+// this grid) when one is given, the snake otherwise.
+CUTE_DEVICE int walk_item(const int32_t* schedule, int item, int num_items) {
+  return schedule ? dlm::scheduled_index(schedule, item, blockIdx.x, num_items) : snake_item(item);
+}
 inline WorkOrder work_order(int slots, int64_t bytes_per_slot, int chunk = 0, int block = 0) {
   if (chunk == 0 || slots <= 1) return {slots, slots, 1};
   int device = 0, sms = 0, l2 = 0;

@@ -88,6 +88,10 @@ struct BwdArgs {
   void* ds_scratch = nullptr;
   const int32_t* ds_slots = nullptr;
   int ds_visits = 0;
+  // Optional (device): the persistent dK/dV kernel's balanced schedule (dlm/geometry.h
+  // balanced_schedule) for exactly min(SM count, items) CTAs; null: the snake walk. The other
+  // kernels ignore it.
+  const int32_t* dkdv_schedule = nullptr;
 };
 
 // A persistent grid: at most one CTA per SM of the current device.
@@ -162,6 +166,7 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
   // Persistent: one CTA per SM (1 fits: 192 KB of shared memory at D = 128).
   if constexpr (Cfg::kPersistent) {
     if (const cudaError_t err = cap_at_sm_count(ctas); err != cudaSuccess) return err;
+    p.schedule = a.dkdv_schedule;
   }
   kernel<<<ctas, Cfg::kThreads, smem, a.stream>>>(p);
   return cudaGetLastError();
@@ -278,9 +283,13 @@ using DkDvStoreDsPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdSt
 // slots, 4-wave blocks (work_order's chunk -1, block 0): at n = 1K it re-read K from DRAM 3.5x in
 // the plain entry-major order (ncu, session 19: the kernel at 76 % of DRAM bandwidth); harness
 // `ds-dq-order`: the dQ kernel 1.135 / 1.143 / 1.073 / 1.017x at n = 1K-8K (1.115x block 4, 1.006x
-// GQA 32/8), the whole backward 1.03 / 1.03 / 1.03 / 1.00x.
+// GQA 32/8), the whole backward 1.03 / 1.03 / 1.03 / 1.00x. dQ through TMA stores (TMA_STORE_;
+// harness `ds-dq-tma` / `ds-dq-tma256`, session 20): at D = 128 the dQ kernel 1.10 / 1.08 / 1.04 /
+// 1.02x at n = 1K-8K, 1.15x GQA 32/8, the whole backward 1.03 / 1.02 / 1.01 / 0.99x, 1.02x GQA; at
+// D = 256 the dQ kernel 1.17 / 1.15 / 1.04x at n = 1K / 2K / 8K, 1.22x GQA, the whole backward
+// 1.03 / 1.03 / 1.01x, 1.03x GQA.
 template <class Elem, int D>
-using DqFromDsPersistent = DqFromDsConfig<Elem, D, 3, true>;
+using DqFromDsPersistent = DqFromDsConfig<Elem, D, 3, true, true>;
 constexpr int kDsDqOrderChunk = -1, kDsDqOrderBlock = 0;
 
 // Preprocess, dK/dV writing dS^T, dQ from dS. a.ds_scratch: 1 + B * H * a.ds_visits blocks of

@@ -68,6 +68,10 @@ struct FwdParams {
   // Cfg::kSmemO: the TMA store of O over (seqlen, D, heads, batch), from with_tma_o.
   using TmaO = decltype(make_tma_o<Cfg>(nullptr, 1, 1, 1, 1, 1, 1));
   TmaO tma_o{};
+  // A persistent grid's walk: the balanced schedule built for exactly this grid (common.cuh
+  // walk_item), or null: the snake (what the launchers run). Harness `sched` only: against the
+  // snake it measured 0.98-1.02x (session 20, csrc/NOTES.md), where the dK/dV kernel's gains.
+  const int32_t* schedule = nullptr;
 };
 
 // The parameters with their O store descriptor (Cfg::kSmemO), made from their own o fields.
@@ -195,7 +199,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
       Tensor tVsV = tma_v.partition_D(sV);
       int it = 0;  // K/V visits so far, over every work item of this CTA: the ring position
-      for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
+      for (int item = 0, w = walk_item(p.schedule, 0, num_items); w < num_items;
+           w = walk_item(p.schedule, ++item, num_items)) {
         if constexpr (Cfg::kStart != kStartTile) {
           // Tiles start anywhere: the TMA boxes are placed by element coordinates (rows past the
           // tensor's end read as zeros; rows past the half or sample are masked by the consumers).
@@ -265,7 +270,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   int it = 0;  // the producer's ring position, kept in step
   if (Cfg::kPingPong && consumer == 1) named_barrier_arrive(kTurnBarrier + 0);  // see kTurnBarrier
-  for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
+  for (int item = 0, w = walk_item(p.schedule, 0, num_items); w < num_items;
+       w = walk_item(p.schedule, ++item, num_items)) {
     const int ev = consumer * 8;  // trace_event's slots, as in fwd_consumers (harness `trace` only)
     trace_event<Cfg>(item, ev + 0);
     // kStartTile: the kernel's plans and mask; otherwise the item's own (sample-relative rows).

@@ -148,6 +148,24 @@ def _max_ctas(device: torch.device) -> int:
     return _sm_count(device)
 
 
+# The persistent dK/dV kernel's walk over batched work: a balanced schedule built on the host
+# (dlm/geometry.h plain_order_schedule: each item, most expensive first, to the CTA with the least
+# work so far) instead of the snake. Counted in pairs plus a fixed cost per item, the snake's
+# busiest CTA gets 3.1 % more than the mean work at n <= 2K (16K tokens, 132 CTAs), the
+# schedule's 0.5-1.3 % (tests/test_csrc_geometry.py). Harness `sched` (session 20, bf16, 16K
+# tokens, 8 rounds in alternating order, medians; the snake's A/A arm 0.99-1.01x): the whole
+# backward 1.007 / 1.010 / 1.002 / 1.004x at n = 1K-8K, 1.008x block 4, 1.024x GQA 32/8 (D = 128,
+# the dS backward); D = 64 1.000-1.011x. The forward's walk measured 0.98-1.02x and stays the
+# snake. False: the snake everywhere.
+BALANCED_SCHEDULE = True
+
+
+@lru_cache(maxsize=64)
+def _dkdv_schedule(n_noisy: int, n_clean: int, block_size: int, head_dim: int, slots: int, group: int,
+                   ctas: int, device: str) -> torch.Tensor:
+    return _EXT.dkdv_schedule(n_noisy, n_clean, block_size, head_dim, slots, group, ctas).to(device)
+
+
 def _persistent_dkdv(longest_half: int, head_dim: int, group: int) -> bool:
     """Whether the backward runs the persistent dK/dV kernel for halves up to ``longest_half``,
     ``group`` query heads per K / V head (PERSISTENT_DKDV_MAX_HALF bounds both limits, and setting
@@ -310,9 +328,10 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
 
     @staticmethod
     def _run_bwd(ext, dout, q, k, v, out, lse, dlse, n_noisy, block_size, scale, dkdv, dq_tables,
-                 longest_half, cu_seqlens=None, ds=None):
+                 longest_half, cu_seqlens=None, ds=None, mask=None):
         """The three backward kernels on (B, S, H, D) views; dkdv / dq_tables: (order, sample or
-        None); longest_half: of any sample (the persistent dK/dV rule); ds: _ds_plan's arguments."""
+        None); longest_half: of any sample (the persistent dK/dV rule); ds: _ds_plan's arguments;
+        mask: the batched call's (its persistent dK/dV kernel then walks the balanced schedule)."""
         b, s, h, _ = q.shape
         if b * s * h == 0:
             # No token (an empty varlen packing; autograd still calls the backward): nothing to
@@ -323,10 +342,17 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         dlse = None if dlse is None else dlse.float().contiguous()
         dq, dk, dv = new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape)
         lse2, delta = _scratch(ext, b * h * s, q.device)
+        d, group = q.shape[-1], q.shape[2] // k.shape[2]
+        persistent = _persistent_dkdv(longest_half, d, group)
+        schedule, ctas = None, _max_ctas(q.device)
+        # The dS backward runs the persistent dK/dV kernel wherever the head dim has one.
+        if (BALANCED_SCHEDULE and mask is not None and d in PERSISTENT_DKDV_HEAD_DIMS
+                and (persistent or ds) and b * k.shape[2] * dkdv[0].numel() > ctas):
+            schedule = _dkdv_schedule(mask.n_noisy, mask.n_clean, mask.block_size, d, b * k.shape[2],
+                                      group, ctas, str(q.device))
         ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv[0], dq_tables[0],
                 n_noisy, block_size, scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1],
-                cu_seqlens=cu_seqlens,
-                persistent_dkdv=_persistent_dkdv(longest_half, q.shape[-1], q.shape[2] // k.shape[2]),
+                cu_seqlens=cu_seqlens, persistent_dkdv=persistent, dkdv_schedule=schedule,
                 **(ds or {}))
         return dq, dk, dv
 
@@ -343,7 +369,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
             dq_order = ds_dq_order
         grads = self._run_bwd(ext, dout, q, k, v, out, lse, dlse, mask.n_noisy, mask.block_size,
                               scale, (dkdv_order, None), (dq_order, None),
-                              max(mask.n_noisy, mask.n_clean), ds=ds)
+                              max(mask.n_noisy, mask.n_clean), ds=ds, mask=mask)
         STATS["bwd"] += 1
         STATS["bwd_ds"] += bool(ds)
         return grads

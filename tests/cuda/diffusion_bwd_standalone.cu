@@ -39,6 +39,8 @@
 //   ./bwd_standalone ds-orders  # the dS backward's dK/dV kernel under the L2-chunked work orders
 //   ./bwd_standalone ds-dq-order # the dQ-from-dS kernel in L2 chunks: checks, then the A/B
 //   ./bwd_standalone ds-dq-tma  # the dQ-from-dS kernel's TMA-store epilogue: checks, then the A/B
+//   ./bwd_standalone sched      # the persistent dK/dV kernel's balanced schedule: checks, then the A/B
+//   ./bwd_standalone sched-l2   # the same in L2-friendlier work orders: checks, then the A/B
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -47,6 +49,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <cmath>
+#include <memory>
 #include <vector>
 #include <algorithm>
 #include <string>
@@ -79,6 +82,12 @@ static int g_failures = 0;
 // work_order's arguments for every launch here (0, 0: the plain order, as the extension's); the
 // `order` mode checks and times the orders.
 static int g_order_chunk = 0, g_order_block = 0;
+// The persistent dK/dV kernel walks a balanced schedule (dlm/geometry.h plain_order_schedule)
+// instead of the snake (mode `sched`).
+static bool g_schedule = false;
+// The dQ-from-dS kernel walks launch_bwd_ds's order whatever g_order_chunk says (mode `sched-l2`,
+// whose arms differ in the dK/dV kernel's order alone).
+static bool g_dq_shipped_order = false;
 
 // ------------------------------------------------------------------------------ fp64 reference
 // Visibility straight from the definition (DESIGN.md 1), not from geometry.h.
@@ -291,10 +300,39 @@ struct Bwd {
     a.lse_stride[0] = (int64_t)r.H * S, a.lse_stride[1] = S;
     a.batch = r.B, a.seqlen = S, a.heads = r.H, a.kv_heads = r.Hkv, a.n_noisy = P.mask.n_noisy;
     a.block_size = r.bs, a.scale = (float)P.scale();
-    a.dkdv_tiles = (int)order_of(P.mask.bwd_tiles(DkCfg::BM, DkCfg::BN), &dkdv_order).size();
+    const dlm::TilePlans dkdv_plans = P.mask.bwd_tiles(DkCfg::BM, DkCfg::BN);
+    const std::vector<int32_t> dkdv_ord = order_of(dkdv_plans, &dkdv_order);
+    a.dkdv_tiles = (int)dkdv_ord.size();
     a.dq_tiles = (int)order_of(P.mask.fwd_tiles(DqCfg::BM, DqCfg::BN), &dq_order).size();
     a.dkdv_order = dkdv_order, a.dq_order = dq_order, a.stream = nullptr;
     a.order_chunk = g_order_chunk, a.order_block = g_order_block;
+    if (DkCfg::kPersistent && g_schedule) {  // the balanced schedule of the dK/dV kernel's work order
+      const int slots = r.B * r.Hkv, items = a.dkdv_tiles * slots;
+      int ctas = 0;
+      CK(cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, 0));
+      if (ctas < items) {
+        std::vector<int32_t> sched;
+        if (g_order_chunk == 0) {  // the plain order: what the extension builds
+          sched = dlm::plain_order_schedule(dkdv_plans, dkdv_ord.data(), a.dkdv_tiles, slots, r.H / r.Hkv, ctas);
+        } else {  // the same costs in a WorkOrder (launch_dkdv's, mode sched-l2)
+          const dlm::WorkOrder wo = dlm::sm90::work_order(
+              slots, int64_t{2} * S * D * sizeof(Elem) * (r.H / r.Hkv), g_order_chunk, g_order_block);
+          const int64_t fixed = int64_t{dlm::kScheduleItemHalfTiles} * DkCfg::BM * DkCfg::BN / 2;
+          std::vector<int64_t> cost(items);
+          for (int w = 0; w < items; ++w) {
+            int e, j;
+            wo.decode(w, a.dkdv_tiles, e, j);
+            cost[w] = (r.H / r.Hkv) * dkdv_plans.area(dkdv_ord[e]) + fixed;
+          }
+          sched.resize(ctas + 1 + items);
+          dlm::balanced_schedule(cost.data(), items, ctas, sched.data());
+        }
+        int32_t* d = nullptr;
+        CK(cudaMalloc(&d, sched.size() * 4));
+        CK(cudaMemcpy(d, sched.data(), sched.size() * 4, cudaMemcpyHostToDevice));
+        a.dkdv_schedule = d;
+      }
+    }
     if constexpr (DkCfg::kFusedDq) CK(cudaMalloc(&a.dq_accum, P.nq * sizeof(float)));
     if constexpr (DkCfg::kStoreDs) {  // the dS^T scratch and its slot table (bwd_dq_from_ds.cuh)
       std::vector<int32_t> slots;
@@ -311,14 +349,20 @@ struct Bwd {
   size_t ds_bytes = 0;
   ~Bwd() {
     cudaFree(fwd_order), cudaFree(dkdv_order), cudaFree(dq_order), cudaFree(a.dq_accum);
+    cudaFree((void*)a.dkdv_schedule);
     cudaFree(a.ds_scratch), cudaFree((void*)a.ds_slots);
     if (side) cudaStreamDestroy(side), cudaEventDestroy(pre_done), cudaEventDestroy(dq_done);
   }
   void pre() { CK((dlm::sm90::launch_preprocess<Elem, D>(a))); }
   void dkdv() { CK(dlm::sm90::launch_dkdv<DkCfg>(a)); }
   void dq() {
-    if constexpr (DkCfg::kStoreDs) CK(dlm::sm90::launch_dq_from_ds<DqCfg>(a));
-    else CK(dlm::sm90::launch_dq<DqCfg>(a));
+    if constexpr (DkCfg::kStoreDs) {
+      dlm::sm90::BwdArgs b = a;  // g_dq_shipped_order: the dQ kernel in launch_bwd_ds's order
+      if (g_dq_shipped_order) b.order_chunk = dlm::sm90::kDsDqOrderChunk, b.order_block = dlm::sm90::kDsDqOrderBlock;
+      CK(dlm::sm90::launch_dq_from_ds<DqCfg>(b));
+    } else {
+      CK(dlm::sm90::launch_dq<DqCfg>(a));
+    }
   }
   // The fused backward (DkCfg::kFusedDq): dQ reduce-added by the dK/dV kernel, then converted.
   void all() {
@@ -530,6 +574,93 @@ void timing_ds(const char* arm1, const char* arm2, const char* arm3,
            r.B, r.n, r.H, r.Hkv, r.bs, med[0], 5 * matmul / med[0], med[1], med[0] / med[1], med[2],
            med[0] / med[2], med[3], med[0] / med[3], k0, k1, k2, k3, q0, q2, q3, a2.ds_bytes / 1e9);
   }
+}
+
+// Mode `sched`: the persistent dK/dV kernel walking the balanced schedule against the snake, both
+// in the backward of Dk + Dq (the same inputs): the whole backward and the dK/dV kernel, 8 rounds
+// in alternating order, medians; arm 2 is the snake again (an A/A control).
+template <class Dk, class Dq>
+void timing_schedule(const std::vector<Run>& runs = {std::begin(kTimingRuns), std::end(kTimingRuns)}) {
+  constexpr int D = Dk::D;
+  printf("== the dK/dV kernel's balanced schedule (bf16, D=%d, 16K tokens; ms, ratios to the snake)\n", D);
+  printf("| B | n | H/Hkv | bs | snake | schedule | snake again | dK/dV: snake / schedule / again |\n");
+  printf("|---|---|---|---|---|---|---|---|\n");
+  for (const Run& r : runs) {
+    Problem<bf16> P(r, D);
+    P.to_device();
+    Bwd<bf16, D, Dk, Dq> a0(P);
+    g_schedule = true;
+    Bwd<bf16, D, Dk, Dq> a1(P);
+    g_schedule = false;
+    Bwd<bf16, D, Dk, Dq> a2(P);
+    Bwd<bf16, D, Dk, Dq>* arms[3] = {&a0, &a1, &a2};
+    std::vector<float> t[3], k[3];
+    for (int i = 0; i < 3; ++i) time_ms([&] { arms[i]->all(); }, 5);  // warm-up
+    for (int round = 0; round < 8; ++round)
+      for (int j = 0; j < 3; ++j) {
+        const int i = round & 1 ? 2 - j : j;
+        t[i].push_back(time_ms([&] { arms[i]->all(); }, 10));
+        k[i].push_back(time_ms([&] { arms[i]->dkdv(); }, 10));
+      }
+    float med[3], kmed[3];
+    for (int i = 0; i < 3; ++i) {
+      std::sort(t[i].begin(), t[i].end()), std::sort(k[i].begin(), k[i].end());
+      med[i] = 0.5f * (t[i][3] + t[i][4]), kmed[i] = 0.5f * (k[i][3] + k[i][4]);
+    }
+    CK(cudaGetLastError());
+    printf("| %d | %d | %d/%d | %d | %.3f | %.3f (%.3fx) | %.3f (%.3fx) | %.3f / %.3f (%.3fx) / %.3f (%.3fx) |\n",
+           r.B, r.n, r.H, r.Hkv, r.bs, med[0], med[1], med[0] / med[1], med[2], med[0] / med[2], kmed[0],
+           kmed[1], kmed[0] / kmed[1], kmed[2], kmed[0] / kmed[2]);
+  }
+}
+
+// Mode `sched-l2`: the dS backward's dK/dV kernel in other work orders (WorkOrder chunk, block)
+// walked by the balanced schedule, against the plain order's snake and schedule; the dQ kernel in
+// launch_bwd_ds's order in every arm. The whole backward and the dK/dV kernel, 8 rounds in
+// alternating order, medians, ratios to arm 0.
+template <class Dk, class Dq>
+void timing_schedule_orders() {
+  constexpr int D = Dk::D;
+  struct Arm { bool schedule; int chunk, block; const char* name; };
+  const Arm arms[] = {{false, 0, 0, "plain, snake"}, {true, 0, 0, "plain, schedule (shipped)"},
+                      {true, 1, 2, "slot-major in 2-entry blocks"}, {true, 1, 4, "slot-major in 4-entry blocks"},
+                      {true, -1, 0, "L2 chunks, 4-wave blocks"}, {false, 0, 0, "plain, snake again"}};
+  constexpr int kArms = sizeof(arms) / sizeof(arms[0]);
+  printf("== the dK/dV kernel's order under the balanced schedule (bf16, D=%d, 16K tokens; whole backward "
+         "ms and ratio to arm 0, then the dK/dV kernel's ratio)\n| B | n | H/Hkv | bs |", D);
+  for (const Arm& a : arms) printf(" %s |", a.name);
+  printf("\n|---|---|---|---|");
+  for (int i = 0; i < kArms; ++i) printf("---|");
+  printf("\n");
+  g_dq_shipped_order = true;
+  for (const Run& r : kTimingRuns) {
+    Problem<bf16> P(r, D);
+    P.to_device();
+    std::vector<std::unique_ptr<Bwd<bf16, D, Dk, Dq>>> b;
+    for (const Arm& a : arms) {
+      g_schedule = a.schedule, g_order_chunk = a.chunk, g_order_block = a.block;
+      b.emplace_back(new Bwd<bf16, D, Dk, Dq>(P));
+    }
+    g_schedule = false, g_order_chunk = g_order_block = 0;
+    std::vector<float> t[kArms], k[kArms];
+    for (int i = 0; i < kArms; ++i) time_ms([&] { b[i]->all(); }, 5);  // warm-up
+    for (int round = 0; round < 8; ++round)
+      for (int j = 0; j < kArms; ++j) {
+        const int i = round & 1 ? kArms - 1 - j : j;
+        t[i].push_back(time_ms([&] { b[i]->all(); }, 10));
+        k[i].push_back(time_ms([&] { b[i]->dkdv(); }, 10));
+      }
+    CK(cudaGetLastError());
+    float med[kArms], kmed[kArms];
+    for (int i = 0; i < kArms; ++i) {
+      std::sort(t[i].begin(), t[i].end()), std::sort(k[i].begin(), k[i].end());
+      med[i] = 0.5f * (t[i][3] + t[i][4]), kmed[i] = 0.5f * (k[i][3] + k[i][4]);
+    }
+    printf("| %d | %d | %d/%d | %d |", r.B, r.n, r.H, r.Hkv, r.bs);
+    for (int i = 0; i < kArms; ++i) printf(" %.3f (%.3fx; %.3fx) |", med[i], med[0] / med[i], kmed[0] / kmed[i]);
+    printf("\n");
+  }
+  g_dq_shipped_order = false;
 }
 
 // The fused backward against the shipped two-kernel one on the same inputs, interleaved
@@ -1300,12 +1431,24 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  if (mode == "ds-dq-tma") {  // the dQ-from-dS kernel's TMA-store epilogue (DqFromDsConfig TMA_STORE_,
-    // prepared in session 19, not yet run): checks (one CTA per item and persistent, D = 128 / 256,
-    // fp16), then the A/B against the register stores, both after the persistent dK/dV kernel
+  if (mode == "ds-dq-tma" || mode == "ds-dq-tma256") {  // the dQ-from-dS kernel's TMA-store epilogue
+    // (DqFromDsConfig TMA_STORE_; D = 128 measured in session 20 call 1, then shipped): checks (one
+    // CTA per item and persistent, D = 128 / 256, fp16), then the A/B against the register stores,
+    // both after the persistent dK/dV kernel (D = 256: after the role-split one)
     using DkSP = DkDvStoreDsPersistent<bf16, 128>;
-    using DqP = DqFromDsPersistent<bf16, 128>;
+    using DqP = DqFromDsConfig<bf16, 128, 3, true, false>;
     using DqT = DqFromDsConfig<bf16, 128, 3, true, true>;
+    if (mode == "ds-dq-tma256") {
+      using DkS2 = DkDvStoreDs<bf16, 256, 2>;
+      checks<bf16, 256, DkS2, DqFromDsConfig<bf16, 256, 3, true, true>>("dS, dQ TMA store, bf16 D=256", true);
+      printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+      if (g_failures) return 1;
+      using Dk256 = DkDvShipped<bf16, 256, kBatchedStart>;
+      timing_ds<Dk256, Dk256, DkS2, DkS2, DqShipped<bf16, 256, kBatchedStart>,
+                DqFromDsConfig<bf16, 256, 3, true, false>, DqFromDsConfig<bf16, 256, 3, true, true>>(
+          "shipped again (A/A)", "dQ register stores", "dQ TMA store", kTimingRuns256);
+      return 0;
+    }
     checks<bf16, 128, DkSP, DqT>("dS, dQ TMA store, bf16 D=128", true);
     checks<bf16, 128, DkSP, DqFromDsConfig<bf16, 128, 3, false, true>>("dS, dQ TMA store per item, bf16 D=128",
                                                                        false);
@@ -1319,6 +1462,42 @@ int main(int argc, char** argv) {
     timing_ds<DkDvShipped<bf16, 128, kBatchedStart>, DkDvPersistent<bf16, 128, kBatchedStart>, DkSP, DkSP,
               DqShipped<bf16, 128, kBatchedStart>, DqP, DqT>("persistent dK/dV", "dQ register stores",
                                                              "dQ TMA store");
+    return 0;
+  }
+  if (mode == "sched") {  // the persistent dK/dV kernel walking the balanced schedule: checks (the
+    // dS backward at D = 128, the two-kernel one at D = 64 / 128), then the A/B against the snake
+    using DkSP = DkDvStoreDsPersistent<bf16, 128>;
+    using DqP = DqFromDsPersistent<bf16, 128>;
+    g_schedule = true;
+    checks<bf16, 128, DkSP, DqP>("dS, scheduled dK/dV, bf16 D=128", true);
+    check<bf16, 128, DkSP, DqP>("dS, scheduled dK/dV, 2 items per CTA", {2, 2048, 8, 8, 16, false, 61});
+    checks<bf16, 128, DkDvPersistent<bf16, 128, kBatchedStart>, DqShipped<bf16, 128, kBatchedStart>>(
+        "scheduled persistent dK/dV, bf16 D=128", false);
+    checks<fp16, 64, DkDvPersistent<fp16, 64, kBatchedStart>, DqShipped<fp16, 64, kBatchedStart>>(
+        "scheduled persistent dK/dV, fp16 D=64", true);
+    g_schedule = false;
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_schedule<DkSP, DqP>();
+    timing_schedule<DkDvPersistent<bf16, 64, kBatchedStart>, DqShipped<bf16, 64, kBatchedStart>>();
+    return 0;
+  }
+  if (mode == "sched-l2") {  // the dS backward's dK/dV kernel in L2-friendlier orders under the
+    // balanced schedule: checks of each order, then the A/B
+    using DkSP = DkDvStoreDsPersistent<bf16, 128>;
+    using DqP = DqFromDsPersistent<bf16, 128>;
+    g_schedule = true, g_dq_shipped_order = true;
+    for (int block : {2, 4}) {
+      g_order_chunk = 1, g_order_block = block;
+      checks<bf16, 128, DkSP, DqP>("dS, scheduled dK/dV, slot-major blocks", false);
+    }
+    g_order_chunk = -1, g_order_block = 0;
+    checks<bf16, 128, DkSP, DqP>("dS, scheduled dK/dV, L2 chunks", false);
+    check<bf16, 128, DkSP, DqP>("dS, scheduled dK/dV, L2 chunks, 2 items per CTA", {2, 2048, 8, 8, 16, false, 61});
+    g_schedule = false, g_dq_shipped_order = false, g_order_chunk = g_order_block = 0;
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_schedule_orders<DkSP, DqP>();
     return 0;
   }
   if (mode == "ds-orders") {  // the dS backward's dK/dV kernel under the L2-chunked WorkOrders (ncu,

@@ -26,6 +26,7 @@
 //   ./fwd_standalone epi-ab        # the item's end: two Q buffers, the store knocked out
 //   ./fwd_standalone bn256-64      # D = 64 over 256-key tiles: checks, then the A/B
 //   ./fwd_standalone ab64          # D = 64: 3 / 4 stages, no ping-pong, two Q buffers against shipped
+//   ./fwd_standalone sched         # persistent grids: the balanced schedule against the snake
 //   ./fwd_standalone trace         # where an item's time goes: per-phase means (trace_stats.h)
 //   ./fwd_standalone small         # one small check per head dim (compute-sanitizer runs)
 //   ./fwd_standalone prove         # host only (no GPU): the hoisted FULL test equals tile_kind's
@@ -46,6 +47,21 @@ int g_max_ctas = 0;  // persistent grid of at most this many CTAs; 0: one CTA pe
 // work_order's arguments for every launch here (0, 0: the plain order, as the launchers').
 int g_order_chunk = 0, g_order_block = 0;
 int g_failed = 0;    // checks that failed (exit status of `ab`)
+// Persistent grids walk a balanced schedule (dlm/geometry.h plain_order_schedule) instead of the snake.
+bool g_schedule = false;
+
+// The schedule for a launch of `ctas` CTAs over B * H slots of `ord`'s entries when g_schedule is
+// set and the grid is persistent (fewer CTAs than items); null otherwise (the snake). Device memory
+// the caller frees.
+int32_t* schedule_for(const dlm::TilePlans& plans, const std::vector<int32_t>& ord, int slots, int ctas) {
+  const int items = (int)ord.size() * slots;
+  if (!g_schedule || ctas >= items) return nullptr;
+  const std::vector<int32_t> sched = dlm::plain_order_schedule(plans, ord.data(), (int)ord.size(), slots, 1, ctas);
+  int32_t* d = nullptr;
+  CK(cudaMalloc(&d, sched.size() * 4));
+  CK(cudaMemcpy(d, sched.data(), sched.size() * 4, cudaMemcpyHostToDevice));
+  return d;
+}
 
 template <class Cfg>
 float run(Run r, bool check, int iters) {
@@ -80,6 +96,7 @@ float run(Run r, bool check, int iters) {
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int items = r.B * r.H * T;
   dim3 grid(g_max_ctas > 0 && g_max_ctas < items ? g_max_ctas : items);
+  p.schedule = schedule_for(plans, ord, r.B * r.H, (int)grid.x);
   kern<<<grid, Cfg::kThreads, smem>>>(p);
   CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
   if (check) {
@@ -127,6 +144,7 @@ float run(Run r, bool check, int iters) {
     printf("time B=%d n=%d H=%d/%d bs=%d: %.3f ms, %.0f TFLOPS (visible pairs)\n", r.B, r.n, r.H, r.Hkv, r.bs, ms, 4.0 * pairs * D * r.H * r.B / ms / 1e9);
   }
   cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(lse); cudaFree(order);
+  cudaFree((void*)p.schedule);
   return ms;
 }
 
@@ -193,6 +211,7 @@ float time_on(Run r, const Bufs& b, int iters) {
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int items = r.B * r.H * T;
   dim3 grid(g_max_ctas > 0 && g_max_ctas < items ? g_max_ctas : items);
+  p.schedule = schedule_for(plans, ord, r.B * r.H, (int)grid.x);
   cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   for (int i = 0; i < 3; ++i) kern<<<grid, Cfg::kThreads, smem>>>(p);
   CK(cudaEventRecord(e0));
@@ -200,6 +219,7 @@ float time_on(Run r, const Bufs& b, int iters) {
   CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); CK(cudaGetLastError());
   float ms = 0; cudaEventElapsedTime(&ms, e0, e1);
   cudaEventDestroy(e0); cudaEventDestroy(e1);
+  cudaFree((void*)p.schedule);
   return ms / iters;
 }
 
@@ -209,19 +229,32 @@ struct Ordered {};
 // ... or a config on a persistent grid of one CTA per SM at every shape (Persistent<Cfg>).
 template <class Cfg_>
 struct Persistent {};
+// ... or persistent walking the balanced schedule (Scheduled<Cfg>).
+template <class Cfg_>
+struct Scheduled {};
 template <class T>
-struct VariantOf { using Cfg = T; static constexpr int kChunk = 0, kBlock = 0; static constexpr bool kPersistent = false; };
+struct VariantOf {
+  using Cfg = T;
+  static constexpr int kChunk = 0, kBlock = 0;
+  static constexpr bool kPersistent = false, kSchedule = false;
+};
 template <class Cfg_, int CHUNK, int BLOCK>
 struct VariantOf<Ordered<Cfg_, CHUNK, BLOCK>> {
   using Cfg = Cfg_;
   static constexpr int kChunk = CHUNK, kBlock = BLOCK;
-  static constexpr bool kPersistent = false;
+  static constexpr bool kPersistent = false, kSchedule = false;
 };
 template <class Cfg_>
 struct VariantOf<Persistent<Cfg_>> {
   using Cfg = Cfg_;
   static constexpr int kChunk = 0, kBlock = 0;
-  static constexpr bool kPersistent = true;
+  static constexpr bool kPersistent = true, kSchedule = false;
+};
+template <class Cfg_>
+struct VariantOf<Scheduled<Cfg_>> {
+  using Cfg = Cfg_;
+  static constexpr int kChunk = 0, kBlock = 0;
+  static constexpr bool kPersistent = true, kSchedule = true;
 };
 
 template <class V>
@@ -229,8 +262,10 @@ float time_variant(Run r, const Bufs& b) {
   g_order_chunk = VariantOf<V>::kChunk, g_order_block = VariantOf<V>::kBlock;
   const int grid = g_max_ctas;
   if (VariantOf<V>::kPersistent) CK(cudaDeviceGetAttribute(&g_max_ctas, cudaDevAttrMultiProcessorCount, 0));
+  g_schedule = VariantOf<V>::kSchedule;
   const float ms = time_on<typename VariantOf<V>::Cfg>(r, b, 20);
   g_order_chunk = g_order_block = 0;
+  g_schedule = false;
   g_max_ctas = grid;
   return ms;
 }
@@ -711,6 +746,27 @@ int main(int argc, char** argv) {
     static const char* names[] = {"shipped", "3 stages", "4 stages", "no ping-pong", "2 Q + 3 stages", "shipped again"};
     ab_timing<Variants<Persistent<Ship>, Persistent<S3>, Persistent<S4>, Persistent<NoPP>, Persistent<Q2S3>,
                        Persistent<Ship>>, 64>(names);
+    return 0;
+  }
+  if (v == "sched") {  // persistent grids: the balanced schedule (dlm/geometry.h plain_order_schedule)
+    using namespace dlm::sm90;  // against the snake; checks on grids of 3 CTAs and of one per SM
+    CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
+    g_schedule = true;
+    for (int ctas : {3, g_backend_grid}) {
+      g_max_ctas = ctas;
+      ab_checks<FwdShipped<bf16, 128, kBatchedStart>>("scheduled bf16 D=128");
+      ab_checks<FwdShipped<cutlass::half_t, 64, kBatchedStart>>("scheduled fp16 D=64");
+      ab_checks<FwdShipped<bf16, 256, kBatchedStart>>("scheduled bf16 D=256");
+    }
+    g_schedule = false;
+    g_max_ctas = 0;
+    printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
+    if (g_failed) return 1;
+    static const char* names[] = {"snake (shipped)", "balanced schedule", "snake again"};
+    using Ship = FwdShipped<bf16, 128, kBatchedStart>;
+    ab_timing<Variants<Persistent<Ship>, Scheduled<Ship>, Persistent<Ship>>>(names);
+    using Ship64 = FwdShipped<bf16, 64, kBatchedStart>;
+    ab_timing<Variants<Persistent<Ship64>, Scheduled<Ship64>, Persistent<Ship64>>, 64>(names);
     return 0;
   }
   if (v == "trace") {

@@ -18,8 +18,10 @@
 // only table is the schedule: the tiles of every sample, most expensive first.
 #pragma once
 
-#include <algorithm>  // std::stable_sort (host only: most_expensive_first)
+#include <algorithm>  // std::stable_sort, heaps (host only: most_expensive_first, balanced_schedule)
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #if defined(__CUDACC__)
 #define DLM_HD __host__ __device__ __forceinline__
@@ -285,6 +287,61 @@ struct WorkOrder {
 // the end. hopper/common.cuh snake_item is the kernels' call.
 DLM_HD int snake_index(int item, int ctas, int cta) {
   return item * ctas + (item & 1 ? ctas - 1 - cta : cta);
+}
+
+// A balanced walk (host-built): the CTAs' items listed in one int32 array, `ctas + 1` offsets into
+// that same array first (CTA c's items are schedule[schedule[c] .. schedule[c + 1])), then the
+// items. Returns CTA `cta`'s item-th work index, or `num_items` past its list. hopper/common.cuh
+// walk_item is the kernels' call; balanced_schedule builds the array.
+DLM_HD int scheduled_index(const int32_t* schedule, int item, int cta, int num_items) {
+  const int i = schedule[cta] + item;
+  return i < schedule[cta + 1] ? schedule[i] : num_items;
+}
+
+// The balanced schedule (host only): work indices 0 .. count-1 in order, each given to the CTA
+// with the least cost so far (ties: the lowest CTA), so that with work most expensive first this
+// is the longest-processing-time rule. The snake hands out whole rounds: with the work of n <= 2K
+// (2048 items of 1-16 tiles on 132 CTAs) its busiest CTA gets 3.1 % more than the mean, where
+// this rule's gets 0.5-1.3 % more (plain_order_schedule's cost model; tests/test_csrc_geometry.py
+// counts it). Writes ctas + 1 + count int32 to `out` (the layout of
+// scheduled_index); a CTA's items stay in work order.
+inline void balanced_schedule(const int64_t* cost, int count, int ctas, int32_t* out) {
+  std::vector<std::pair<int64_t, int>> heap;  // (load, cta), a min-heap
+  for (int c = 0; c < ctas; ++c) heap.emplace_back(0, c);
+  std::vector<int32_t> owner(count);
+  auto later = [](const std::pair<int64_t, int>& a, const std::pair<int64_t, int>& b) { return a > b; };
+  for (int w = 0; w < count; ++w) {
+    std::pop_heap(heap.begin(), heap.end(), later);
+    owner[w] = heap.back().second;
+    heap.back().first += cost[w];
+    std::push_heap(heap.begin(), heap.end(), later);
+  }
+  std::vector<int32_t> next(ctas + 1, 0);
+  for (int w = 0; w < count; ++w) ++next[owner[w] + 1];
+  next[0] = ctas + 1;
+  for (int c = 0; c < ctas; ++c) next[c + 1] += next[c];
+  for (int c = 0; c <= ctas; ++c) out[c] = next[c];
+  for (int w = 0; w < count; ++w) out[next[owner[w]]++] = w;
+}
+
+// The balanced schedule of a kernel's work in the plain order (work index w = entry * slots +
+// slot: WorkOrder with chunk >= slots), entry e being tile order[e] of `plans`, on `ctas` CTAs.
+// An item costs the pairs its tile's visits cover (area) `weight` times (the dK/dV kernel walks its
+// K / V head's group of query heads per item) plus kScheduleItemHalfTiles / 2 tiles of own x other
+// positions for its fixed part: its Q or K / V load and its epilogue (session 17's trace of the
+// forward at n = 1K: ~2.4 us of a 12 us item against 1.66 us per full tile).
+constexpr int kScheduleItemHalfTiles = 3;
+inline std::vector<int32_t> plain_order_schedule(const TilePlans& plans, const int32_t* order, int entries,
+                                                 int slots, int weight, int ctas) {
+  const int64_t fixed = int64_t{kScheduleItemHalfTiles} * plans.own.size * plans.other.size / 2;
+  std::vector<int64_t> cost(static_cast<size_t>(entries) * slots);
+  for (int e = 0; e < entries; ++e) {
+    const int64_t c = weight * plans.area(order[e]) + fixed;
+    for (int j = 0; j < slots; ++j) cost[static_cast<size_t>(e) * slots + j] = c;
+  }
+  std::vector<int32_t> out(ctas + 1 + cost.size());
+  balanced_schedule(cost.data(), static_cast<int>(cost.size()), ctas, out.data());
+  return out;
 }
 
 // The schedule: order[] = indices 0..count-1 of `area`, largest area first, ties in index order
