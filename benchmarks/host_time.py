@@ -7,7 +7,10 @@ backward op alone, batched and packed (varlen, the same samples), the forward an
 to wall does not by itself mean a host-bound step: once the launch queue is full the host can only
 enqueue as fast as the GPU drains it (session 7 read it that way; csrc/NOTES.md "The training step
 at n = 1K"). The burst column is the host's own time per call (3 calls right after a sync, no
-queue to wait on), and ``--profile`` compares the kernels' GPU time per step with the wall.
+queue to wait on), ``--profile`` compares the kernels' GPU time per step with the wall, and
+``--gaps`` lists a step's kernels with the GPU's idle time before each, ours and cuDNN's
+causal-on-halves step (session 20: at n = 1K ours idled ~450 us per profiled step before its
+backward's first kernel, the host still in the backward's Python; cuDNN's 22 us).
 bf16, H=16, D=128 (``--head-dim``), 16K tokens, block_size 16, the default backend. Needs a CUDA
 GPU.
 """
@@ -57,6 +60,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="also profile 10 batched steps (torch.profiler, CPU and CUDA): the GPU's "
                         "busy share, then the ROWS top ops by self CPU, total CPU and self GPU time")
+    p.add_argument("--gaps", type=int, default=0, metavar="STEPS",
+                   help="also profile STEPS batched steps, ours and cuDNN's causal on the halves: "
+                        "per kernel of a step, its mean duration and the GPU's idle time before it")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.host_time needs a CUDA GPU")
@@ -124,7 +130,50 @@ def main(argv=None) -> int:
               f"{100 * gpu / wall:.0f} % of the step")
         for key in ("self_cpu_time_total", "cpu_time_total", "self_device_time_total"):
             print(prof.key_averages().table(sort_by=key, row_limit=a.profile))
+    if a.gaps:
+        inputs, run = cases["batched"]
+
+        def cudnn(q, k, v):  # the yardstick: causal attention on the 2B halves (DESIGN.md 5)
+            halves = (t.reshape(2 * b, n, h, d).transpose(1, 2) for t in (q, k, v))
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(*halves, is_causal=True)
+
+        for name, f in (("dlm_ops", run), ("cuDNN causal on halves", cudnn)):
+            step_gaps(name, lambda: _step(f, inputs), a.gaps)
     return 0
+
+
+def _step(run, inputs) -> None:
+    out = run(*inputs)
+    torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+
+def step_gaps(name: str, step, steps: int) -> None:
+    """Print each kernel of ``step`` (by its position in the step, over ``steps`` profiled steps):
+    mean duration and mean GPU idle time since the previous kernel ended."""
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    per_step = len(kernels) // steps
+    rows: dict[int, list] = {}
+    for i in range(1, len(kernels)):
+        row = rows.setdefault(i % per_step, [kernels[i].name[:72], 0.0, 0.0, 0])
+        row[1] += kernels[i].time_range.start - kernels[i - 1].time_range.end
+        row[2] += kernels[i].time_range.end - kernels[i].time_range.start
+        row[3] += 1
+    print(f"{name}: {per_step} kernels per step; us per step (mean over {steps} profiled steps)")
+    print("| kernel | idle before | duration | name |\n|---|---|---|---|")
+    for pos in sorted(rows):
+        label, idle, dur, count = rows[pos]
+        print(f"| {pos} | {idle / count:.1f} | {dur / count:.1f} | {label} |")
+    print(f"| all | {sum(r[1] / r[3] for r in rows.values()):.1f} | "
+          f"{sum(r[2] / r[3] for r in rows.values()):.1f} | |")
 
 
 if __name__ == "__main__":

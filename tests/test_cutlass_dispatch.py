@@ -186,9 +186,10 @@ def test_softcap_head_dims_alignment_and_failed_builds_fall_back(fake, monkeypat
     assert cd.STATS["fwd_fallback"] == 4 and cd.STATS["bwd_fallback"] == 4
 
 
-def test_backward_scratch_is_padded_zeroed_and_aligned(fake):
-    """lse2 / delta: B * H * S floats plus the pad the odd-length dK/dV kernel reads, zeroed, each
-    16-byte aligned; dout in a layout TMA cannot read is copied, not handed to Triton."""
+def test_backward_scratch_is_padded_and_aligned(fake):
+    """lse2 / delta: B * H * S floats plus the pad the odd-length dK/dV kernel reads (the
+    preprocess kernel zeroes it: no fill launch here), each 16-byte aligned; dout in a layout TMA
+    cannot read is copied, not handed to Triton."""
     backend = cd.CutlassDiffusionBackend()
     q, k, v = _batched(3, 37, 37, 5, 1, 64)  # B * H * S = 1110: not a multiple of 4
     mask = SequenceMask(37, 37, 3)
@@ -200,7 +201,6 @@ def test_backward_scratch_is_padded_zeroed_and_aligned(fake):
     rows = 3 * 5 * 74
     for t in (call["lse2"], call["delta"]):
         assert t.dim() == 1 and t.numel() >= rows + fake.scratch_pad and t.data_ptr() % 16 == 0
-        assert torch.equal(t[rows:], torch.zeros_like(t[rows:]))
     assert call["dkdv_sample"] is None and call["cu_seqlens"] is None
 
 
@@ -235,8 +235,8 @@ def test_varlen_runs_cutlass_with_its_tables(fake, halves, hkv):
     assert (b["dkdv_order"].tolist(), b["dkdv_sample"].tolist()) == entries(cu, 16, lambda m: m.bwd_tiles(64, 128))
     assert (b["dq_order"].tolist(), b["dq_sample"].tolist()) == entries(cu, 16, lambda m: m.fwd_tiles(128, 128))
     assert b["lse"].shape == (1, 4, q.shape[0]) and b["dlse"].shape == (1, 4, q.shape[0])
-    rows = 4 * q.shape[0]
-    assert torch.equal(b["lse2"][rows:], torch.zeros_like(b["lse2"][rows:]))
+    rows = 4 * q.shape[0]  # the pad the varlen dK/dV kernel reads (the preprocess zeroes it)
+    assert b["lse2"].numel() >= rows + fake.scratch_pad and b["delta"].numel() >= rows + fake.scratch_pad
     # the forward's tables served the backward: one build for both directions
     assert fake.table_builds == 1
 

@@ -84,8 +84,8 @@ struct LaunchBwd {
 };
 
 // Writes dq (B, S, H, D), dk and dv (B, S, Hkv, D). lse2 and delta: 1-D fp32 scratch of at least
-// B * H * S + kVarlenScratchPad floats, 16-byte aligned, whose floats past B * H * S are zeros (the
-// odd-length / varlen dK/dV kernel reads up to kVarlenScratchPad of them; csrc/NOTES.md). Packed
+// B * H * S + kVarlenScratchPad floats, 16-byte aligned (the preprocess zeroes the floats past
+// B * H * S that the odd-length / varlen dK/dV kernel reads; csrc/NOTES.md). Packed
 // samples (varlen): B = 1, S = total tokens, the orders and samples from varlen_bwd_tile_orders and
 // cu_seqlens the (num_samples + 1,) int32 offsets on the device; n_noisy is then unused.
 // persistent_dkdv: the persistent dK/dV kernel (D = 64 / 128; other head dims run the one-CTA-per-tile
@@ -215,7 +215,7 @@ void add_bwd(pybind11::module_& m) {
         pybind11::arg("cu_seqlens") = pybind11::none(), pybind11::arg("persistent_dkdv") = false,
         pybind11::arg("ds_scratch") = pybind11::none(), pybind11::arg("ds_slots") = pybind11::none(),
         pybind11::arg("ds_visits") = 0, pybind11::arg("dkdv_schedule") = pybind11::none());
-  m.attr("scratch_pad") = dlm::sm90::kVarlenScratchPad;  // floats past lse2 / delta, zeroed
+  m.attr("scratch_pad") = dlm::sm90::kVarlenScratchPad;  // floats past lse2 / delta (the kernels zero them)
   m.def("ds_block", &ds_block, pybind11::arg("head_dim"));
 }
 }  // namespace dlm_bindings

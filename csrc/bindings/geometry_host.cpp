@@ -165,7 +165,8 @@ int dlm_balanced_schedule(const int64_t* cost, int count, int ctas, int32_t* out
 // out (ctas + 1 + entries * slots int32): plain_order_schedule of the mask's forward (transpose 0)
 // or backward (1) plans of block_m x block_n tiles, entries `order` (entries of them).
 int dlm_plain_order_schedule(int nn, int nc, int bs, int block_m, int block_n, int transpose,
-                             const int32_t* order, int entries, int slots, int weight, int ctas, int32_t* out) {
+                             const int32_t* order, int entries, int slots, int weight, int ctas,
+                             int32_t* out) {
   if (!valid(nn, nc, bs) || block_m < 1 || block_n < 1 || slots < 1 || weight < 1 || ctas < 1) return -1;
   const dlm::SequenceMask m{nn, nc, bs};
   const dlm::TilePlans plans = transpose ? m.bwd_tiles(block_m, block_n) : m.fwd_tiles(block_m, block_n);

@@ -76,9 +76,10 @@ inline torch::Tensor schedule_tensor(const dlm::TilePlans& plans, int slots, int
 
 // A schedule handed to a launch: contiguous int32 on `dev` with the length of one built for `ctas`
 // CTAs over `items` work items (its content is the builder's: tests/test_csrc_geometry.py).
-inline void check_schedule(const torch::Tensor& schedule, const c10::Device& dev, int64_t ctas, int64_t items) {
-  TORCH_CHECK(schedule.device() == dev && schedule.scalar_type() == torch::kInt32 && schedule.is_contiguous() &&
-                  schedule.numel() == ctas + 1 + items,
+inline void check_schedule(const torch::Tensor& schedule, const c10::Device& dev, int64_t ctas,
+                           int64_t items) {
+  TORCH_CHECK(schedule.device() == dev && schedule.scalar_type() == torch::kInt32 &&
+                  schedule.is_contiguous() && schedule.numel() == ctas + 1 + items,
               "schedule: contiguous int32 on the inputs' device, built for ", ctas, " CTAs and ", items,
               " work items (", ctas + 1 + items, " entries), got ", schedule.numel());
 }

@@ -481,6 +481,13 @@ struct PreParams {
   int64_t o_stride[3], do_stride[3];            // (batch, seq, head)
   int64_t lse_stride[2], dlse_stride[2];        // (batch, head)
   int batch, seqlen, heads;
+  // Zeroed by the launch's first CTA, for the kernels after it (one launch instead of a memset or
+  // fill each: session 20, the step at n = 1K is near host-bound): pad_floats floats of lse2 and
+  // of delta past their B * H * S (kVarlenScratchPad), and zero_vectors 16-byte words at zero
+  // (the dS backward's block 0).
+  int pad_floats = 0;
+  uint4* zero = nullptr;
+  int zero_vectors = 0;
 };
 constexpr int kPreThreads = 256;
 template <int D>
@@ -496,6 +503,11 @@ __global__ void __launch_bounds__(kPreThreads) bwd_preprocess_kernel(const PrePa
   constexpr int kLanes = D / 8;  // threads per row
   const int h = blockIdx.y, lane = threadIdx.x % kLanes;
   const int s = blockIdx.x * kPreRows<D> + threadIdx.x / kLanes;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+    const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seqlen;
+    for (int i = threadIdx.x; i < p.pad_floats; i += kPreThreads) p.lse2[rows + i] = p.delta[rows + i] = 0.f;
+    for (int i = threadIdx.x; i < p.zero_vectors; i += kPreThreads) p.zero[i] = make_uint4(0, 0, 0, 0);
+  }
   if (s >= p.seqlen) return;  // whole rows leave: the shuffles below stay within live rows
   for (int b = blockIdx.z; b < p.batch; b += gridDim.z) {  // grid.z is at most 65535
     const uint4 o = *reinterpret_cast<const uint4*>(

@@ -71,8 +71,8 @@ struct BwdArgs {
   int order_chunk = 0, order_block = 0;  // work_order's arguments (0, 0: the plain order); the harness's A/B sets them
   // kStartVarlen configs only (batch 1, seqlen = packed tokens): the sample of each entry of
   // dkdv_order / dq_order, and the samples' offsets (csrc/NOTES.md "Odd lengths and varlen"). The
-  // odd-length / varlen dK/dV kernel also reads up to kVarlenScratchPad zeroed floats past the
-  // lse2 / delta scratch.
+  // odd-length / varlen dK/dV kernel also reads up to kVarlenScratchPad floats past the lse2 /
+  // delta scratch, which the preprocess zeroes (so the scratch holds that many more).
   const int32_t *dkdv_sample = nullptr, *dq_sample = nullptr, *cu_seqlens = nullptr;
   // launch_bwd: run the persistent dK/dV kernel (DkDvPersistent) where the head dim has one
   // (dkdv_persistent_supports); the caller decides by the head dim and the halves' lengths (the
@@ -108,13 +108,16 @@ cudaError_t set_smem(Kernel kernel, int smem) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
 }
 
+// The preprocess (lse2, delta), which also zeroes lse2 / delta's kVarlenScratchPad floats past
+// B * H * S and `zero_bytes` (a multiple of 16) at `zero`.
 template <class Elem, int D>
-cudaError_t launch_preprocess(const BwdArgs& a) {
+cudaError_t launch_preprocess(const BwdArgs& a, void* zero = nullptr, int64_t zero_bytes = 0) {
   PreParams<Elem> p{static_cast<const Elem*>(a.o), static_cast<const Elem*>(a.dout), a.lse, a.dlse,
                     a.lse2, a.delta, {a.o_stride[0], a.o_stride[1], a.o_stride[2]},
                     {a.do_stride[0], a.do_stride[1], a.do_stride[2]},
                     {a.lse_stride[0], a.lse_stride[1]}, {a.dlse_stride[0], a.dlse_stride[1]},
-                    a.batch, a.seqlen, a.heads};
+                    a.batch, a.seqlen, a.heads, kVarlenScratchPad, static_cast<uint4*>(zero),
+                    static_cast<int>(zero_bytes / 16)};
   const dim3 grid((a.seqlen + kPreRows<D> - 1) / kPreRows<D>, a.heads, a.batch < 65535 ? a.batch : 65535);
   bwd_preprocess_kernel<Elem, D><<<grid, kPreThreads, 0, a.stream>>>(p);
   return cudaGetLastError();
@@ -293,21 +296,21 @@ using DqFromDsPersistent = DqFromDsConfig<Elem, D, 3, true, true>;
 constexpr int kDsDqOrderChunk = -1, kDsDqOrderBlock = 0;
 
 // Preprocess, dK/dV writing dS^T, dQ from dS. a.ds_scratch: 1 + B * H * a.ds_visits blocks of
-// ds_block_elems(D) (block 0 is zeroed here: it stands for the halves of dQ tiles that no dK/dV visit
-// covers), a.ds_slots: the block of each (64-query tile, key tile) visit of the dK/dV kernel per
-// (batch, head), numbered key tile by key tile in its visit order, -1 where it does not visit (the
-// Python backend builds it from geometry.py: cutlass_diffusion._ds_slots); a.dq_order: the query
-// tiles of fwd_tiles(kDsDqBlockM, ds_dq_block_n(D)). a.persistent_dkdv is not read, nor a.order_*:
-// the dK/dV kernel walks the plain order, the dQ kernel kDsDqOrderChunk / kDsDqOrderBlock's (the
-// harness times others through launch_dkdv / launch_dq_from_ds).
+// ds_block_elems(D) (block 0 is zeroed by the preprocess: it stands for the halves of dQ tiles that
+// no dK/dV visit covers), a.ds_slots: the block of each (64-query tile, key tile) visit of the
+// dK/dV kernel per (batch, head), numbered key tile by key tile in its visit order, -1 where it
+// does not visit (the Python backend builds it from geometry.py: cutlass_diffusion._ds_slots);
+// a.dq_order: the query tiles of fwd_tiles(kDsDqBlockM, ds_dq_block_n(D)). a.persistent_dkdv is not
+// read, nor a.order_*: the dK/dV kernel walks the plain order (a.dkdv_schedule's, if given), the
+// dQ kernel kDsDqOrderChunk / kDsDqOrderBlock's (the harness times others through launch_dkdv /
+// launch_dq_from_ds).
 template <class Elem, int D, int STORE = kDsStore>
 cudaError_t launch_bwd_ds(const BwdArgs& a) {
   static_assert(ds_backward_supports(D), "the dS store and the dQ-from-dS kernel: D = 128 or 256");
   using DkDv = std::conditional_t<dkdv_persistent_supports(D), DkDvStoreDsPersistent<Elem, D, STORE>,
                                   DkDvStoreDs<Elem, D, STORE>>;
   if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
-  cudaError_t err = cudaMemsetAsync(a.ds_scratch, 0, ds_block_elems(D) * sizeof(Elem), a.stream);
-  if (err == cudaSuccess) err = launch_preprocess<Elem, D>(a);
+  cudaError_t err = launch_preprocess<Elem, D>(a, a.ds_scratch, ds_block_elems(D) * sizeof(Elem));
   BwdArgs dkdv = a, dq = a;
   dkdv.order_chunk = 0, dkdv.order_block = 0;
   dq.order_chunk = kDsDqOrderChunk, dq.order_block = kDsDqOrderBlock;
@@ -318,9 +321,10 @@ cudaError_t launch_bwd_ds(const BwdArgs& a) {
 
 // The whole backward: preprocess, dK/dV, dQ (one stream, so each sees the previous one's writes).
 // START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, dkdv_sample,
-// dq_sample and cu_seqlens set). Unless START is kStartTile, lse2 / delta need kVarlenScratchPad
-// zeroed floats past their B * H * S. Batched calls with a.ds_scratch set (D = 128 or 256, halves
-// on multiples of 128; the binding checks) run launch_bwd_ds instead.
+// dq_sample and cu_seqlens set). lse2 / delta hold kVarlenScratchPad floats past their B * H * S,
+// zeroed by the preprocess (the kStartAny / kStartVarlen dK/dV kernels read them). Batched calls
+// with a.ds_scratch set (D = 128 or 256, halves on multiples of 128; the binding checks) run
+// launch_bwd_ds instead.
 template <class Elem, int D, int START = kBatchedStart>
 cudaError_t launch_bwd(const BwdArgs& a) {
   if constexpr (ds_backward_supports(D) && START == kBatchedStart) {

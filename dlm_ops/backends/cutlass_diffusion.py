@@ -254,11 +254,12 @@ def _varlen_tables(cu_seqlens: tuple[int, ...], block_size: int, head_dim: int,
 def _scratch(ext, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """lse2 and delta for the backward, one allocation: ``rows`` floats each plus the
     ``ext.scratch_pad`` floats the odd-length / varlen dK/dV kernel reads past the end (its lse2 /
-    delta bulk copies start at the aligned float at or before a tile's first row), zeroed so that
-    masked queries keep dS = 0; each starts 16-byte aligned (width a multiple of 4)."""
+    delta bulk copies start at the aligned float at or before a tile's first row), which the
+    preprocess kernel zeroes so that masked queries keep dS = 0 (a fill here was one more launch
+    per backward: session 20, the step at n = 1K is near host-bound); each starts 16-byte aligned
+    (width a multiple of 4)."""
     width = -(-rows // 4) * 4 + ext.scratch_pad
     buf = torch.empty((2, width), dtype=torch.float32, device=device)
-    buf[:, rows:].zero_()
     return buf[0], buf[1]
 
 

@@ -214,7 +214,10 @@ struct Problem {
   void to_device() {
     for (Elem** p : {&q, &o, &g, &dq}) CK(cudaMalloc(p, nq * sizeof(Elem)));
     for (Elem** p : {&k, &v, &dk, &dv}) CK(cudaMalloc(p, nk * sizeof(Elem)));
-    for (float** p : {&lse, &lse2, &delta}) CK(cudaMalloc(p, (size_t)r.B * r.H * S * 4));
+    // lse2 / delta: the launchers' scratch, kVarlenScratchPad floats past B * H * S (the preprocess
+    // zeroes them).
+    for (float** p : {&lse, &lse2, &delta})
+      CK(cudaMalloc(p, ((size_t)r.B * r.H * S + (p == &lse ? 0 : dlm::sm90::kVarlenScratchPad)) * 4));
     CK(cudaMemcpy(q, hq.data(), nq * sizeof(Elem), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(k, hk.data(), nk * sizeof(Elem), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(v, hv.data(), nk * sizeof(Elem), cudaMemcpyHostToDevice));
@@ -353,7 +356,12 @@ struct Bwd {
     cudaFree(a.ds_scratch), cudaFree((void*)a.ds_slots);
     if (side) cudaStreamDestroy(side), cudaEventDestroy(pre_done), cudaEventDestroy(dq_done);
   }
-  void pre() { CK((dlm::sm90::launch_preprocess<Elem, D>(a))); }
+  void pre() {  // as the launchers run it: the dS backward's block 0 zeroed by the preprocess too
+    if constexpr (DkCfg::kStoreDs)
+      CK((dlm::sm90::launch_preprocess<Elem, D>(a, a.ds_scratch, dlm::sm90::ds_block_elems(D) * sizeof(Elem))));
+    else
+      CK((dlm::sm90::launch_preprocess<Elem, D>(a)));
+  }
   void dkdv() { CK(dlm::sm90::launch_dkdv<DkCfg>(a)); }
   void dq() {
     if constexpr (DkCfg::kStoreDs) {
@@ -371,8 +379,6 @@ struct Bwd {
       pre(), dkdv();
       CK((dlm::sm90::launch_convert_dq<Elem, D>(a)));
     } else {
-      if constexpr (DkCfg::kStoreDs)
-        CK(cudaMemsetAsync(a.ds_scratch, 0, dlm::sm90::ds_block_elems(D) * sizeof(Elem), a.stream));
       pre(), dkdv(), dq();
     }
   }
@@ -932,10 +938,11 @@ struct VarRun {
     for (Elem** p : {&k, &v_, &dk, &dv}) CK(cudaMalloc(p, nk * sizeof(Elem)));
     const size_t rows = (size_t)total * v.H;
     CK(cudaMalloc(&lse, rows * 4));
-    // The odd-length dK/dV kernel reads up to kVarlenScratchPad floats past the scratch: zeros.
+    // The odd-length dK/dV kernel reads up to kVarlenScratchPad floats past the scratch, which the
+    // preprocess zeroes: NaN-poisoned here, so that a pad left unzeroed fails the checks.
     for (float** p : {&lse2, &delta}) {
       CK(cudaMalloc(p, (rows + dlm::sm90::kVarlenScratchPad) * 4));
-      CK(cudaMemset(*p, 0, (rows + dlm::sm90::kVarlenScratchPad) * 4));
+      CK(cudaMemset(*p, 0xff, (rows + dlm::sm90::kVarlenScratchPad) * 4));
     }
     CK(cudaMemcpy(q, hq.data(), nq * sizeof(Elem), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(k, hk.data(), nk * sizeof(Elem), cudaMemcpyHostToDevice));

@@ -27,7 +27,8 @@
 //   ./fwd_standalone bn256-64      # D = 64 over 256-key tiles: checks, then the A/B
 //   ./fwd_standalone ab64          # D = 64: 3 / 4 stages, no ping-pong, two Q buffers against shipped
 //   ./fwd_standalone sched         # persistent grids: the balanced schedule against the snake
-//   ./fwd_standalone trace         # where an item's time goes: per-phase means (trace_stats.h)
+//   ./fwd_standalone trace         # where an item's time goes: per-phase means (trace_stats.h);
+//                                  # trace-sched: the same with the CTAs on the balanced schedule
 //   ./fwd_standalone small         # one small check per head dim (compute-sanitizer runs)
 //   ./fwd_standalone prove         # host only (no GPU): the hoisted FULL test equals tile_kind's
 #include <cstdio>
@@ -769,7 +770,8 @@ int main(int argc, char** argv) {
     ab_timing<Variants<Persistent<Ship64>, Scheduled<Ship64>, Persistent<Ship64>>, 64>(names);
     return 0;
   }
-  if (v == "trace") {
+  if (v == "trace" || v == "trace-sched") {  // trace-sched: the CTAs walk the balanced schedule
+    g_schedule = v == "trace-sched";
     trace();
     return 0;
   }

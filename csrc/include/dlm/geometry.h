@@ -303,8 +303,8 @@ DLM_HD int scheduled_index(const int32_t* schedule, int item, int cta, int num_i
 // is the longest-processing-time rule. The snake hands out whole rounds: with the work of n <= 2K
 // (2048 items of 1-16 tiles on 132 CTAs) its busiest CTA gets 3.1 % more than the mean, where
 // this rule's gets 0.5-1.3 % more (plain_order_schedule's cost model; tests/test_csrc_geometry.py
-// counts it). Writes ctas + 1 + count int32 to `out` (the layout of
-// scheduled_index); a CTA's items stay in work order.
+// counts it). Writes ctas + 1 + count int32 to `out` (scheduled_index's layout); a CTA's items stay
+// in work order.
 inline void balanced_schedule(const int64_t* cost, int count, int ctas, int32_t* out) {
   std::vector<std::pair<int64_t, int>> heap;  // (load, cta), a min-heap
   for (int c = 0; c < ctas; ++c) heap.emplace_back(0, c);
