@@ -9,8 +9,8 @@ enqueue as fast as the GPU drains it (session 7 read it that way; csrc/NOTES.md 
 at n = 1K"). The burst column is the host's own time per call (3 calls right after a sync, no
 queue to wait on), ``--profile`` compares the kernels' GPU time per step with the wall, and
 ``--gaps`` lists a step's kernels with the GPU's idle time before each, ours and cuDNN's
-causal-on-halves step (session 20: at n = 1K ours idled ~450 us per profiled step before its
-backward's first kernel, the host still in the backward's Python; cuDNN's 22 us).
+causal-on-halves step (session 20: at n = 1K ours idled 200-450 us per profiled step before its
+backward's first kernel, the host still in the backward's Python; cuDNN's 20-40 us).
 bf16, H=16, D=128 (``--head-dim``), 16K tokens, block_size 16, the default backend. Needs a CUDA
 GPU.
 """

@@ -1382,7 +1382,13 @@ int main(int argc, char** argv) {
   }
   if (mode == "ds-prof") {  // for ncu: the shipped dS backward (preprocess, persistent dK/dV + dS
     // store, persistent dQ from dS) twice at n = 1K (bf16, B = 8, H = 16, block 16), the second
-    // pass with the L2 the first left; profile with -k regex:dq_from_ds / dkdv --launch-skip 1
+    // pass with the L2 the first left; profile with -k regex:dq_from_ds / dkdv --launch-skip 1.
+    // `ds-prof CHUNK BLOCK`: the dK/dV kernel in that WorkOrder under the balanced schedule (the
+    // dQ kernel in launch_bwd_ds's order), as `sched-l2` times it.
+    if (argc > 3) {
+      g_order_chunk = std::atoi(argv[2]), g_order_block = std::atoi(argv[3]);
+      g_schedule = g_dq_shipped_order = true;
+    }
     Problem<bf16> P({8, 1024, 16, 16, 16}, 128);
     P.to_device();
     Bwd<bf16, 128, DkDvStoreDsPersistent<bf16, 128>, DqFromDsPersistent<bf16, 128>> b(P);
