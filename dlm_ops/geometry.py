@@ -46,7 +46,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 __all__ = ["SequenceMask", "VarlenMask", "Visit", "TilePlan", "most_expensive_first", "balanced_schedule",
-           "plain_order_schedule"]
+           "work_order", "order_schedule"]
 
 
 class Visit(NamedTuple):
@@ -252,22 +252,41 @@ def balanced_schedule(costs: Sequence[int], ctas: int) -> list[int]:
     return offsets + [w for items in owned for w in items]
 
 
-# The fixed cost of a work item in plain_order_schedule, in half tiles (own x other positions): its
-# Q or K / V load and its epilogue (session 17's trace of the forward at n = 1K: ~2.4 us of a 12 us
-# item against 1.66 us per full tile).
+def work_order(entries: int, slots: int, chunk: int | None = None, block: int = 1) -> list[tuple[int, int]]:
+    """The (entry, slot) of every work index of a kernel's walk (the header's ``WorkOrder``): blocks
+    of ``block`` consecutive entries, inside a block chunks of ``chunk`` slots, entry-major inside
+    a chunk. ``chunk`` None (or >= slots): the plain entry-major order, work index ``entry * slots +
+    slot``; chunk 1: slot-major inside each block, so that a slot's ``block`` entries run side by
+    side."""
+    chunk = slots if chunk is None else chunk
+    if entries < 0 or slots < 1 or not 1 <= chunk or block < 1:
+        raise ValueError(f"work_order: entries >= 0, slots >= 1, chunk >= 1 and block >= 1, got "
+                         f"{entries}, {slots}, {chunk}, {block}")
+    walk = []
+    for first in range(0, entries, block):
+        rows = range(first, min(first + block, entries))
+        for first_slot in range(0, slots, chunk):
+            cols = range(first_slot, min(first_slot + chunk, slots))
+            walk += [(e, j) for e in rows for j in cols]
+    return walk
+
+
+# The fixed cost of a work item in order_schedule, in half tiles (own x other positions): its Q or
+# K / V load and its epilogue (session 17's trace of the forward at n = 1K: ~2.4 us of a 12 us item
+# against 1.66 us per full tile).
 SCHEDULE_ITEM_HALF_TILES = 3
 
 
-def plain_order_schedule(plans: Sequence[TilePlan], order: Sequence[int], slots: int, weight: int,
-                         ctas: int, own: int, other: int) -> list[int]:
-    """``balanced_schedule`` of a kernel's work in the plain entry-major order (work index ``w =
-    entry * slots + slot``), entry ``e`` being tile ``order[e]`` of ``plans`` (tiles of ``own``
-    positions visiting tiles of ``other``): an item costs its tile's ``area`` ``weight`` times (the
-    dK/dV kernel walks a K / V head's group of query heads per item) plus
+def order_schedule(plans: Sequence[TilePlan], order: Sequence[int], slots: int, weight: int, ctas: int,
+                   own: int, other: int, chunk: int | None = None, block: int = 1) -> list[int]:
+    """``balanced_schedule`` of a kernel's work walked in ``work_order(len(order), slots, chunk,
+    block)`` (None: the plain order), entry ``e`` being tile ``order[e]`` of ``plans`` (tiles of
+    ``own`` positions visiting tiles of ``other``): an item costs its tile's ``area`` ``weight``
+    times (the dK/dV kernel walks a K / V head's group of query heads per item) plus
     ``SCHEDULE_ITEM_HALF_TILES / 2`` tiles of ``own x other`` pairs."""
     fixed = SCHEDULE_ITEM_HALF_TILES * own * other // 2
-    costs = [weight * plans[t].area + fixed for t in order for _ in range(slots)]
-    return balanced_schedule(costs, ctas)
+    area = [weight * plans[t].area + fixed for t in order]
+    return balanced_schedule([area[e] for e, _ in work_order(len(order), slots, chunk, block)], ctas)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dlm_ops.backends.cutlass import csrc_dir
 from dlm_ops.geometry import (SequenceMask, VarlenMask, Visit, balanced_schedule, most_expensive_first,
-                              plain_order_schedule)
+                              order_schedule, work_order)
 
 I32, I64 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int64)
 _INT = ctypes.c_int
@@ -30,7 +30,7 @@ SIGNATURES = {
     "dlm_snake_walk": [_INT, _INT, _INT, I32],
     "dlm_part_runs": [_INT, _INT, _INT, _INT, _INT, _INT, _INT, ctypes.POINTER(ctypes.c_int), I32],
     "dlm_balanced_schedule": [I64, _INT, _INT, I32],
-    "dlm_plain_order_schedule": [_INT, _INT, _INT, _INT, _INT, _INT, I32, _INT, _INT, _INT, _INT, I32],
+    "dlm_order_schedule": [_INT, _INT, _INT, _INT, _INT, _INT, I32, _INT, _INT, _INT, _INT, _INT, _INT, I32],
 }
 
 
@@ -218,6 +218,7 @@ def test_work_order_walks_every_item_once_in_its_documented_order(lib, entries, 
     _call(lib.dlm_work_order, entries, slots, chunk, block, _p(out))
     got = [tuple(p) for p in out.view(-1, 2).tolist()]
     assert got == _work_order_expected(entries, slots, chunk, min(block, entries))
+    assert got == work_order(entries, slots, chunk, block)  # the Python mirror
     if chunk == slots:
         assert got == [(e, j) for e in range(entries) for j in range(slots)]
 
@@ -283,25 +284,45 @@ def test_balanced_schedule_header_equals_python_and_gives_each_item_once(lib, co
 
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("n,block_size,slots,weight,ctas", [(256, 16, 3, 1, 5), (384, 5, 4, 2, 7),
-                                                            (1024, 64, 2, 4, 132)])
-def test_plain_order_schedule_header_equals_python(lib, transpose, n, block_size, slots, weight, ctas):
-    """The schedule the bindings build for a kernel's plain-order work (dlm/geometry.h
-    plain_order_schedule) = geometry.plain_order_schedule, forward and backward tiles."""
+                                                            (1024, 64, 2, 4, 132), (1024, 16, 16, 1, 132)])
+@pytest.mark.parametrize("chunk,block", [(None, 1), (1, 4), (1, 2), (3, 5)])
+def test_order_schedule_header_equals_python(lib, transpose, n, block_size, slots, weight, ctas, chunk, block):
+    """The schedule the bindings build for a kernel's work in a WorkOrder (dlm/geometry.h
+    order_schedule) = geometry.order_schedule, forward and backward tiles, the plain order (chunk
+    None: the header's chunk = slots) and slot-major ones; every work index goes to one CTA."""
     mask, bm, bn = SequenceMask(n, n, block_size), 64, 128
     plans = mask.bwd_tiles(bm, bn) if transpose else mask.fwd_tiles(bm, bn)
     order = most_expensive_first([p.area for p in plans])
     out = torch.empty((ctas + 1 + len(order) * slots,), dtype=torch.int32)
     order_t = torch.tensor(order, dtype=torch.int32)  # held: _p does not keep the tensor alive
-    _call(lib.dlm_plain_order_schedule, n, n, block_size, bm, bn, int(transpose), _p(order_t),
-          len(order), slots, weight, ctas, _p(out))
-    assert out.tolist() == plain_order_schedule(plans, order, slots, weight, ctas, bm, bn)
+    header_chunk = slots if chunk is None else min(chunk, slots)
+    _call(lib.dlm_order_schedule, n, n, block_size, bm, bn, int(transpose), _p(order_t), len(order), slots,
+          header_chunk, block, weight, ctas, _p(out))
+    got = out.tolist()
+    assert got == order_schedule(plans, order, slots, weight, ctas, bm, bn, chunk, block)
+    assert sorted(w for walk in _walks(got, ctas) for w in walk) == list(range(len(order) * slots))
+
+
+def test_order_schedule_costs_each_item_by_its_entry():
+    """The plain order's schedule costs work index w by entry w // slots; a slot-major order's by
+    the entry its walk puts there (a different list of the same costs)."""
+    mask, slots, ctas = SequenceMask(256, 256, 16), 3, 4
+    plans = mask.fwd_tiles(128, 128)
+    order = most_expensive_first([p.area for p in plans])
+    fixed = 3 * 128 * 128 // 2
+    plain = [plans[order[w // slots]].area + fixed for w in range(len(order) * slots)]
+    assert order_schedule(plans, order, slots, 1, ctas, 128, 128) == balanced_schedule(plain, ctas)
+    walk = work_order(len(order), slots, 1, 4)
+    slot_major = [plans[order[e]].area + fixed for e, _ in walk]
+    assert sorted(slot_major) == sorted(plain) and slot_major != plain
+    assert order_schedule(plans, order, slots, 1, ctas, 128, 128, 1, 4) == balanced_schedule(slot_major, ctas)
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dkdv"])
 @pytest.mark.parametrize("n,batch", [(1024, 8), (2048, 4)])
 def test_balanced_schedule_beats_the_snake_at_short_halves(lib, kind, n, batch):
     """The claim in geometry.h: at n <= 2K (16K tokens, H = 16, block 16, 132 CTAs; items costed
-    as plain_order_schedule costs them) the snake's busiest CTA gets 3.1 % more than the mean work,
+    as order_schedule costs them) the snake's busiest CTA gets 3.1 % more than the mean work,
     the balanced schedule's at most 1.3 %."""
     mask, slots, ctas = SequenceMask(n, n, 16), batch * 16, 132
     bm, bn = (128, 128) if kind == "fwd" else (64, 128)
@@ -314,6 +335,6 @@ def test_balanced_schedule_beats_the_snake_at_short_halves(lib, kind, n, batch):
     out = torch.empty((ctas * width,), dtype=torch.int32)
     _call(lib.dlm_snake_walk, len(cost), ctas, width, _p(out))
     snake = max(sum(cost[w] for w in row if w >= 0) for row in out.view(ctas, width).tolist())
-    walks = _walks(plain_order_schedule(plans, order, slots, 1, ctas, bm, bn), ctas)
+    walks = _walks(order_schedule(plans, order, slots, 1, ctas, bm, bn), ctas)
     balanced = max(sum(cost[w] for w in walk) for walk in walks)
     assert snake / mean > 1.025 and balanced / mean < 1.013

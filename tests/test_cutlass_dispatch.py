@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from dlm_ops.backends import cutlass_diffusion as cd
 from dlm_ops.backends.triton_backend import TritonBackend
-from dlm_ops.geometry import SequenceMask, VarlenMask, most_expensive_first, plain_order_schedule
+from dlm_ops.geometry import SequenceMask, VarlenMask, most_expensive_first, order_schedule
 
 
 def _order(plans):
@@ -59,27 +59,31 @@ class FakeExtension:
         dq = entries(cu, bs, lambda m: m.fwd_tiles(t, t))
         return [_i32(x) for x in (*dkdv, *dq)]
 
-    def dkdv_schedule(self, nn, nc, bs, d, slots, group, ctas):
+    def dkdv_schedule(self, nn, nc, bs, d, slots, group, ctas, order_chunk=0, order_block=0):
         bm, bn = 128 if d == 64 else 64, 64 if d > 128 else 128
         plans = SequenceMask(nn, nc, bs).bwd_tiles(bm, bn)
-        return _i32(plain_order_schedule(plans, _order(plans), slots, group, ctas, bm, bn))
+        chunk, block = (None, 1) if order_chunk == 0 else (order_chunk, order_block)
+        return _i32(order_schedule(plans, _order(plans), slots, group, ctas, bm, bn, chunk, block))
 
     def fwd(self, q, k, v, out, lse, order, n_noisy, block_size, scale, max_ctas, tile_sample=None,
-            cu_seqlens=None):
+            cu_seqlens=None, order_chunk=0, order_block=0):
         self.calls.append(("fwd", dict(q=q, out=out, lse=lse, order=order, n_noisy=n_noisy,
                                        max_ctas=max_ctas, tile_sample=tile_sample,
-                                       cu_seqlens=cu_seqlens)))
+                                       cu_seqlens=cu_seqlens, walk=(order_chunk, order_block))))
         out.zero_(), lse.zero_()
 
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
             n_noisy, block_size, scale, dkdv_sample=None, dq_sample=None, cu_seqlens=None,
-            persistent_dkdv=False, ds_scratch=None, ds_slots=None, ds_visits=0, dkdv_schedule=None):
+            persistent_dkdv=False, ds_scratch=None, ds_slots=None, ds_visits=0, dkdv_schedule=None,
+            dkdv_order_chunk=0, dkdv_order_block=0):
+        assert ds_scratch is not None or dkdv_order_chunk == 0  # the binding's check
         self.calls.append(("bwd", dict(q=q, lse=lse, dlse=dlse, lse2=lse2, delta=delta,
                                        dkdv_order=dkdv_order, dq_order=dq_order,
                                        dkdv_sample=dkdv_sample, dq_sample=dq_sample,
                                        cu_seqlens=cu_seqlens, persistent_dkdv=persistent_dkdv,
                                        ds_scratch=ds_scratch, ds_slots=ds_slots, ds_visits=ds_visits,
-                                       dkdv_schedule=dkdv_schedule)))
+                                       dkdv_schedule=dkdv_schedule,
+                                       dkdv_walk=(dkdv_order_chunk, dkdv_order_block))))
         for g in (dq, dk, dv):
             g.zero_()
 
@@ -373,7 +377,7 @@ def test_ds_slots_cover_every_visible_pair_once_per_visit(nn_tiles, nc_tiles, bs
 ])
 def test_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced, b, nn, h, hkv, d, ds):
     """Batched backwards hand the persistent dK/dV kernel the balanced schedule of its work on the
-    SM count's grid (geometry.plain_order_schedule, items weighing their group of query heads) when
+    SM count's grid (geometry.order_schedule, items weighing their group of query heads) when
     it has more items than CTAs; BALANCED_SCHEDULE False, an item per CTA, or a dK/dV kernel that
     is not persistent: none (the snake). The forward walks the snake."""
     ext = DsExtension()
@@ -388,8 +392,42 @@ def test_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced
     bwd = dict(ext.calls)["bwd"]
     persistent = d in (64, 128) and (bwd["persistent_dkdv"] or bwd["ds_scratch"] is not None)
     if balanced and persistent and b * hkv * bwd["dkdv_order"].numel() > 132:
-        assert torch.equal(bwd["dkdv_schedule"], ext.dkdv_schedule(nn, nn, 16, d, b * hkv, h // hkv, 132))
+        walk = bwd["dkdv_walk"]  # test_short_halves_walk_slot_major says which
+        assert torch.equal(bwd["dkdv_schedule"], ext.dkdv_schedule(nn, nn, 16, d, b * hkv, h // hkv, 132, *walk))
     else:
         assert bwd["dkdv_schedule"] is None
     if balanced and (b, nn, d) in ((8, 1024, 128), (4, 1024, 64)):  # the cases it is for: built
         assert bwd["dkdv_schedule"] is not None
+
+
+@pytest.mark.parametrize("b,nn,h,hkv,d,ds,walked", [
+    (8, 1024, 16, 16, 128, True, True),     # n = 1K, D = 128: forward and dS dK/dV slot-major
+    (16, 512, 16, 16, 128, True, True),
+    (4, 2048, 16, 16, 128, True, False),    # n = 2K: the plain order
+    (8, 1024, 16, 16, 64, False, False),    # D = 64: not measured, plain
+    (8, 1024, 16, 16, 256, True, False),    # D = 256: not measured, plain
+    (8, 1000, 16, 16, 128, False, True),    # odd halves: no dS path; the forward slot-major
+])
+def test_short_halves_walk_slot_major(fake, monkeypatch, b, nn, h, hkv, d, ds, walked):
+    """Batched calls with halves up to SHORT_HALF_MAX at the head dims measured walk their work in
+    SHORT_HALF_ORDER: the forward, and the dS backward's dK/dV kernel, whose balanced schedule is
+    then built over that walk; every other kernel and call walks the plain order (the binding
+    rejects a dK/dV order without the dS path)."""
+    ext = DsExtension()
+    monkeypatch.setattr(cd, "_EXT", ext)
+    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    cd._ds_slots.cache_clear()
+    q, k, v = _batched(b, nn, nn, h, hkv, d)
+    _run_batched(cd.CutlassDiffusionBackend(), q, k, v, SequenceMask(nn, nn, 16))
+    calls = dict(ext.calls)
+    short = cd.SHORT_HALF_ORDER if walked else cd.PLAIN_ORDER
+    assert calls["fwd"]["walk"] == short
+    bwd = calls["bwd"]
+    assert (bwd["ds_scratch"] is not None) == ds
+    assert bwd["dkdv_walk"] == (short if ds else cd.PLAIN_ORDER)
+    if ds and d == 128:  # the persistent dK/dV kernel on the schedule of its walk
+        chunk, block = (None, 1) if not walked else cd.SHORT_HALF_ORDER
+        bm, bn = 64, 128
+        plans = SequenceMask(nn, nn, 16).bwd_tiles(bm, bn)
+        expected = order_schedule(plans, _order(plans), b * hkv, h // hkv, 132, bm, bn, chunk, block)
+        assert bwd["dkdv_schedule"].tolist() == expected

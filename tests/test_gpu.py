@@ -448,6 +448,35 @@ def test_cutlass_balanced_schedule_is_bitwise_the_snake(monkeypatch, d, heads):
 
 
 @_SM90
+@pytest.mark.parametrize("heads", [(8, 8), (16, 4)])
+def test_cutlass_slot_major_walk_is_bitwise_the_plain_order(monkeypatch, heads):
+    """cutlass_diffusion.SHORT_HALF_ORDER walks the forward's items and the dS backward's dK/dV
+    items (on their balanced schedule) in another order, never with other arithmetic: out, lse and
+    the gradients bitwise equal to the plain order's at n = 1K, D = 128 (where the rule applies),
+    with more work items than SMs (512 forward; 512 or 256 dK/dV)."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    h, hkv = heads
+    q, k, v = _qkv(4, 2048, h, hkv, 128, torch.bfloat16, seed=12)
+    dout = torch.randn_like(q)
+
+    def run(order):
+        monkeypatch.setattr(cd, "SHORT_HALF_ORDER", order)
+        cd._dkdv_schedule.cache_clear()
+        ds_before = cd.STATS["bwd_ds"]
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = dlm_ops.diffusion_attn_func(*x, 16, return_lse=True)
+        grads = torch.autograd.grad(out, x, dout)
+        assert cd.STATS["bwd_ds"] == ds_before + 1  # the dS backward ran
+        return (out, lse, *grads)
+
+    walked = run((1, 4))
+    plain = run(cd.PLAIN_ORDER)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), walked, plain):
+        assert torch.equal(a, b), name
+
+
+@_SM90
 @pytest.mark.parametrize("cu_list", [[0], [0, 0, 0], [0, 0, 8, 8]])
 def test_cutlass_varlen_empty_packings(cu_list):
     """No tokens at all, only zero-length samples, or a tiny sample among empty ones: no launch

@@ -42,13 +42,19 @@ std::vector<torch::Tensor> bwd_tile_orders(int64_t n_noisy, int64_t n_clean, int
 
 // The balanced schedule of the persistent dK/dV kernel's batched work (bwd_tile_orders' first
 // entries x `slots` = B * Hkv, each item walking `group` query heads) on `ctas` CTAs (the SM count,
-// fewer than the items), as a CPU int32 tensor.
+// fewer than the items), walked in the work order (order_chunk, order_block) that bwd's
+// dkdv_order_chunk / dkdv_order_block give the kernel, as a CPU int32 tensor.
 torch::Tensor dkdv_schedule(int64_t n_noisy, int64_t n_clean, int64_t block_size, int64_t head_dim,
-                            int64_t slots, int64_t group, int64_t ctas) {
+                            int64_t slots, int64_t group, int64_t ctas, int64_t order_chunk,
+                            int64_t order_block) {
+  dlm_bindings::check_work_order(order_chunk, order_block);
+  TORCH_CHECK(slots >= 1 && slots < INT32_MAX, "dkdv_schedule: slots >= 1");
   const dlm::SequenceMask mask{static_cast<int>(n_noisy), static_cast<int>(n_clean),
                                static_cast<int>(block_size)};
   const int d = static_cast<int>(head_dim);
-  return dlm_bindings::schedule_tensor(mask.bwd_tiles(bwd_block_m(d), bwd_block_n(d)), static_cast<int>(slots),
+  const dlm::WorkOrder walk = dlm::sm90::work_order(static_cast<int>(slots), 0, static_cast<int>(order_chunk),
+                                                    static_cast<int>(order_block));
+  return dlm_bindings::schedule_tensor(mask.bwd_tiles(bwd_block_m(d), bwd_block_n(d)), walk,
                                        static_cast<int>(group), static_cast<int>(ctas));
 }
 
@@ -95,6 +101,9 @@ struct LaunchBwd {
 // (S / key tile) int32 slot table, dq_order the third of bwd_tile_orders. dkdv_schedule (batched):
 // dkdv_schedule's for this call's B * Hkv slots on min(SM count, items) CTAs, on the device, walked
 // where the dK/dV kernel that runs is the persistent one (ignored otherwise); none: the snake.
+// dkdv_order_chunk / dkdv_order_block (the dS backward's dK/dV kernel only; others walk the plain
+// order): its work_order arguments, chunk 0 the plain order; a dkdv_schedule must be built for the
+// same two.
 void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
          torch::Tensor lse, std::optional<torch::Tensor> dlse, torch::Tensor dq, torch::Tensor dk,
          torch::Tensor dv, torch::Tensor lse2, torch::Tensor delta, torch::Tensor dkdv_order,
@@ -102,8 +111,10 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
          std::optional<torch::Tensor> dkdv_sample, std::optional<torch::Tensor> dq_sample,
          std::optional<torch::Tensor> cu_seqlens, bool persistent_dkdv,
          std::optional<torch::Tensor> ds_scratch, std::optional<torch::Tensor> ds_slots, int64_t ds_visits,
-         std::optional<torch::Tensor> dkdv_schedule) {
+         std::optional<torch::Tensor> dkdv_schedule, int64_t dkdv_order_chunk, int64_t dkdv_order_block) {
   const bool varlen = cu_seqlens.has_value();
+  dlm_bindings::check_work_order(dkdv_order_chunk, dkdv_order_block);
+  TORCH_CHECK(ds_scratch.has_value() || dkdv_order_chunk == 0, "dkdv_order_chunk: the dS backward only");
   const auto dev = q.device();
   for (const auto& t : {dout, k, v, out, lse, dq, dk, dv, lse2, delta, dkdv_order, dq_order})
     TORCH_CHECK(t.device() == dev, "all tensors on one CUDA device");
@@ -179,6 +190,8 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   if (ds_scratch) {
     a.ds_scratch = ds_scratch->data_ptr(), a.ds_slots = ds_slots->data_ptr<int32_t>();
     a.ds_visits = static_cast<int>(ds_visits);
+    a.dkdv_order_chunk = static_cast<int>(dkdv_order_chunk);
+    a.dkdv_order_block = static_cast<int>(dkdv_order_block);
   }
   if (varlen) {
     a.dkdv_sample = dkdv_sample->data_ptr<int32_t>(), a.dq_sample = dq_sample->data_ptr<int32_t>();
@@ -205,7 +218,10 @@ namespace dlm_bindings {
 void add_bwd(pybind11::module_& m) {
   m.def("bwd_tile_orders", &bwd_tile_orders);
   m.def("varlen_bwd_tile_orders", &varlen_bwd_tile_orders);
-  m.def("dkdv_schedule", &dkdv_schedule);
+  m.def("dkdv_schedule", &dkdv_schedule, pybind11::arg("n_noisy"), pybind11::arg("n_clean"),
+        pybind11::arg("block_size"), pybind11::arg("head_dim"), pybind11::arg("slots"),
+        pybind11::arg("group"), pybind11::arg("ctas"), pybind11::arg("order_chunk") = 0,
+        pybind11::arg("order_block") = 0);
   m.def("bwd", &bwd, pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
         pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("dlse"), pybind11::arg("dq"),
         pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("lse2"), pybind11::arg("delta"),
@@ -214,7 +230,8 @@ void add_bwd(pybind11::module_& m) {
         pybind11::arg("dkdv_sample") = pybind11::none(), pybind11::arg("dq_sample") = pybind11::none(),
         pybind11::arg("cu_seqlens") = pybind11::none(), pybind11::arg("persistent_dkdv") = false,
         pybind11::arg("ds_scratch") = pybind11::none(), pybind11::arg("ds_slots") = pybind11::none(),
-        pybind11::arg("ds_visits") = 0, pybind11::arg("dkdv_schedule") = pybind11::none());
+        pybind11::arg("ds_visits") = 0, pybind11::arg("dkdv_schedule") = pybind11::none(),
+        pybind11::arg("dkdv_order_chunk") = 0, pybind11::arg("dkdv_order_block") = 0);
   m.attr("scratch_pad") = dlm::sm90::kVarlenScratchPad;  // floats past lse2 / delta (the kernels zero them)
   m.def("ds_block", &ds_block, pybind11::arg("head_dim"));
 }

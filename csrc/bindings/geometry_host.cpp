@@ -162,17 +162,20 @@ int dlm_balanced_schedule(const int64_t* cost, int count, int ctas, int32_t* out
   return 0;
 }
 
-// out (ctas + 1 + entries * slots int32): plain_order_schedule of the mask's forward (transpose 0)
-// or backward (1) plans of block_m x block_n tiles, entries `order` (entries of them).
-int dlm_plain_order_schedule(int nn, int nc, int bs, int block_m, int block_n, int transpose,
-                             const int32_t* order, int entries, int slots, int weight, int ctas,
-                             int32_t* out) {
-  if (!valid(nn, nc, bs) || block_m < 1 || block_n < 1 || slots < 1 || weight < 1 || ctas < 1) return -1;
+// out (ctas + 1 + entries * slots int32): order_schedule of the mask's forward (transpose 0) or
+// backward (1) plans of block_m x block_n tiles, entries `order` (entries of them), walked in
+// WorkOrder{slots, chunk, block}.
+int dlm_order_schedule(int nn, int nc, int bs, int block_m, int block_n, int transpose, const int32_t* order,
+                       int entries, int slots, int chunk, int block, int weight, int ctas, int32_t* out) {
+  if (!valid(nn, nc, bs) || block_m < 1 || block_n < 1 || slots < 1 || chunk < 1 || chunk > slots ||
+      block < 1 || weight < 1 || ctas < 1)
+    return -1;
   const dlm::SequenceMask m{nn, nc, bs};
   const dlm::TilePlans plans = transpose ? m.bwd_tiles(block_m, block_n) : m.fwd_tiles(block_m, block_n);
   for (int e = 0; e < entries; ++e)
     if (order[e] < 0 || order[e] >= plans.count()) return -1;
-  const std::vector<int32_t> sched = dlm::plain_order_schedule(plans, order, entries, slots, weight, ctas);
+  const std::vector<int32_t> sched =
+      dlm::order_schedule(plans, order, entries, dlm::WorkOrder{slots, chunk, block}, weight, ctas);
   std::copy(sched.begin(), sched.end(), out);
   return 0;
 }

@@ -60,18 +60,28 @@ inline torch::Tensor tile_order_tensor(const dlm::TilePlans& plans) {
   return order;
 }
 
-// The balanced schedule (dlm/geometry.h plain_order_schedule) of a kernel's plain-order work over
-// `plans` in tile_order_tensor's order, `slots` slots per entry, each item weighing `weight` times
-// its area, on `ctas` CTAs, as a CPU int32 tensor (ctas + 1 offsets, then the items).
-inline torch::Tensor schedule_tensor(const dlm::TilePlans& plans, int slots, int weight, int ctas) {
-  TORCH_CHECK(slots >= 1 && weight >= 1 && ctas >= 1, "schedule: slots, weight and ctas >= 1");
+// The balanced schedule (dlm/geometry.h order_schedule) of a kernel's work over `plans` in
+// tile_order_tensor's order, walked in `walk` (its slots per entry), each item weighing `weight`
+// times its area, on `ctas` CTAs, as a CPU int32 tensor (ctas + 1 offsets, then the items).
+inline torch::Tensor schedule_tensor(const dlm::TilePlans& plans, const dlm::WorkOrder& walk, int weight,
+                                     int ctas) {
+  TORCH_CHECK(walk.slots >= 1 && weight >= 1 && ctas >= 1, "schedule: slots, weight and ctas >= 1");
   const torch::Tensor order = tile_order_tensor(plans);
-  TORCH_CHECK(order.numel() * int64_t{slots} < INT32_MAX, "schedule: fewer than 2^31 work items");
-  const std::vector<int32_t> sched = dlm::plain_order_schedule(
-      plans, order.data_ptr<int32_t>(), static_cast<int>(order.numel()), slots, weight, ctas);
+  TORCH_CHECK(order.numel() * int64_t{walk.slots} < INT32_MAX, "schedule: fewer than 2^31 work items");
+  const std::vector<int32_t> sched = dlm::order_schedule(
+      plans, order.data_ptr<int32_t>(), static_cast<int>(order.numel()), walk, weight, ctas);
   auto out = torch::empty({static_cast<int64_t>(sched.size())}, torch::dtype(torch::kInt32));
   std::copy(sched.begin(), sched.end(), out.data_ptr<int32_t>());
   return out;
+}
+
+// A launch's work_order arguments (hopper/common.cuh) from Python: chunk 0 (the plain order, block
+// unused) or chunk >= 1 slots with blocks of block >= 1 entries, so that the launcher builds the
+// walk without asking the device (and a schedule built for the same arguments matches it).
+inline void check_work_order(int64_t chunk, int64_t block) {
+  TORCH_CHECK(chunk >= 0 && block >= 0 && (chunk == 0 || block >= 1) && chunk < INT32_MAX &&
+                  block < INT32_MAX,
+              "work order: chunk 0 (plain), or chunk >= 1 with block >= 1; got ", chunk, ", ", block);
 }
 
 // A schedule handed to a launch: contiguous int32 on `dev` with the length of one built for `ctas`

@@ -92,6 +92,9 @@ struct BwdArgs {
   // balanced_schedule) for exactly min(SM count, items) CTAs; null: the snake walk. The other
   // kernels ignore it.
   const int32_t* dkdv_schedule = nullptr;
+  // launch_bwd_ds only: the dK/dV kernel's work_order arguments (0, 0: the plain order; the
+  // balanced schedule, if given, must be built over the same walk).
+  int dkdv_order_chunk = 0, dkdv_order_block = 0;
 };
 
 // A persistent grid: at most one CTA per SM of the current device.
@@ -301,9 +304,9 @@ constexpr int kDsDqOrderChunk = -1, kDsDqOrderBlock = 0;
 // dK/dV kernel per (batch, head), numbered key tile by key tile in its visit order, -1 where it
 // does not visit (the Python backend builds it from geometry.py: cutlass_diffusion._ds_slots);
 // a.dq_order: the query tiles of fwd_tiles(kDsDqBlockM, ds_dq_block_n(D)). a.persistent_dkdv is not
-// read, nor a.order_*: the dK/dV kernel walks the plain order (a.dkdv_schedule's, if given), the
-// dQ kernel kDsDqOrderChunk / kDsDqOrderBlock's (the harness times others through launch_dkdv /
-// launch_dq_from_ds).
+// read, nor a.order_*: the dK/dV kernel walks a.dkdv_order_chunk / a.dkdv_order_block's order
+// (a.dkdv_schedule's, if given), the dQ kernel kDsDqOrderChunk / kDsDqOrderBlock's (the harness
+// times others through launch_dkdv / launch_dq_from_ds).
 template <class Elem, int D, int STORE = kDsStore>
 cudaError_t launch_bwd_ds(const BwdArgs& a) {
   static_assert(ds_backward_supports(D), "the dS store and the dQ-from-dS kernel: D = 128 or 256");
@@ -312,7 +315,7 @@ cudaError_t launch_bwd_ds(const BwdArgs& a) {
   if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
   cudaError_t err = launch_preprocess<Elem, D>(a, a.ds_scratch, ds_block_elems(D) * sizeof(Elem));
   BwdArgs dkdv = a, dq = a;
-  dkdv.order_chunk = 0, dkdv.order_block = 0;
+  dkdv.order_chunk = a.dkdv_order_chunk, dkdv.order_block = a.dkdv_order_block;
   dq.order_chunk = kDsDqOrderChunk, dq.order_block = kDsDqOrderBlock;
   if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDv>(dkdv);
   if (err == cudaSuccess && a.dq_tiles) err = launch_dq_from_ds<DqFromDsPersistent<Elem, D>>(dq);

@@ -149,7 +149,7 @@ def _max_ctas(device: torch.device) -> int:
 
 
 # The persistent dK/dV kernel's walk over batched work: a balanced schedule built on the host
-# (dlm/geometry.h plain_order_schedule: each item, most expensive first, to the CTA with the least
+# (dlm/geometry.h order_schedule: each item, most expensive first, to the CTA with the least
 # work so far) instead of the snake. Counted in pairs plus a fixed cost per item, the snake's
 # busiest CTA gets 3.1 % more than the mean work at n <= 2K (16K tokens, 132 CTAs), the
 # schedule's 0.5-1.3 % (tests/test_csrc_geometry.py). Harness `sched` (session 20, bf16, 16K
@@ -162,8 +162,31 @@ BALANCED_SCHEDULE = True
 
 @lru_cache(maxsize=64)
 def _dkdv_schedule(n_noisy: int, n_clean: int, block_size: int, head_dim: int, slots: int, group: int,
-                   ctas: int, device: str) -> torch.Tensor:
-    return _EXT.dkdv_schedule(n_noisy, n_clean, block_size, head_dim, slots, group, ctas).to(device)
+                   ctas: int, walk: tuple[int, int], device: str) -> torch.Tensor:
+    return _EXT.dkdv_schedule(n_noisy, n_clean, block_size, head_dim, slots, group, ctas, *walk).to(device)
+
+
+# Short halves walk their batched work slot-major: WorkOrder chunk 1, blocks of 4 entries (hopper/
+# common.cuh work_order; (chunk, block), (0, 0) the plain entry-major order), so that the CTAs
+# running side by side work on one (batch, head) slot's 4 dearest tiles and share its K / V (the
+# forward) or Q / dO (the dS backward's dK/dV kernel, under its balanced schedule) in L2, where the
+# plain order has every slot in flight at once. At n = 1K (16K tokens: 128 slots re-reading 64 MB,
+# more than the L2) ncu read the dK/dV kernel's DRAM traffic 789 -> 427 MB and its time 381.7 ->
+# 365.7 us (session 20). Harness A/Bs against the plain order (bf16 D = 128, 16K tokens; csrc/NOTES.md
+# sessions 20, 21): the forward 1.020 / 1.040x at n = 1K (block 16 / 4), 0.987 / 0.973x at 2K, 0.96x
+# at 4K; the whole dS backward (the dK/dV kernel on its schedule) 1.014 / 1.039x at 1K (the plain
+# order's schedule: 1.011 / 1.020x), 1.014x at 2K (1.014x), 0.994x at 4K (1.003x). Hence halves up
+# to SHORT_HALF_MAX at the head dim measured; through torch: csrc/NOTES.md session 21.
+SHORT_HALF_ORDER = (1, 4)
+SHORT_HALF_MAX = 1024
+SHORT_HALF_HEAD_DIMS = (128,)
+PLAIN_ORDER = (0, 0)
+
+
+def _walk(longest_half: int, head_dim: int) -> tuple[int, int]:
+    """The work order (chunk, block) of a batched call's forward and dS dK/dV kernel."""
+    short = head_dim in SHORT_HALF_HEAD_DIMS and longest_half <= SHORT_HALF_MAX
+    return SHORT_HALF_ORDER if short else PLAIN_ORDER
 
 
 def _persistent_dkdv(longest_half: int, head_dim: int, group: int) -> bool:
@@ -307,8 +330,9 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, s), torch.float32)
         order = _tile_order(mask.n_noisy, mask.n_clean, mask.block_size, q.shape[-1], str(q.device))
+        chunk, block = _walk(max(mask.n_noisy, mask.n_clean), q.shape[-1])
         ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale,
-                _max_ctas(q.device))
+                _max_ctas(q.device), order_chunk=chunk, order_block=block)
         STATS["fwd"] += 1
         return out, lse
 
@@ -346,15 +370,16 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         d, group = q.shape[-1], q.shape[2] // k.shape[2]
         persistent = _persistent_dkdv(longest_half, d, group)
         schedule, ctas = None, _max_ctas(q.device)
+        walk = _walk(longest_half, d) if ds else PLAIN_ORDER  # the dS backward's dK/dV kernel only
         # The dS backward runs the persistent dK/dV kernel wherever the head dim has one.
         if (BALANCED_SCHEDULE and mask is not None and d in PERSISTENT_DKDV_HEAD_DIMS
                 and (persistent or ds) and b * k.shape[2] * dkdv[0].numel() > ctas):
             schedule = _dkdv_schedule(mask.n_noisy, mask.n_clean, mask.block_size, d, b * k.shape[2],
-                                      group, ctas, str(q.device))
+                                      group, ctas, walk, str(q.device))
         ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv[0], dq_tables[0],
                 n_noisy, block_size, scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1],
                 cu_seqlens=cu_seqlens, persistent_dkdv=persistent, dkdv_schedule=schedule,
-                **(ds or {}))
+                dkdv_order_chunk=walk[0], dkdv_order_block=walk[1], **(ds or {}))
         return dq, dk, dv
 
     def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):

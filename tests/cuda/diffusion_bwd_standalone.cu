@@ -82,7 +82,7 @@ static int g_failures = 0;
 // work_order's arguments for every launch here (0, 0: the plain order, as the extension's); the
 // `order` mode checks and times the orders.
 static int g_order_chunk = 0, g_order_block = 0;
-// The persistent dK/dV kernel walks a balanced schedule (dlm/geometry.h plain_order_schedule)
+// The persistent dK/dV kernel walks a balanced schedule (dlm/geometry.h order_schedule)
 // instead of the snake (mode `sched`).
 static bool g_schedule = false;
 // The dQ-from-dS kernel walks launch_bwd_ds's order whatever g_order_chunk says (mode `sched-l2`,
@@ -314,22 +314,12 @@ struct Bwd {
       int ctas = 0;
       CK(cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, 0));
       if (ctas < items) {
-        std::vector<int32_t> sched;
-        if (g_order_chunk == 0) {  // the plain order: what the extension builds
-          sched = dlm::plain_order_schedule(dkdv_plans, dkdv_ord.data(), a.dkdv_tiles, slots, r.H / r.Hkv, ctas);
-        } else {  // the same costs in a WorkOrder (launch_dkdv's, mode sched-l2)
-          const dlm::WorkOrder wo = dlm::sm90::work_order(
-              slots, int64_t{2} * S * D * sizeof(Elem) * (r.H / r.Hkv), g_order_chunk, g_order_block);
-          const int64_t fixed = int64_t{dlm::kScheduleItemHalfTiles} * DkCfg::BM * DkCfg::BN / 2;
-          std::vector<int64_t> cost(items);
-          for (int w = 0; w < items; ++w) {
-            int e, j;
-            wo.decode(w, a.dkdv_tiles, e, j);
-            cost[w] = (r.H / r.Hkv) * dkdv_plans.area(dkdv_ord[e]) + fixed;
-          }
-          sched.resize(ctas + 1 + items);
-          dlm::balanced_schedule(cost.data(), items, ctas, sched.data());
-        }
+        // Over launch_dkdv's walk (the plain order unless mode sched-l2 sets one): what the
+        // extension's dkdv_schedule builds for the same order.
+        const dlm::WorkOrder wo = dlm::sm90::work_order(
+            slots, int64_t{2} * S * D * sizeof(Elem) * (r.H / r.Hkv), g_order_chunk, g_order_block);
+        const std::vector<int32_t> sched =
+            dlm::order_schedule(dkdv_plans, dkdv_ord.data(), a.dkdv_tiles, wo, r.H / r.Hkv, ctas);
         int32_t* d = nullptr;
         CK(cudaMalloc(&d, sched.size() * 4));
         CK(cudaMemcpy(d, sched.data(), sched.size() * 4, cudaMemcpyHostToDevice));

@@ -48,7 +48,7 @@ int g_max_ctas = 0;  // persistent grid of at most this many CTAs; 0: one CTA pe
 // work_order's arguments for every launch here (0, 0: the plain order, as the launchers').
 int g_order_chunk = 0, g_order_block = 0;
 int g_failed = 0;    // checks that failed (exit status of `ab`)
-// Persistent grids walk a balanced schedule (dlm/geometry.h plain_order_schedule) instead of the snake.
+// Persistent grids walk a balanced schedule (dlm/geometry.h order_schedule, the plain order) instead of the snake.
 bool g_schedule = false;
 
 // The schedule for a launch of `ctas` CTAs over B * H slots of `ord`'s entries when g_schedule is
@@ -57,7 +57,8 @@ bool g_schedule = false;
 int32_t* schedule_for(const dlm::TilePlans& plans, const std::vector<int32_t>& ord, int slots, int ctas) {
   const int items = (int)ord.size() * slots;
   if (!g_schedule || ctas >= items) return nullptr;
-  const std::vector<int32_t> sched = dlm::plain_order_schedule(plans, ord.data(), (int)ord.size(), slots, 1, ctas);
+  const std::vector<int32_t> sched =
+      dlm::order_schedule(plans, ord.data(), (int)ord.size(), dlm::WorkOrder{slots, slots, 1}, 1, ctas);
   int32_t* d = nullptr;
   CK(cudaMalloc(&d, sched.size() * 4));
   CK(cudaMemcpy(d, sched.data(), sched.size() * 4, cudaMemcpyHostToDevice));
@@ -227,7 +228,8 @@ float time_on(Run r, const Bufs& b, int iters) {
 // A variant: a config, or a config in a given WorkOrder (Ordered<Cfg, chunk, block>).
 template <class Cfg_, int CHUNK, int BLOCK>
 struct Ordered {};
-// ... or a config on a persistent grid of one CTA per SM at every shape (Persistent<Cfg>).
+// ... or a variant on a persistent grid of one CTA per SM at every shape (Persistent<Cfg>,
+// Persistent<Ordered<...>>).
 template <class Cfg_>
 struct Persistent {};
 // ... or persistent walking the balanced schedule (Scheduled<Cfg>).
@@ -245,11 +247,9 @@ struct VariantOf<Ordered<Cfg_, CHUNK, BLOCK>> {
   static constexpr int kChunk = CHUNK, kBlock = BLOCK;
   static constexpr bool kPersistent = false, kSchedule = false;
 };
-template <class Cfg_>
-struct VariantOf<Persistent<Cfg_>> {
-  using Cfg = Cfg_;
-  static constexpr int kChunk = 0, kBlock = 0;
-  static constexpr bool kPersistent = true, kSchedule = false;
+template <class V>  // Persistent<Cfg> or Persistent<Ordered<...>>
+struct VariantOf<Persistent<V>> : VariantOf<V> {
+  static constexpr bool kPersistent = true;
 };
 template <class Cfg_>
 struct VariantOf<Scheduled<Cfg_>> {
@@ -591,23 +591,27 @@ int main(int argc, char** argv) {
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
     return g_failed != 0;
   }
-  if (v == "order") {  // WorkOrders against the plain entry-major order, the backend's grid
-    using Shipped = FwdConfig<bf16, 128>;
+  if (v == "order") {  // WorkOrders against the plain entry-major order, on the shipped persistent grid
+    using namespace dlm::sm90;
+    using Shipped = FwdShipped<bf16, 128, kBatchedStart>;
     CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
     struct { int chunk, block, ctas; const char* name; } orders[] = {
-        {1, 1, 0, "chunk 1, block 1"}, {3, 2, 0, "chunk 3, block 2"},
+        {1, 1, 0, "chunk 1, block 1"}, {3, 2, 0, "chunk 3, block 2"}, {1, 4, g_backend_grid, "chunk 1, block 4, persistent"},
         {3, 5, g_backend_grid, "chunk 3, block 5, persistent"}, {0, 0, 0, "plain order"}};
     for (const auto& o : orders) {  // the order must not change a result
       g_order_chunk = o.chunk, g_order_block = o.block, g_max_ctas = o.ctas;
       ab_checks<Shipped>(o.name);
     }
     g_order_chunk = g_order_block = g_max_ctas = 0;
-    // Chunk -1: as many heads as fit in half the L2; 0: the plain order (shipped).
-    static const char* names[] = {"plain (shipped)", "L2 chunk-major", "L2 chunks, blocks of 4 waves",
-                                  "plain again"};
-    ab_timing<Variants<Shipped, Ordered<Shipped, -1, 1 << 30>, Ordered<Shipped, -1, 0>, Shipped>>(names);
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
-    return g_failed != 0;
+    if (g_failed) return 1;
+    // Chunk -1: as many heads as fit in half the L2; 0: the plain order (shipped). Chunk 1: slot-major
+    // (each slot's `block` consecutive entries together: concurrent CTAs share that slot's K / V).
+    static const char* names[] = {"plain (shipped)", "slot-major, 2-entry blocks", "slot-major, 4-entry blocks",
+                                  "L2 chunks, blocks of 4 waves", "plain again"};
+    ab_timing<Variants<Persistent<Shipped>, Persistent<Ordered<Shipped, 1, 2>>, Persistent<Ordered<Shipped, 1, 4>>,
+                       Persistent<Ordered<Shipped, -1, 0>>, Persistent<Shipped>>>(names);
+    return 0;
   }
   if (v == "smem-o") {  // the TMA-store epilogue (and two Q buffers) against the register stores
     using namespace dlm::sm90;
@@ -749,7 +753,7 @@ int main(int argc, char** argv) {
                        Persistent<Ship>>, 64>(names);
     return 0;
   }
-  if (v == "sched") {  // persistent grids: the balanced schedule (dlm/geometry.h plain_order_schedule)
+  if (v == "sched") {  // persistent grids: the balanced schedule (dlm/geometry.h order_schedule)
     using namespace dlm::sm90;  // against the snake; checks on grids of 3 CTAs and of one per SM
     CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
     g_schedule = true;

@@ -302,7 +302,7 @@ DLM_HD int scheduled_index(const int32_t* schedule, int item, int cta, int num_i
 // with the least cost so far (ties: the lowest CTA), so that with work most expensive first this
 // is the longest-processing-time rule. The snake hands out whole rounds: with the work of n <= 2K
 // (2048 items of 1-16 tiles on 132 CTAs) its busiest CTA gets 3.1 % more than the mean, where
-// this rule's gets 0.5-1.3 % more (plain_order_schedule's cost model; tests/test_csrc_geometry.py
+// this rule's gets 0.5-1.3 % more (order_schedule's cost model; tests/test_csrc_geometry.py
 // counts it). Writes ctas + 1 + count int32 to `out` (scheduled_index's layout); a CTA's items stay
 // in work order.
 inline void balanced_schedule(const int64_t* cost, int count, int ctas, int32_t* out) {
@@ -324,23 +324,26 @@ inline void balanced_schedule(const int64_t* cost, int count, int ctas, int32_t*
   for (int w = 0; w < count; ++w) out[next[owner[w]]++] = w;
 }
 
-// The balanced schedule of a kernel's work in the plain order (work index w = entry * slots +
-// slot: WorkOrder with chunk >= slots), entry e being tile order[e] of `plans`, on `ctas` CTAs.
-// An item costs the pairs its tile's visits cover (area) `weight` times (the dK/dV kernel walks its
-// K / V head's group of query heads per item) plus kScheduleItemHalfTiles / 2 tiles of own x other
-// positions for its fixed part: its Q or K / V load and its epilogue (session 17's trace of the
-// forward at n = 1K: ~2.4 us of a 12 us item against 1.66 us per full tile).
+// The balanced schedule of a kernel's work walked in WorkOrder `walk` (work index w -> (entry,
+// slot); chunk >= slots is the plain entry-major order w = entry * slots + slot), entry e being tile
+// order[e] of `plans`, on `ctas` CTAs. An item costs the pairs its tile's visits cover (area)
+// `weight` times (the dK/dV kernel walks its K / V head's group of query heads per item) plus
+// kScheduleItemHalfTiles / 2 tiles of own x other positions for its fixed part: its Q or K / V
+// load and its epilogue (session 17's trace of the forward at n = 1K: ~2.4 us of a 12 us item
+// against 1.66 us per full tile).
 constexpr int kScheduleItemHalfTiles = 3;
-inline std::vector<int32_t> plain_order_schedule(const TilePlans& plans, const int32_t* order, int entries,
-                                                 int slots, int weight, int ctas) {
+inline std::vector<int32_t> order_schedule(const TilePlans& plans, const int32_t* order, int entries,
+                                           const WorkOrder& walk, int weight, int ctas) {
   const int64_t fixed = int64_t{kScheduleItemHalfTiles} * plans.own.size * plans.other.size / 2;
-  std::vector<int64_t> cost(static_cast<size_t>(entries) * slots);
-  for (int e = 0; e < entries; ++e) {
-    const int64_t c = weight * plans.area(order[e]) + fixed;
-    for (int j = 0; j < slots; ++j) cost[static_cast<size_t>(e) * slots + j] = c;
+  const int count = entries * walk.slots;
+  std::vector<int64_t> cost(static_cast<size_t>(count));
+  for (int w = 0; w < count; ++w) {
+    int e, slot;
+    walk.decode(w, entries, e, slot);
+    cost[w] = weight * plans.area(order[e]) + fixed;
   }
   std::vector<int32_t> out(ctas + 1 + cost.size());
-  balanced_schedule(cost.data(), static_cast<int>(cost.size()), ctas, out.data());
+  balanced_schedule(cost.data(), count, ctas, out.data());
   return out;
 }
 

@@ -1,0 +1,88 @@
+"""A backend knob through torch, one setting against another: ``python -m benchmarks.knob_ab KNOB``.
+
+The knobs are module attributes of dlm_ops.backends.cutlass_diffusion that every call reads, so
+one process can time both settings on the same inputs: ``--rounds`` shuffled rounds (the main
+preset's method, benchmarks/__main__.py), medians, bf16, 16K tokens per case. Needs an sm90 GPU.
+
+    dkdv-rule    PERSISTENT_DKDV_MAX_HALF 1024 (session 12's rule) against 2048 (shipped since
+                 session 13); the n = 1K case runs the persistent kernel under both: its ratio is
+                 the noise.
+    short-order  SHORT_HALF_ORDER: the plain order (0, 0) against the slot-major walk (1, 4) of
+                 short halves (session 21); the n = 2K case walks the plain order under both.
+
+The last column is the second setting's speed over the first's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import NamedTuple
+
+import torch
+
+from dlm_ops.backends import cutlass_diffusion as cd
+
+from .__main__ import _calls_per_measurement, _time_once, shuffled_rounds
+from .contenders import Case, ours
+
+
+class Knob(NamedTuple):
+    attribute: str  # of cutlass_diffusion
+    settings: tuple
+    modes: tuple[str, ...]
+    cases: tuple[Case, ...]
+
+
+KNOBS = {
+    "dkdv-rule": Knob("PERSISTENT_DKDV_MAX_HALF", (1024, 2048), ("bwd", "step"),
+                      (Case(4, 2048, 16, 16, 128, 16), Case(4, 2048, 16, 16, 128, 4),
+                       Case(4, 2048, 32, 8, 128, 16), Case(4, 2048, 16, 16, 64, 16),
+                       Case(8, 1024, 16, 16, 128, 16))),
+    "short-order": Knob("SHORT_HALF_ORDER", (cd.PLAIN_ORDER, (1, 4)), ("fwd", "bwd", "step"),
+                        (Case(8, 1024, 16, 16, 128, 16), Case(8, 1024, 16, 16, 128, 4),
+                         Case(8, 1024, 32, 8, 128, 16), Case(16, 512, 16, 16, 128, 16),
+                         Case(4, 2048, 16, 16, 128, 16))),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("knob", choices=sorted(KNOBS))
+    p.add_argument("--rounds", type=int, default=10)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 1
+    knob = KNOBS[a.knob]
+    first, second = knob.settings
+    saved = getattr(cd, knob.attribute)
+    print(f"{knob.attribute}: {first} against {second}; medians of {a.rounds} shuffled rounds")
+    print(f"| case | mode | {first} ms | {second} ms | speed {second} / {first} |")
+    print("|---|---|---|---|---|")
+    try:
+        for case in knob.cases:
+            runs = ours(case)
+            iters = {}
+            for mode in knob.modes:
+                _time_once(*runs[mode], 2)
+                iters[mode] = _calls_per_measurement(*runs[mode])
+
+            def measure(key):
+                setting, mode = key
+                setattr(cd, knob.attribute, setting)  # read by every call
+                return _time_once(*runs[mode], iters[mode])
+
+            keys = [(s, m) for s in knob.settings for m in knob.modes]
+            times = shuffled_rounds(keys, a.rounds, measure)
+            for mode in knob.modes:
+                t0, t1 = (statistics.median(times[s, mode]) for s in knob.settings)
+                print(f"| {case.label} | {mode} | {t0:.3f} | {t1:.3f} | {t0 / t1:.3f} |", flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        setattr(cd, knob.attribute, saved)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
