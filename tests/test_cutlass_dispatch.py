@@ -407,12 +407,13 @@ def test_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced
     (8, 1024, 16, 16, 64, False, False),    # D = 64: not measured, plain
     (8, 1024, 16, 16, 256, True, False),    # D = 256: not measured, plain
     (8, 1000, 16, 16, 128, False, True),    # odd halves: no dS path; the forward slot-major
+    (8, 1024, 32, 8, 128, True, False),     # GQA 32/8: plain (its backward lost 3 %)
 ])
 def test_short_halves_walk_slot_major(fake, monkeypatch, b, nn, h, hkv, d, ds, walked):
-    """Batched calls with halves up to SHORT_HALF_MAX at the head dims measured walk their work in
-    SHORT_HALF_ORDER: the forward, and the dS backward's dK/dV kernel, whose balanced schedule is
-    then built over that walk; every other kernel and call walks the plain order (the binding
-    rejects a dK/dV order without the dS path)."""
+    """Batched calls with halves up to SHORT_HALF_MAX, one query head per K / V head, at the head
+    dims measured walk their work in SHORT_HALF_ORDER: the forward, and the dS backward's dK/dV
+    kernel, whose balanced schedule is then built over that walk; every other kernel and call walks
+    the plain order (the binding rejects a dK/dV order without the dS path)."""
     ext = DsExtension()
     monkeypatch.setattr(cd, "_EXT", ext)
     monkeypatch.setattr(cd, "_extension", lambda: ext)

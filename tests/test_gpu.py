@@ -450,10 +450,11 @@ def test_cutlass_balanced_schedule_is_bitwise_the_snake(monkeypatch, d, heads):
 @_SM90
 @pytest.mark.parametrize("heads", [(8, 8), (16, 4)])
 def test_cutlass_slot_major_walk_is_bitwise_the_plain_order(monkeypatch, heads):
-    """cutlass_diffusion.SHORT_HALF_ORDER walks the forward's items and the dS backward's dK/dV
-    items (on their balanced schedule) in another order, never with other arithmetic: out, lse and
-    the gradients bitwise equal to the plain order's at n = 1K, D = 128 (where the rule applies),
-    with more work items than SMs (512 forward; 512 or 256 dK/dV)."""
+    """The slot-major walk (cutlass_diffusion.SHORT_HALF_ORDER) hands the forward's items and the dS
+    backward's dK/dV items (on their balanced schedule) out in another order, never with other
+    arithmetic: out, lse and the gradients bitwise equal to the plain order's at n = 1K, D = 128,
+    with more work items than SMs (512 forward; 512 or 256 dK/dV), GQA included (walked here,
+    though the backend's rule keeps GQA on the plain order)."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
     h, hkv = heads
@@ -461,7 +462,7 @@ def test_cutlass_slot_major_walk_is_bitwise_the_plain_order(monkeypatch, heads):
     dout = torch.randn_like(q)
 
     def run(order):
-        monkeypatch.setattr(cd, "SHORT_HALF_ORDER", order)
+        monkeypatch.setattr(cd, "_walk", lambda longest_half, head_dim, group: order)
         cd._dkdv_schedule.cache_clear()
         ds_before = cd.STATS["bwd_ds"]
         x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -470,7 +471,7 @@ def test_cutlass_slot_major_walk_is_bitwise_the_plain_order(monkeypatch, heads):
         assert cd.STATS["bwd_ds"] == ds_before + 1  # the dS backward ran
         return (out, lse, *grads)
 
-    walked = run((1, 4))
+    walked = run(cd.SHORT_HALF_ORDER)
     plain = run(cd.PLAIN_ORDER)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), walked, plain):
         assert torch.equal(a, b), name

@@ -172,20 +172,23 @@ def _dkdv_schedule(n_noisy: int, n_clean: int, block_size: int, head_dim: int, s
 # forward) or Q / dO (the dS backward's dK/dV kernel, under its balanced schedule) in L2, where the
 # plain order has every slot in flight at once. At n = 1K (16K tokens: 128 slots re-reading 64 MB,
 # more than the L2) ncu read the dK/dV kernel's DRAM traffic 789 -> 427 MB and its time 381.7 ->
-# 365.7 us (session 20). Harness A/Bs against the plain order (bf16 D = 128, 16K tokens; csrc/NOTES.md
-# sessions 20, 21): the forward 1.020 / 1.040x at n = 1K (block 16 / 4), 0.987 / 0.973x at 2K, 0.96x
-# at 4K; the whole dS backward (the dK/dV kernel on its schedule) 1.014 / 1.039x at 1K (the plain
-# order's schedule: 1.011 / 1.020x), 1.014x at 2K (1.014x), 0.994x at 4K (1.003x). Hence halves up
-# to SHORT_HALF_MAX at the head dim measured; through torch: csrc/NOTES.md session 21.
+# 365.7 us (session 20). Through torch (benchmarks.knob_ab short-order, H200, bf16, D = 128, 16K
+# tokens, medians of 10 shuffled rounds; csrc/NOTES.md session 21): the forward 1.041 / 1.054x at
+# n = 1K (block 16 / 4) and 1.058x at n = 512, the backward 1.010 / 1.014 / 1.012x, the step 1.029 /
+# 1.001 / 1.053x; the n = 2K control, plain under both settings, read 0.988 / 1.003 / 1.024x (the
+# noise). With GQA 32/8 at n = 1K the forward read 1.000x and the backward 0.970x (its adjacent
+# slots share K / V already), and the harness had the forward at 0.97-0.99x at n = 2K: hence halves
+# up to SHORT_HALF_MAX, one query head per K / V head, the head dim measured.
 SHORT_HALF_ORDER = (1, 4)
 SHORT_HALF_MAX = 1024
 SHORT_HALF_HEAD_DIMS = (128,)
 PLAIN_ORDER = (0, 0)
 
 
-def _walk(longest_half: int, head_dim: int) -> tuple[int, int]:
-    """The work order (chunk, block) of a batched call's forward and dS dK/dV kernel."""
-    short = head_dim in SHORT_HALF_HEAD_DIMS and longest_half <= SHORT_HALF_MAX
+def _walk(longest_half: int, head_dim: int, group: int) -> tuple[int, int]:
+    """The work order (chunk, block) of a batched call's forward and dS dK/dV kernel; ``group``:
+    query heads per K / V head."""
+    short = group == 1 and head_dim in SHORT_HALF_HEAD_DIMS and longest_half <= SHORT_HALF_MAX
     return SHORT_HALF_ORDER if short else PLAIN_ORDER
 
 
@@ -330,7 +333,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, s), torch.float32)
         order = _tile_order(mask.n_noisy, mask.n_clean, mask.block_size, q.shape[-1], str(q.device))
-        chunk, block = _walk(max(mask.n_noisy, mask.n_clean), q.shape[-1])
+        chunk, block = _walk(max(mask.n_noisy, mask.n_clean), q.shape[-1], q.shape[2] // k.shape[2])
         ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale,
                 _max_ctas(q.device), order_chunk=chunk, order_block=block)
         STATS["fwd"] += 1
@@ -370,7 +373,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         d, group = q.shape[-1], q.shape[2] // k.shape[2]
         persistent = _persistent_dkdv(longest_half, d, group)
         schedule, ctas = None, _max_ctas(q.device)
-        walk = _walk(longest_half, d) if ds else PLAIN_ORDER  # the dS backward's dK/dV kernel only
+        walk = _walk(longest_half, d, group) if ds else PLAIN_ORDER  # the dS backward's dK/dV kernel
         # The dS backward runs the persistent dK/dV kernel wherever the head dim has one.
         if (BALANCED_SCHEDULE and mask is not None and d in PERSISTENT_DKDV_HEAD_DIMS
                 and (persistent or ds) and b * k.shape[2] * dkdv[0].numel() > ctas):
