@@ -9,6 +9,9 @@ preset's method, benchmarks/__main__.py), medians, bf16, 16K tokens per case. Ne
                  the noise.
     short-order  SHORT_HALF_ORDER: the plain order (0, 0) against the slot-major walk (1, 4) of
                  short halves (session 21); the n = 2K case walks the plain order under both.
+    short-order-dims  SHORT_HALF_HEAD_DIMS: the walk at D = 128 alone against D = 64 and 256 too
+                 (their forwards; at D = 256 the dS backward's dK/dV kernel, one CTA per key
+                 tile); the D = 128 case walks under both.
 
 The last column is the second setting's speed over the first's.
 """
@@ -43,6 +46,10 @@ KNOBS = {
                         (Case(8, 1024, 16, 16, 128, 16), Case(8, 1024, 16, 16, 128, 4),
                          Case(8, 1024, 32, 8, 128, 16), Case(16, 512, 16, 16, 128, 16),
                          Case(4, 2048, 16, 16, 128, 16))),
+    "short-order-dims": Knob("SHORT_HALF_HEAD_DIMS", ((128,), (64, 128, 256)), ("fwd", "bwd", "step"),
+                             (Case(8, 1024, 16, 16, 64, 16), Case(16, 512, 16, 16, 64, 16),
+                              Case(8, 1024, 16, 16, 256, 16), Case(16, 512, 16, 16, 256, 16),
+                              Case(8, 1024, 16, 16, 128, 16))),
 }
 
 
