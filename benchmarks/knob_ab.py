@@ -12,6 +12,7 @@ preset's method, benchmarks/__main__.py), medians, bf16, 16K tokens per case. Ne
     short-order-dims  SHORT_HALF_HEAD_DIMS: the walk at D = 128 alone against D = 64 and 256 too
                  (their forwards; at D = 256 the dS backward's dK/dV kernel, one CTA per key
                  tile); the D = 128 case walks under both.
+    short-max    SHORT_HALF_MAX 1024 against 4096: the walk at n = 2K and 4K too.
 
 The last column is the second setting's speed over the first's.
 """
@@ -50,6 +51,9 @@ KNOBS = {
                              (Case(8, 1024, 16, 16, 64, 16), Case(16, 512, 16, 16, 64, 16),
                               Case(8, 1024, 16, 16, 256, 16), Case(16, 512, 16, 16, 256, 16),
                               Case(8, 1024, 16, 16, 128, 16))),
+    "short-max": Knob("SHORT_HALF_MAX", (1024, 4096), ("fwd", "bwd", "step"),
+                      (Case(4, 2048, 16, 16, 256, 16), Case(2, 4096, 16, 16, 256, 16),
+                       Case(4, 2048, 16, 16, 128, 16), Case(2, 4096, 16, 16, 128, 16))),
 }
 
 

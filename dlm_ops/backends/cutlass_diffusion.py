@@ -181,7 +181,7 @@ def _dkdv_schedule(n_noisy: int, n_clean: int, block_size: int, head_dim: int, s
 # up to SHORT_HALF_MAX, one query head per K / V head, the head dim measured.
 SHORT_HALF_ORDER = (1, 4)
 SHORT_HALF_MAX = 1024
-SHORT_HALF_HEAD_DIMS = (128,)
+SHORT_HALF_HEAD_DIMS = (128, 256)
 PLAIN_ORDER = (0, 0)
 
 
