@@ -9,10 +9,10 @@ preset's method, benchmarks/__main__.py), medians, bf16, 16K tokens per case. Ne
                  the noise.
     short-order  SHORT_HALF_ORDER: the plain order (0, 0) against the slot-major walk (1, 4) of
                  short halves (session 21); the n = 2K case walks the plain order under both.
-    short-order-dims  SHORT_HALF_HEAD_DIMS: the walk at D = 128 alone against D = 64 and 256 too
-                 (their forwards; at D = 256 the dS backward's dK/dV kernel, one CTA per key
-                 tile); the D = 128 case walks under both.
-    short-max    SHORT_HALF_MAX 1024 against 4096: the walk at n = 2K and 4K too.
+    short-order-dims  SHORT_HALF_MAX: the walk at D = 128 alone against D = 64 and 256 too, halves
+                 up to 1024 (their forwards; at D = 256 the dS backward's dK/dV kernel, one CTA
+                 per key tile); the D = 128 case walks under both.
+    short-max    SHORT_HALF_MAX 1024 against 4096 at D = 128 and 256: the walk at n = 2K and 4K.
 
 The last column is the second setting's speed over the first's.
 """
@@ -47,11 +47,13 @@ KNOBS = {
                         (Case(8, 1024, 16, 16, 128, 16), Case(8, 1024, 16, 16, 128, 4),
                          Case(8, 1024, 32, 8, 128, 16), Case(16, 512, 16, 16, 128, 16),
                          Case(4, 2048, 16, 16, 128, 16))),
-    "short-order-dims": Knob("SHORT_HALF_HEAD_DIMS", ((128,), (64, 128, 256)), ("fwd", "bwd", "step"),
+    "short-order-dims": Knob("SHORT_HALF_MAX", ({128: 1024}, {64: 1024, 128: 1024, 256: 1024}),
+                             ("fwd", "bwd", "step"),
                              (Case(8, 1024, 16, 16, 64, 16), Case(16, 512, 16, 16, 64, 16),
                               Case(8, 1024, 16, 16, 256, 16), Case(16, 512, 16, 16, 256, 16),
                               Case(8, 1024, 16, 16, 128, 16))),
-    "short-max": Knob("SHORT_HALF_MAX", (1024, 4096), ("fwd", "bwd", "step"),
+    "short-max": Knob("SHORT_HALF_MAX", ({128: 1024, 256: 1024}, {128: 4096, 256: 4096}),
+                      ("fwd", "bwd", "step"),
                       (Case(4, 2048, 16, 16, 256, 16), Case(2, 4096, 16, 16, 256, 16),
                        Case(4, 2048, 16, 16, 128, 16), Case(2, 4096, 16, 16, 128, 16))),
 }

@@ -404,14 +404,16 @@ def test_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced
     (8, 1024, 16, 16, 128, True, True),     # n = 1K, D = 128: forward and dS dK/dV slot-major
     (16, 512, 16, 16, 128, True, True),
     (4, 2048, 16, 16, 128, True, False),    # n = 2K: the plain order
-    (8, 1024, 16, 16, 64, False, False),    # D = 64: not measured, plain
-    (8, 1024, 16, 16, 256, True, False),    # D = 256: not measured, plain
+    (8, 1024, 16, 16, 64, False, False),    # D = 64: level in the A/B, plain
+    (8, 1024, 16, 16, 256, True, True),     # D = 256: slot-major up to n = 2K
+    (4, 2048, 16, 16, 256, True, True),
+    (2, 4096, 16, 16, 256, True, False),
     (8, 1000, 16, 16, 128, False, True),    # odd halves: no dS path; the forward slot-major
     (8, 1024, 32, 8, 128, True, False),     # GQA 32/8: plain (its backward lost 3 %)
 ])
 def test_short_halves_walk_slot_major(fake, monkeypatch, b, nn, h, hkv, d, ds, walked):
-    """Batched calls with halves up to SHORT_HALF_MAX, one query head per K / V head, at the head
-    dims measured walk their work in SHORT_HALF_ORDER: the forward, and the dS backward's dK/dV
+    """Batched calls with one query head per K / V head and halves up to SHORT_HALF_MAX[head dim]
+    walk their work in SHORT_HALF_ORDER: the forward, and the dS backward's dK/dV
     kernel, whose balanced schedule is then built over that walk; every other kernel and call walks
     the plain order (the binding rejects a dK/dV order without the dS path)."""
     ext = DsExtension()

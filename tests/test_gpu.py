@@ -448,17 +448,18 @@ def test_cutlass_balanced_schedule_is_bitwise_the_snake(monkeypatch, d, heads):
 
 
 @_SM90
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("heads", [(8, 8), (16, 4)])
-def test_cutlass_slot_major_walk_is_bitwise_the_plain_order(monkeypatch, heads):
+def test_cutlass_slot_major_walk_is_bitwise_the_plain_order(monkeypatch, heads, d):
     """The slot-major walk (cutlass_diffusion.SHORT_HALF_ORDER) hands the forward's items and the dS
     backward's dK/dV items (on their balanced schedule) out in another order, never with other
-    arithmetic: out, lse and the gradients bitwise equal to the plain order's at n = 1K, D = 128,
-    with more work items than SMs (512 forward; 512 or 256 dK/dV), GQA included (walked here,
-    though the backend's rule keeps GQA on the plain order)."""
+    arithmetic: out, lse and the gradients bitwise equal to the plain order's at n = 1K, D = 128
+    and 256, with more work items than SMs (512 forward; 512 or 256 dK/dV), GQA included (walked
+    here, though the backend's rule keeps GQA on the plain order)."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
     h, hkv = heads
-    q, k, v = _qkv(4, 2048, h, hkv, 128, torch.bfloat16, seed=12)
+    q, k, v = _qkv(4, 2048, h, hkv, d, torch.bfloat16, seed=12)
     dout = torch.randn_like(q)
 
     def run(order):

@@ -169,26 +169,26 @@ def _dkdv_schedule(n_noisy: int, n_clean: int, block_size: int, head_dim: int, s
 # Short halves walk their batched work slot-major: WorkOrder chunk 1, blocks of 4 entries (hopper/
 # common.cuh work_order; (chunk, block), (0, 0) the plain entry-major order), so that the CTAs
 # running side by side work on one (batch, head) slot's 4 dearest tiles and share its K / V (the
-# forward) or Q / dO (the dS backward's dK/dV kernel, under its balanced schedule) in L2, where the
-# plain order has every slot in flight at once. At n = 1K (16K tokens: 128 slots re-reading 64 MB,
-# more than the L2) ncu read the dK/dV kernel's DRAM traffic 789 -> 427 MB and its time 381.7 ->
-# 365.7 us (session 20). Through torch (benchmarks.knob_ab short-order, H200, bf16, D = 128, 16K
-# tokens, medians of 10 shuffled rounds; csrc/NOTES.md session 21): the forward 1.041 / 1.054x at
-# n = 1K (block 16 / 4) and 1.058x at n = 512, the backward 1.010 / 1.014 / 1.012x, the step 1.029 /
-# 1.001 / 1.053x; the n = 2K control, plain under both settings, read 0.988 / 1.003 / 1.024x (the
-# noise). With GQA 32/8 at n = 1K the forward read 1.000x and the backward 0.970x (its adjacent
-# slots share K / V already), and the harness had the forward at 0.97-0.99x at n = 2K: hence halves
-# up to SHORT_HALF_MAX, one query head per K / V head, the head dim measured.
+# forward) or Q / dO (the dS backward's dK/dV kernel, under its balanced schedule at D = 128) in
+# L2, where the plain order has every slot in flight at once. At n = 1K (16K tokens: 128 slots
+# re-reading 64 MB at D = 128, more than the L2) ncu read the dK/dV kernel's DRAM traffic 789 ->
+# 427 MB and its time 381.7 -> 365.7 us (session 20). Through torch (benchmarks.knob_ab, H200,
+# bf16, 16K tokens, medians of 10 shuffled rounds; csrc/NOTES.md session 21), against the plain
+# order: D = 128 forward 1.041 / 1.054x at n = 1K (block 16 / 4) and 1.058x at n = 512, backward
+# 1.010 / 1.014 / 1.012x, but the forward 0.975x at 2K and 0.961x at 4K; D = 256 forward 1.181 /
+# 1.139 / 1.032x at n = 1K / 512 / 2K (backward 1.032 / 1.024 / 1.022x, step 1.082 / 1.049 /
+# 1.029x), 0.967x at 4K; D = 64 level (1.00-1.02x). With GQA 32/8 (D = 128, n = 1K) the forward
+# read 1.000x and the backward 0.970x: adjacent slots share K / V already. Hence the walk for one
+# query head per K / V head, halves up to SHORT_HALF_MAX[head dim].
 SHORT_HALF_ORDER = (1, 4)
-SHORT_HALF_MAX = 1024
-SHORT_HALF_HEAD_DIMS = (128, 256)
+SHORT_HALF_MAX = {128: 1024, 256: 2048}
 PLAIN_ORDER = (0, 0)
 
 
 def _walk(longest_half: int, head_dim: int, group: int) -> tuple[int, int]:
     """The work order (chunk, block) of a batched call's forward and dS dK/dV kernel; ``group``:
     query heads per K / V head."""
-    short = group == 1 and head_dim in SHORT_HALF_HEAD_DIMS and longest_half <= SHORT_HALF_MAX
+    short = group == 1 and longest_half <= SHORT_HALF_MAX.get(head_dim, -1)
     return SHORT_HALF_ORDER if short else PLAIN_ORDER
 
 
