@@ -24,7 +24,8 @@ block_size, head dim, device), the host tuple of VarlenMask (no device sync), ea
 host-to-device copy of the offsets and every kernel's (tile, sample) table. The forward's grid is
 persistent (one CTA per SM); the backward's dK/dV kernel is the persistent one at D = 64, and at
 D = 128 where halves are at most PERSISTENT_DKDV_MAX_HALF long (_GQA with grouped heads; varlen:
-the longest sample's half).
+the longest sample's half). Batched calls with short halves (SHORT_HALF_MAX) walk the forward's
+and the dS backward's dK/dV work slot-major (SHORT_HALF_ORDER), the rest in the plain order.
 
 The build happens at the first call (one WARNING line; 27 translation units compiled in parallel
 by ninja: 121 s on the H200 machine's 16 cores with 23 of them, before the D = 256 backward).
