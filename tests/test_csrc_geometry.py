@@ -195,30 +195,27 @@ def test_rejects_what_geometry_py_rejects(lib):
         assert lib.dlm_varlen_num_pairs(_p(cu_t), len(cu) - 1, 4, _p(out)) == -1
 
 
-def _work_order_expected(entries, slots, chunk, block):
-    """The walk WorkOrder documents, written from its definition: blocks of `block` entries, inside
-    each block chunks of `chunk` slots, inside each chunk entry-major."""
-    out = []
-    for first_entry in range(0, entries, block):
-        rows = range(first_entry, min(first_entry + block, entries))
-        for first_slot in range(0, slots, chunk):
-            cols = range(first_slot, min(first_slot + chunk, slots))
-            out += [(e, j) for e in rows for j in cols]
-    return out
-
-
 @given(st.integers(1, 40), st.integers(1, 40), st.data())
 def test_work_order_walks_every_item_once_in_its_documented_order(lib, entries, slots, data):
-    """The kernels' grid / persistent walk (dlm/geometry.h WorkOrder): every (entry, slot) exactly
-    once, in block, chunk, entry-major order; chunk = slots is the plain entry-major order, and a
-    block past the entries (the harness's 1 << 30) is one block."""
+    """The kernels' grid / persistent walk (dlm/geometry.h WorkOrder) = geometry.work_order: every
+    (entry, slot) exactly once, blocks of `block` entries one after the other, inside a block the
+    slots chunk by chunk; chunk = slots is the plain entry-major order, chunk 1 gives each slot its
+    block's entries side by side, and a block past the entries (the harness's 1 << 30) is one
+    block."""
     chunk = data.draw(st.integers(1, slots))
     block = data.draw(st.one_of(st.integers(1, entries + 3), st.just(1 << 30)))
     out = torch.full((2 * entries * slots,), -1, dtype=torch.int32)
     _call(lib.dlm_work_order, entries, slots, chunk, block, _p(out))
     got = [tuple(p) for p in out.view(-1, 2).tolist()]
-    assert got == _work_order_expected(entries, slots, chunk, min(block, entries))
     assert got == work_order(entries, slots, chunk, block)  # the Python mirror
+    assert sorted(got) == [(e, j) for e in range(entries) for j in range(slots)]
+    blocks = [e // block for e, _ in got]
+    assert blocks == sorted(blocks)
+    chunks = [(e // block, j // chunk) for e, j in got]
+    assert chunks == sorted(chunks)
+    if chunk == 1:  # slot-major: a slot's entries of one block run side by side
+        rows = min(block, entries)
+        assert all(len({j for _, j in got[i:i + rows]}) == 1 for i in range(0, rows * slots, rows))
     if chunk == slots:
         assert got == [(e, j) for e in range(entries) for j in range(slots)]
 
