@@ -26,6 +26,8 @@
 //   ./fwd_standalone epi-ab        # the item's end: two Q buffers, the store knocked out
 //   ./fwd_standalone bn256-64      # D = 64 over 256-key tiles: checks, then the A/B
 //   ./fwd_standalone ab64          # D = 64: 3 / 4 stages, no ping-pong, two Q buffers against shipped
+//   ./fwd_standalone order         # WorkOrders (slot-major, L2 chunks) against the plain order on the
+//                                  # shipped persistent config: checks, then the A/B
 //   ./fwd_standalone sched         # persistent grids: the balanced schedule against the snake
 //   ./fwd_standalone trace         # where an item's time goes: per-phase means (trace_stats.h);
 //                                  # trace-sched: the same with the CTAs on the balanced schedule
