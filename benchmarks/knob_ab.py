@@ -1,8 +1,9 @@
 """A backend knob through torch, one setting against another: ``python -m benchmarks.knob_ab KNOB``.
 
-The knobs are module attributes of dlm_ops.backends.cutlass_diffusion that every call reads, so
-one process can time both settings on the same inputs: ``--rounds`` shuffled rounds (the main
-preset's method, benchmarks/__main__.py), medians, bf16, 16K tokens per case. Needs an sm90 GPU.
+The knobs are module attributes of dlm_ops.backends.cutlass_diffusion (or cutlass_sparse) that
+every call reads, so one process can time both settings on the same inputs: ``--rounds`` shuffled
+rounds (the main preset's method, benchmarks/__main__.py), medians, bf16, 16K tokens per case
+(the sparse ones: benchmarks.sparse's cases, B 1, H 32/8). Needs an sm90 GPU.
 
     dkdv-rule    PERSISTENT_DKDV_MAX_HALF 1024 (session 12's rule) against 2048 (shipped since
                  session 13); the n = 1K case runs the persistent kernel under both: its ratio is
@@ -13,6 +14,9 @@ preset's method, benchmarks/__main__.py), medians, bf16, 16K tokens per case. Ne
                  up to 1024 (their forwards; at D = 256 the dS backward's dK/dV kernel, one CTA
                  per key tile); the D = 128 case walks under both.
     short-max    SHORT_HALF_MAX 1024 against 4096 at D = 128 and 256: the walk at n = 2K and 4K.
+    split-tail   cutlass_sparse.SPLIT_PARTS 0 (no split) against 4 (session 22), the block- and
+                 column-sparse forwards; the H = 33 case has no tail (4224 items, 32 rounds of 132
+                 CTAs): its ratio is the noise.
 
 The last column is the second setting's speed over the first's.
 """
@@ -26,16 +30,29 @@ from typing import NamedTuple
 import torch
 
 from dlm_ops.backends import cutlass_diffusion as cd
+from dlm_ops.backends import cutlass_sparse as cs
 
+from . import sparse
 from .__main__ import _calls_per_measurement, _time_once, shuffled_rounds
 from .contenders import Case, ours
 
 
 class Knob(NamedTuple):
-    attribute: str  # of cutlass_diffusion
+    attribute: str  # of module
     settings: tuple
-    modes: tuple[str, ...]
-    cases: tuple[Case, ...]
+    modes: tuple[str, ...]  # of runs(case)
+    cases: tuple
+    module: object = cd
+
+
+def sparse_runs(case: sparse.SparseCase) -> dict:
+    """{mode: (setup, fn)} of the sparse forwards at one case: "block" (block_sparse_attn over
+    benchmarks.sparse's block pattern) and "column" (column_sparse_attn over its column pattern)."""
+    q, k, v = sparse._inputs(case)
+    idx, counts = sparse.block_pattern(case)
+    cidx, ccounts = sparse.column_pattern(case)
+    return {"block": (None, sparse.make_ours(case, q, k, v, idx, counts)),
+            "column": (None, sparse.make_column(case, q, k, v, cidx, ccounts))}
 
 
 KNOBS = {
@@ -56,6 +73,10 @@ KNOBS = {
                       ("fwd", "bwd", "step"),
                       (Case(4, 2048, 16, 16, 256, 16), Case(2, 4096, 16, 16, 256, 16),
                        Case(4, 2048, 16, 16, 128, 16), Case(2, 4096, 16, 16, 128, 16))),
+    "split-tail": Knob("SPLIT_PARTS", (0, 4), ("block", "column"),
+                       (sparse.SparseCase(16384, 0.1), sparse.SparseCase(16384, 0.3),
+                        sparse.SparseCase(32768, 0.1), sparse.SparseCase(65536, 0.1),
+                        sparse.SparseCase(16384, 0.1, heads=33, kv_heads=11)), cs),
 }
 
 
@@ -69,13 +90,14 @@ def main(argv=None) -> int:
         return 1
     knob = KNOBS[a.knob]
     first, second = knob.settings
-    saved = getattr(cd, knob.attribute)
+    module = knob.module
+    saved = getattr(module, knob.attribute)
     print(f"{knob.attribute}: {first} against {second}; medians of {a.rounds} shuffled rounds")
     print(f"| case | mode | {first} ms | {second} ms | speed {second} / {first} |")
     print("|---|---|---|---|---|")
     try:
         for case in knob.cases:
-            runs = ours(case)
+            runs = sparse_runs(case) if isinstance(case, sparse.SparseCase) else ours(case)
             iters = {}
             for mode in knob.modes:
                 _time_once(*runs[mode], 2)
@@ -83,7 +105,7 @@ def main(argv=None) -> int:
 
             def measure(key):
                 setting, mode = key
-                setattr(cd, knob.attribute, setting)  # read by every call
+                setattr(module, knob.attribute, setting)  # read by every call
                 return _time_once(*runs[mode], iters[mode])
 
             keys = [(s, m) for s in knob.settings for m in knob.modes]
@@ -93,7 +115,7 @@ def main(argv=None) -> int:
                 print(f"| {case.label} | {mode} | {t0:.3f} | {t1:.3f} | {t0 / t1:.3f} |", flush=True)
             torch.cuda.empty_cache()
     finally:
-        setattr(cd, knob.attribute, saved)
+        setattr(module, knob.attribute, saved)
     return 0
 
 

@@ -140,3 +140,17 @@ def test_result_rows_name_the_kernel_sources(tmp_path, monkeypatch):
     bench.write_results(tmp_path, "t", [dict(meta, ms=1.0)], meta, "what", "| table |")
     header = (tmp_path / "t.md").read_text().splitlines()[0]
     assert f"commit abc1234, csrc {meta['csrc']};" in header
+
+
+def test_knob_ab_knobs_name_what_the_backends_read():
+    """Every knob is an attribute of its backend module (the A/B sets it and restores it), and its
+    modes are what its cases' runs offer."""
+    from benchmarks import knob_ab, sparse
+
+    for name, knob in knob_ab.KNOBS.items():
+        assert hasattr(knob.module, knob.attribute), name
+        assert len(knob.settings) == 2 and knob.settings[0] != knob.settings[1], name
+        sparse_cases = [isinstance(c, sparse.SparseCase) for c in knob.cases]
+        assert all(sparse_cases) or not any(sparse_cases), name
+        want = {"block", "column"} if all(sparse_cases) else {"fwd", "bwd", "step"}
+        assert set(knob.modes) <= want, name

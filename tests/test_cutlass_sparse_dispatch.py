@@ -68,11 +68,13 @@ class FakeExtension:
         return block_q == 128 and block_k == 128 and d in (64, 128)
 
     def fwd(self, q, k, v, out, lse, kv_block_indices, kv_block_counts, work_order, block_q,
-            block_k, scale, key_len=None, max_ctas=0):
+            block_k, scale, key_len=None, max_ctas=0, split_parts=0):
         assert isinstance(max_ctas, int) and max_ctas >= 0
+        assert isinstance(split_parts, int) and split_parts >= 0
         self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, idx=kv_block_indices,
                                counts=kv_block_counts, order=work_order, block_q=block_q,
-                               block_k=block_k, scale=scale, key_len=key_len, max_ctas=max_ctas))
+                               block_k=block_k, scale=scale, key_len=key_len, max_ctas=max_ctas,
+                               split_parts=split_parts))
         if key_len is None:
             o, l = TorchSparseBackend().block_fwd(q, k, v, kv_block_indices, kv_block_counts,
                                                   block_q, block_k, scale)
@@ -161,6 +163,7 @@ def test_covered_forwards_run_cutlass_with_their_arguments(b, sq, sk, heads, d, 
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
     assert (call["block_q"], call["block_k"], call["scale"]) == (128, 128, 0.3)
     assert call["max_ctas"] == 132  # the persistent grid: one CTA per SM (cutlass_sparse.PERSISTENT)
+    assert call["split_parts"] == cs._launch_grid(q.device, cnt.numel())["split_parts"]
     for t, src in ((call["idx"], idx), (call["counts"], cnt)):
         assert t.dtype == torch.int32 and t.is_contiguous() and torch.equal(t, src)
     order = call["order"]
@@ -320,6 +323,7 @@ def test_column_forward_runs_cutlass_over_gathered_keys(b, sq, sk, heads, d, dty
     assert call["q"] is q and call["out"] is out and call["lse"] is lse
     assert (call["block_q"], call["block_k"], call["scale"]) == (128, 128, 0.3)
     assert call["max_ctas"] == 132
+    assert call["split_parts"] == cs._launch_grid(q.device, call["counts"].numel())["split_parts"]
     kg, vg = call["k"], call["v"]
     for t, src in ((kg, k), (vg, v)):
         assert t.shape == (b, m, h, d) and t.dtype == dtype and t.is_contiguous()
@@ -636,7 +640,15 @@ class _WithoutGather:
 
 
 def test_the_grid_rule(monkeypatch):
-    """Both forwards run the persistent grid (one CTA per SM) unless PERSISTENT is off."""
-    assert cs._max_ctas(torch.device("cpu")) == 132
+    """Both forwards run the persistent grid (one CTA per SM) unless PERSISTENT is off; the last
+    round is split where it holds at most half a grid of items (each then gets two CTAs or more)."""
+    cpu = torch.device("cpu")
+    assert cs._max_ctas(cpu) == 132
+    parts = cs.SPLIT_PARTS
+    assert parts >= 2
+    for items, split in ((4096, parts), (4092, 0), (4092 + 66, parts), (4092 + 67, 0),
+                         (1, parts), (66, parts), (67, 0), (132, 0), (0, 0)):
+        assert cs._launch_grid(cpu, items) == {"max_ctas": 132, "split_parts": split}, items
     monkeypatch.setattr(cs, "PERSISTENT", False)
-    assert cs._max_ctas(torch.device("cpu")) == 0
+    assert cs._max_ctas(cpu) == 0
+    assert cs._launch_grid(cpu, 4096) == {"max_ctas": 0, "split_parts": 0}

@@ -741,6 +741,47 @@ def test_gpu_cutlass_block_sparse_forward(dtype, sq, sk, h, hkv, d, mode):
     _no_worse_than_triton(out, lse, out_t, lse_t, gold, dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the cutlass backend is sm90 only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form,d,parts", [("block", 128, 2), ("block", 128, 8), ("block", 64, 4),
+                                          ("column", 128, 4), ("column", 64, 8)])
+def test_gpu_cutlass_split_tail(monkeypatch, dtype, form, d, parts):
+    """The split tail (cutlass_sparse.SPLIT_PARTS; block_sparse_fwd.cuh tail_part): 136 items on
+    the H200's 132 CTAs leave 4 for the last round, each split into parts over 33 CTAs and merged
+    by the last part to finish. The result meets the accuracy rule, its error at most twice
+    the unsplit launch's (+ a tiny atol), and split launches in a row agree: the counters are
+    fresh per call."""
+    assert _cutlass_reason() is None, _cutlass_reason()
+    from dlm_ops.backends import cutlass_sparse as cs
+
+    b, h, hkv, sq, sk = 1, 4, 2, 34 * 128 - 5, 3000
+    if cs._max_ctas(torch.device("cuda")) != 132:
+        pytest.skip("the shape is sized for 132 SMs")
+    q, k, v = _gpu_qkv(b, sq, sk, h, hkv, d, dtype, seed=parts + d)
+    if form == "block":
+        idx, cnt = _gpu_block_pattern(b, h, sq, sk, 128, 128, 0.6, parts)
+        items = cnt.numel()
+        run = lambda: dlm_ops.block_sparse_attn(q, k, v, idx, cnt, block_size_q=128,
+                                                block_size_k=128, return_lse=True)
+        ref = lambda **kw: block_sparse_attn_ref(q, k, v, idx, cnt, 128, 128, **kw)
+    else:
+        idx, cnt = _gpu_column_pattern(b, h, sk, 2000, "random", parts)
+        items = b * h * -(-sq // 128)
+        run = lambda: dlm_ops.column_sparse_attn(q, k, v, idx, cnt, return_lse=True)
+        ref = lambda **kw: column_sparse_attn_ref(q, k, v, idx, cnt, **kw)
+    monkeypatch.setattr(cs, "SPLIT_PARTS", parts)
+    assert cs._launch_grid(q.device, items)["split_parts"] == parts
+    with torch.no_grad():
+        out, lse = run()
+        again = run()
+        monkeypatch.setattr(cs, "SPLIT_PARTS", 0)
+        out_plain, lse_plain = run()
+    gold = _forward_rule(out, lse, ref, dtype)
+    _no_worse_than_triton(out, lse, out_plain, lse_plain, gold, dtype)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+
+
 def _no_worse_than_triton(out, lse, out_t, lse_t, gold, dtype):
     """The CUTLASS forward's error at most twice Triton's (+ a tiny atol), out and finite lse."""
     empty = torch.isneginf(gold[1])

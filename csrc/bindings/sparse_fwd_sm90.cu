@@ -35,11 +35,13 @@ bool supports(int64_t block_q, int64_t block_k, int64_t d) {
 // (b * H + h) * nQb + qb, longest list first; key_len: None or (B, H) int32, the keys of (b, h)
 // are [0, key_len[b, h]) (<= Sk, lists below ceil(key_len / 128): the column-sparse forward's
 // gathered keys, dlm_ops/backends/cutlass_sparse.py); max_ctas: 0 one CTA per item, > 0 a
-// persistent grid of at most that many CTAs.
+// persistent grid of at most that many CTAs; split_parts (with max_ctas > 0): > 0 splits the last
+// round's items into up to that many parts over the grid (block_sparse_fwd.cuh tail_part), with
+// scratch allocated here per call (the partials uninitialised, 2 * max_ctas counters zeroed).
 void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
          torch::Tensor kv_block_indices, torch::Tensor kv_block_counts,
          std::optional<torch::Tensor> work_order, int64_t block_q, int64_t block_k, double scale,
-         std::optional<torch::Tensor> key_len, int64_t max_ctas) {
+         std::optional<torch::Tensor> key_len, int64_t max_ctas, int64_t split_parts) {
   const auto& idx = kv_block_indices;
   const auto& counts = kv_block_counts;
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
@@ -99,6 +101,16 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   TORCH_CHECK(max_ctas >= 0 && max_ctas <= INT32_MAX, "max_ctas must be >= 0");
   a.max_ctas = static_cast<int>(max_ctas);
   a.stream = c10::cuda::getCurrentCUDAStream();
+  TORCH_CHECK(split_parts >= 0 && split_parts <= INT32_MAX, "split_parts must be >= 0");
+  torch::Tensor partials, counters;  // alive until the launch is queued; the allocator orders reuse
+  if (split_parts > 0 && max_ctas > 0) {
+    partials = torch::empty({dlm::sm90::split_scratch_floats(static_cast<int>(d), a.max_ctas)},
+                            q.options().dtype(torch::kFloat32));
+    counters = torch::zeros({2 * max_ctas}, q.options().dtype(torch::kInt32));
+    a.split_parts = static_cast<int>(split_parts);
+    a.split_partials = partials.data_ptr<float>();
+    a.split_counters = counters.data_ptr<int32_t>();
+  }
   const cudaError_t err =
       dlm_bindings::dispatch<64, 128>(q.scalar_type(), static_cast<int>(d), LaunchSparseFwd{a});
   C10_CUDA_CHECK(err);
@@ -113,6 +125,6 @@ void add_sparse_fwd(pybind11::module_& m) {  // the module: csrc/bindings/sparse
         pybind11::arg("lse"), pybind11::arg("kv_block_indices"), pybind11::arg("kv_block_counts"),
         pybind11::arg("work_order"), pybind11::arg("block_q"), pybind11::arg("block_k"),
         pybind11::arg("scale"), pybind11::arg("key_len") = pybind11::none(),
-        pybind11::arg("max_ctas") = 0);
+        pybind11::arg("max_ctas") = 0, pybind11::arg("split_parts") = 0);
 }
 }  // namespace dlm_bindings

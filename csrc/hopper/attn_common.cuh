@@ -390,6 +390,104 @@ CUTE_DEVICE void store_o_drain(int tid) {
   }
 }
 
+// A part of a split work item (the block-sparse forward's split tail, block_sparse_fwd.cuh
+// tail_part): walk index w, the item's first CTA, its number of parts, this CTA's part and the
+// part's entries [lo, hi) of the item's key list.
+struct TailPart {
+  int w, first, parts, index, lo, hi;
+};
+
+// Global-memory helpers of finish_part: the release / acquire count and L2 reads.
+CUTE_DEVICE int atomic_add_acq_rel_gpu(int32_t* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+// bar.sync over `threads` threads that also ORs `pred` over them (every thread gets the result).
+CUTE_DEVICE bool bar_sync_or(int id, int threads, bool pred) {
+  uint32_t out;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n"
+      " bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
+      : "=r"(out) : "r"(uint32_t(pred)), "r"(id), "r"(threads) : "memory");
+  return out != 0;
+}
+
+// The end of a part of a split item (tp; one consumer warpgroup's rows). A part alone (parts 1) is
+// the whole item: the usual epilogue. Otherwise every part writes its unnormalised O, row maxima and
+// row sums (fp32, the registers as they lie in (row, column) order: float4 stores, 128 threads side
+// by side, so each store instruction writes 2 KB contiguously) to its CTA's slot of `partials`, and
+// counts itself in the item's counter (release); the part that counts last (acquire) reads every
+// part's slot from L2 in part order, merges them in its registers (the max of the row maxima, each
+// part rescaled by 2^(m_part - max)) and runs the item's epilogue. Nothing waits for another CTA,
+// and the result is the same whichever part comes last (run to run reproducible).
+// counters: zero at the launch (the binding's per-call buffer), 2 per item (its consumers'),
+// indexed by the item's first CTA.
+template <class Cfg, class Params, class AccO, class Coords, int kRows>
+CUTE_DEVICE void finish_part(Params const& p, typename Cfg::SharedStorage& ss, AccO& acc_o,
+                             Coords const& tOcO_rc, float (&row_sum)[kRows],
+                             float (&row_max)[kRows], TailPart const& tp, float* partials,
+                             int32_t* counters, int b, int h, int row_base, int row_end,
+                             int row_offset, int o_rows, int consumer, int tid) {
+  if (tp.parts > 1) {
+    static_assert(kRows == 2, "a slot holds two rows' max and sum per thread");
+    Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+    constexpr int kCols = decltype(size<1>(o_rc))::value, kVecs = kRows * kCols / 4;
+    static_assert(kCols % 4 == 0);
+    constexpr int64_t kSlot = 128 * (kVecs + 1) * 4;  // floats per part and consumer
+    auto slot = [&](int cta) {
+      return reinterpret_cast<float4*>(partials + (int64_t(cta) * Cfg::kConsumers + consumer) * kSlot);
+    };
+    float4* mine = slot(tp.first + tp.index);
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i)
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; c += 4)
+        mine[((i * kCols + c) / 4) * 128 + tid] =
+            make_float4(o_rc(i, c), o_rc(i, c + 1), o_rc(i, c + 2), o_rc(i, c + 3));
+    mine[kVecs * 128 + tid] = make_float4(row_max[0], row_max[1], row_sum[0], row_sum[1]);
+    bar_sync(kOStoreBarrier + consumer, 128);  // the warpgroup's writes, then its count
+    bool last = false;
+    if (tid == 0)
+      last = atomic_add_acq_rel_gpu(counters + tp.first * Cfg::kConsumers + consumer, 1) == tp.parts - 1;
+    if (!bar_sync_or(kOStoreBarrier + consumer, 128, last)) return;
+    // Every part's partial in part order, this one's too (read back): the sum's order, and so the
+    // result, does not depend on which part finished last. The first merge copies part 0 exactly.
+    for (int i = 0; i < kRows; ++i) {
+      row_max[i] = -INFINITY;
+      row_sum[i] = 0.f;
+    }
+    clear(acc_o);
+    for (int part = 0; part < tp.parts; ++part) {
+      const float4* other = slot(tp.first + part);
+      const float4 ml = __ldcg(other + kVecs * 128 + tid);
+      const float m_other[kRows] = {ml.x, ml.y}, l_other[kRows] = {ml.z, ml.w};
+      float keep[kRows], add[kRows];
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        const float m = fmaxf(row_max[i], m_other[i]);
+        // -inf on both sides (no key seen): both weights 0, the epilogue's l = 0.
+        keep[i] = row_max[i] == -INFINITY ? 0.f : exp2f(row_max[i] - m);
+        add[i] = m_other[i] == -INFINITY ? 0.f : exp2f(m_other[i] - m);
+        row_sum[i] = row_sum[i] * keep[i] + l_other[i] * add[i];
+        row_max[i] = m;
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i)
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; c += 4) {
+          const float4 x = __ldcg(other + ((i * kCols + c) / 4) * 128 + tid);
+          o_rc(i, c) = o_rc(i, c) * keep[i] + x.x * add[i];
+          o_rc(i, c + 1) = o_rc(i, c + 1) * keep[i] + x.y * add[i];
+          o_rc(i, c + 2) = o_rc(i, c + 2) * keep[i] + x.z * add[i];
+          o_rc(i, c + 3) = o_rc(i, c + 3) * keep[i] + x.w * add[i];
+        }
+    }
+  }
+  store_item<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, b, h, row_base, row_end, row_offset,
+                  o_rows, consumer, tid);
+}
+
 // Barrier set-up of the forwards: Q full / empty and the K / V ring, then the CTA's sync.
 template <class Cfg>
 CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
@@ -454,11 +552,25 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
 
   int it = 0;  // the producer's ring position, kept in step
   if (Cfg::kPingPong && consumer == 1) named_barrier_arrive(kTurnBarrier + 0);  // see kTurnBarrier
-  for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
+  // The CTA's whole items, then (split tail) its part of a split item: one loop, so that its body
+  // is inlined once (as a lambda called twice it became a function, and ptxas serialized the
+  // wgmmas in it: C7520).
+  // Only in_tail stays live over the loop (with the TailPart, ptxas spilled in it: 244 bytes).
+  const int whole = kernel.whole(num_items);
+  bool in_tail = false;
+  float row_max[kRows], row_sum[kRows], scale_row[kRows];
+  for (int item = 0, w = snake_item(0);; w = snake_item(++item)) {
+    int lo = 0, hi = 0;
+    if (w >= whole) {
+      TailPart tp;
+      if (in_tail || !kernel.tail(num_items, tp)) break;
+      in_tail = true;
+      w = tp.w, lo = tp.lo, hi = tp.hi;
+    }
     const int ev = consumer * 8;  // trace_event's slots of this consumer (harness `trace` only)
     trace_event<Cfg>(item, ev + 0);
-    const auto wi = kernel.item(w, consumer, tScS_rc);
-    float row_max[kRows], row_sum[kRows], scale_row[kRows];
+    auto wi = kernel.item(w, consumer, tScS_rc);
+    if (in_tail) wi = kernel.part(wi, lo, hi);
     for (int i = 0; i < kRows; ++i) {
       row_max[i] = -INFINITY;
       row_sum[i] = 0.f;
@@ -544,10 +656,18 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       Barrier::arrive(&ss.v_empty[last]);
     }
     trace_event<Cfg>(item, ev + 6);
+    if (in_tail) break;  // a part of a split item: finish_part below, outside the loop
     // Epilogue (no key tile: O = 0, lse = -inf); rows from row_end on are not stored.
     store_item<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, wi.row_base,
                     kernel.row_end(wi), wi.row_offset, kernel.o_rows(), consumer, tid);
     trace_event<Cfg>(item, ev + 7);
+  }
+  TailPart tp;
+  if (in_tail && kernel.tail(num_items, tp)) {  // the part's partial, the last part's merge + epilogue
+    const auto wi = kernel.item(tp.w, consumer, tScS_rc);
+    finish_part<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, tp, p.split_partials,
+                     p.split_counters, wi.b, wi.h, wi.row_base, kernel.row_end(wi), wi.row_offset,
+                     kernel.o_rows(), consumer, tid);
   }
   store_o_drain<Cfg>(tid);
 }

@@ -22,7 +22,9 @@
 // Work items: item w is entry work_order[w] (or w) of the flat (B, H, nQb) count tensor. The CTA
 // loop over items is v5's with the snake walk (snake_item); the grid is one CTA per item, or
 // persistent (SparseFwdArgs::max_ctas, at most that many CTAs; cutlass_sparse.PERSISTENT decides,
-// csrc/NOTES.md "Session 10").
+// csrc/NOTES.md "Session 10"). On the persistent grid the last round's items may be split into
+// parts over the CTAs it would leave idle, merged by the part that finishes last (tail_part,
+// attn_common.cuh finish_part; SparseFwdArgs::split_parts).
 //
 // Per-item key lengths (key_len, optional; the column-sparse forward's: csrc/NOTES.md "Column-sparse
 // forward (issue #5)"). With key_len set, the keys of (b, h) are [0, key_len[b * H + h]) (<= Sk),
@@ -66,7 +68,20 @@ struct SparseFwdArgs {
   bool shared_list = false;             // kv_block_indices is one list (max_blocks) read by every item
   const int32_t* key_len = nullptr;     // optional: (B, H) keys per (batch, head), <= seqlen_k; null = seqlen_k
   int max_ctas = 0;                     // > 0: a persistent grid of at most that many CTAs; 0: one CTA per item
+  // The split tail (tail_part below; needs max_ctas > 0): > 0 splits each of the last round's items
+  // into up to this many parts over the grid's CTAs. Then the grid is max_ctas CTAs even with
+  // fewer items, split_partials holds split_scratch_floats(D, max_ctas) floats and split_counters
+  // 2 * max_ctas zeroed int32 (per launch: the parts count themselves in them).
+  int split_parts = 0;
+  float* split_partials = nullptr;
+  int32_t* split_counters = nullptr;
 };
+
+// Scratch of the split tail: per CTA and consumer warpgroup, its part's unnormalised O (64 x D
+// fp32) and each thread's two row maxima and sums (finish_part in hopper/attn_common.cuh).
+inline int64_t split_scratch_floats(int d, int ctas) {
+  return int64_t(ctas) * 2 * 128 * (64 * d / 128 + 4);
+}
 
 // Host: what this kernel covers (the binding falls back to Triton otherwise).
 inline bool block_sparse_fwd_supports(int block_q, int block_k, int d) {
@@ -101,6 +116,9 @@ struct SparseFwdParams {
   float scale_log2;           // softmax scale * log2(e)
   const int32_t* key_len;     // (B, H); read by the kKeyLen kernel only (appended: the shipped
                               // kernel's parameter offsets stay as they were)
+  int split_parts;            // SparseFwdArgs::split_parts (0: no split tail)
+  float* split_partials;
+  int32_t* split_counters;
   // Cfg::kSmemO: the TMA store of O over (seqlen_q, D, heads, batch).
   using TmaO = decltype(make_tma_o<Cfg>(nullptr, 1, 1, 1, 1, 1, 1));
   TmaO tma_o{};
@@ -116,6 +134,33 @@ CUTE_DEVICE SparseItem sparse_item(Params const& p, int w) {
   const int e = p.work_order ? p.work_order[w] : w, bh = e / p.num_q_blocks;
   return {bh / p.heads, bh % p.heads, e % p.num_q_blocks, p.counts[e],
           p.indices + int64_t(e) * p.list_stride};
+}
+
+// The split tail (csrc/NOTES.md "Session 22"). With 4096 items of 13 tiles on 132 CTAs (16K at
+// density 0.1) 31 rounds are full and 4 items make a 32nd: 3 % of the launch with 128 CTAs idle.
+// With split_parts > 0 the CTAs walk the first whole = items / grid * grid items as before, and
+// the tail = items - whole left (the last round's; the shortest in a longest-first order) go over
+// the whole grid: tail item t has the CTAs [first, next), first = ceil(t * grid / tail), so CTA c
+// works on tail item c * tail / grid; the item splits into parts = min(its CTAs, its tiles,
+// split_parts) (at least 1) runs of its list, part i its tiles [i * n / parts, (i + 1) * n /
+// parts), and the CTAs past its parts have none. Producer and consumers take the same part
+// (TailPart: hopper/attn_common.cuh, with the parts' merge, finish_part).
+template <class Params>
+CUTE_DEVICE int whole_items(Params const& p, int num_items) {
+  return p.split_parts > 0 ? num_items / int(gridDim.x) * int(gridDim.x) : num_items;
+}
+template <class Params>
+CUTE_DEVICE bool tail_part(Params const& p, int num_items, TailPart& tp) {
+  const int grid = gridDim.x, whole = num_items / grid * grid, tail = num_items - whole;
+  if (p.split_parts <= 0 || tail == 0) return false;
+  const int c = blockIdx.x, t = int(int64_t(c) * tail / grid);
+  const int first = int((int64_t(t) * grid + tail - 1) / tail);
+  const int next = int((int64_t(t + 1) * grid + tail - 1) / tail);
+  const int w = whole + t, n = p.counts[p.work_order ? p.work_order[w] : w];
+  const int parts = max(1, min(next - first, min(n, p.split_parts))), index = c - first;
+  if (index >= parts) return false;
+  tp = {w, first, parts, index, int(int64_t(index) * n / parts), int(int64_t(index + 1) * n / parts)};
+  return true;
 }
 
 // The block-sparse side of fwd_consumers (hopper/attn_common.cuh): item w is query block qb of
@@ -138,6 +183,13 @@ struct SparseConsumerSide {
   }
   CUTE_DEVICE int row_end(Item const&) const { return p.seqlen_q; }  // rows past Sq: not stored
   CUTE_DEVICE int o_rows() const { return p.seqlen_q; }
+  CUTE_DEVICE static Item part(Item item, int lo, int hi) {  // entries [lo, hi) of the item's list
+    item.list += lo;
+    item.n_tiles = hi - lo;
+    return item;
+  }
+  CUTE_DEVICE int whole(int num_items) const { return whole_items(p, num_items); }
+  CUTE_DEVICE bool tail(int num_items, TailPart& tp) const { return tail_part(p, num_items, tp); }
   // Step j is short iff Sk is not a multiple of BN and it visits the last key block.
   CUTE_DEVICE int tile(Item const&, int j) const { return j; }
   CUTE_DEVICE bool may_mask(int) const { return k_tail != 0; }
@@ -174,6 +226,13 @@ struct KeyLenConsumerSide {
   }
   CUTE_DEVICE int row_end(Item const&) const { return p.seqlen_q; }
   CUTE_DEVICE int o_rows() const { return p.seqlen_q; }
+  CUTE_DEVICE static Item part(Item item, int lo, int hi) {
+    item.list += lo;
+    item.n_tiles = hi - lo;
+    return item;
+  }
+  CUTE_DEVICE int whole(int num_items) const { return whole_items(p, num_items); }
+  CUTE_DEVICE bool tail(int num_items, TailPart& tp) const { return tail_part(p, num_items, tp); }
   CUTE_DEVICE int tile(Item const&, int j) const { return j; }
   CUTE_DEVICE bool may_mask(int) const { return true; }  // the tail is per item: masked() decides
   CUTE_DEVICE bool masked(Item const& item, int j) const {
@@ -224,9 +283,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
       Tensor tVsV = tma_v.partition_D(sV);
       int it = 0;  // K/V visits so far, over every work item of this CTA: the ring position
-      for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
-        trace_event<Cfg>(item, ev + 0);
-        const SparseItem si = sparse_item(p, w);
+      // The item's Q, then its list's entries [lo, hi), for the item-th of this CTA's items: its
+      // whole items, then (split tail) its part of a split item, as the consumers take them. The
+      // tail after the loop, not in it: the producer has 24 registers, and the loop that also
+      // decoded the tail spilled 200 bytes.
+      auto produce = [&](SparseItem const& si, int item, int lo, int hi) {
         const int kvh = si.h / (p.heads / p.kv_heads);
         Tensor gQ = local_tile(mQ(_, _, si.h, si.b), Shape<Int<BM>, Int<D>>{}, make_coord(si.qb, 0));
         produce_q<Cfg>(p.tma_q, tma_q, gQ, sQ, ss, item);
@@ -237,7 +298,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             local_tile(mK(_, _, kvh, si.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
         Tensor tVgV = tma_v.partition_S(
             local_tile(mV(_, _, kvh, si.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
-        for (int j = 0; j < si.count; ++j, ++it) {
+        for (int j = lo; j < hi; ++j, ++it) {
           const int kb = si.list[j], stage = it % STAGES, phase = (it / STAGES) & 1;
           Barrier::wait(&ss.k_empty[stage], phase ^ 1);
           TxBarrier::arrive_and_expect_tx(&ss.k_full[stage], Cfg::kTileBytesKV);
@@ -247,7 +308,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           copy(p.tma_v.with(ss.v_full[stage]), tVgV(_, _, _, kb), tVsV(_, _, _, stage));
         }
         trace_event<Cfg>(item, ev + 2);
+      };
+      const int whole = whole_items(p, num_items);
+      int item = 0;
+      for (int w = snake_item(0); w < whole; w = snake_item(++item)) {
+        trace_event<Cfg>(item, ev + 0);
+        const SparseItem si = sparse_item(p, w);
+        produce(si, item, 0, si.count);
       }
+      TailPart tp;
+      if (tail_part(p, num_items, tp)) produce(sparse_item(p, tp.w), item, tp.lo, tp.hi);
       trace_event<Cfg>(0, kTraceEvents - 2);  // the producer's end
       trace_event<Cfg>(0, kTraceEvents - 1);
     }
@@ -300,11 +370,16 @@ cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a, int max_ctas = 0
       static_cast<Elem*>(a.o), a.lse, a.o_stride[1], a.o_stride[2], a.o_stride[0],
       a.lse_stride[1], a.lse_stride[0], a.seqlen_q, sk, a.heads, a.kv_heads, a.batch,
       a.num_q_blocks, a.shared_list ? 0 : a.max_blocks, a.kv_block_indices, a.kv_block_counts,
-      a.work_order, a.scale * 1.4426950408889634f, a.key_len};
+      a.work_order, a.scale * 1.4426950408889634f, a.key_len, a.split_parts, a.split_partials,
+      a.split_counters};
   if constexpr (Cfg::kSmemO)
     p.tma_o = make_tma_o<Cfg>(static_cast<Elem*>(a.o), a.seqlen_q, a.heads, a.batch, a.o_stride[1],
                               a.o_stride[2], a.o_stride[0]);
-  const int ctas = max_ctas > 0 && max_ctas < items ? max_ctas : items;
+  // The split tail runs on the whole persistent grid, whatever the item count.
+  const bool split = a.split_parts > 0 && max_ctas > 0;
+  if (split && (!a.split_partials || !a.split_counters)) return cudaErrorInvalidValue;
+  if (!split) p.split_parts = 0;
+  const int ctas = split || (max_ctas > 0 && max_ctas < items) ? max_ctas : items;
   return a.key_len ? run_block_sparse_fwd<Cfg, true>(p, ctas, a.stream)
                    : run_block_sparse_fwd<Cfg, false>(p, ctas, a.stream);
 }

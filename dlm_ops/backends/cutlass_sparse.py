@@ -13,7 +13,8 @@ q / k / v (unit stride in D, 16-byte aligned base and strides). The kernel walks
 query block) items in a work order, longest list first (``work_order``: one small launch of the
 extension's sort, csrc/hopper/work_order.cuh, no host sync: 1.8 us of GPU time at 4096 items with
 uniform counts, 12 us with random ones, where torch.argsort + the int32 cast took 22-24 us), on a
-persistent grid (one CTA per SM, ``PERSISTENT``) whose CTAs take the items in the snake order.
+persistent grid (one CTA per SM, ``PERSISTENT``) whose CTAs take the items in the snake order;
+a last round that would leave half the grid idle is split into parts over it (``SPLIT_PARTS``).
 
 Column-sparse (``column_fwd``): dense attention over each head's listed keys, so the listed K / V
 rows are gathered per query head into (B, K, H, D) buffers (K = kv_indices.shape[-1], static: no
@@ -70,6 +71,12 @@ BLOCK = 128  # the kernel's key block (block_sparse_fwd_supports)
 # (column 1.007 / 1.008 / 0.994) and 0.975 / 1.002 / 1.011 at 64K (column 0.991 / 1.000 / 0.997):
 # a gain at 16K, within the +-3 % run-to-run spread above it. One rule, as the diffusion forward's.
 PERSISTENT = True
+# The split tail (csrc/NOTES.md "Session 22"; block_sparse_fwd.cuh tail_part): where the persistent
+# grid's last round would leave at least half of its CTAs idle, that round's items are split into up
+# to SPLIT_PARTS parts (runs of their key lists) over all the CTAs, and the part that finishes last
+# merges the others' fp32 partials (64 KB per part at D = 128, read from L2: why not more parts).
+# At 16K / 10 % (4096 items of 13 tiles on 132 CTAs) the 32nd round holds 4 items, ~3 % of the launch.
+SPLIT_PARTS = 4
 
 _EXT = None
 _BUILD_ERROR: str | None = None
@@ -86,6 +93,15 @@ def _extension():
 def _max_ctas(device: torch.device) -> int:
     """The kernel's grid bound (SparseFwdArgs::max_ctas): the SM count, or 0 (one CTA per item)."""
     return _sm_count(device) if PERSISTENT else 0
+
+
+def _launch_grid(device: torch.device, items: int) -> dict:
+    """The kernel's grid arguments for `items` work items: max_ctas (_max_ctas) and split_parts,
+    SPLIT_PARTS where the persistent grid's last round holds at most half of its CTAs' worth of
+    items (each of them then gets at least two CTAs), 0 otherwise."""
+    ctas = _max_ctas(device)
+    tail = items % ctas if ctas else 0
+    return {"max_ctas": ctas, "split_parts": SPLIT_PARTS if 0 < tail <= ctas // 2 else 0}
 
 
 def work_order(counts: torch.Tensor, ext=None, max_count: int | None = None) -> torch.Tensor:
@@ -210,7 +226,7 @@ class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
         lse = new_output(q, (b, h, sq), torch.float32)
         order = work_order(counts, ext, idx.shape[-1])
         ext.fwd(q, k, v, out, lse, idx, counts, order, bsq, bsk, scale,
-                max_ctas=_max_ctas(q.device))
+                **_launch_grid(q.device, counts.numel()))
         STATS["fwd"] += 1
         return out, lse
 
@@ -232,7 +248,7 @@ class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, sq), torch.float32)
         ext.fwd(q, kg, vg, out, lse, shared, blocks, order, BLOCK, BLOCK, scale, key_len=key_len,
-                max_ctas=_max_ctas(q.device))
+                **_launch_grid(q.device, blocks.numel()))
         STATS["column_fwd"] += 1
         return out, lse
 

@@ -20,6 +20,7 @@
 //   ./sparse_fwd softmax-ab  # FwdConfig SOFTMAX_ILP_ / STALE_MAX_ (the softmax in four chains, the
 //                         # O rescale skipped while the max is stale): checks + A/B
 //   ./sparse_fwd epi-ab   # the item's end: two Q buffers, the O store knocked out (A/B)
+//   ./sparse_fwd split-ab # the split tail (the last round's items in parts): checks + A/B
 //   ./sparse_fwd trace    # where an item's time goes: clock64 stamps at fixed points of each item
 //                         # (common.cuh Traced), per-phase means in microseconds at four shapes
 //   ./sparse_fwd prof     # one persistent launch at 16K, density 0.1 and 0.5, for ncu: the kernel's
@@ -136,7 +137,25 @@ struct Case {
   bool order;       // pass a work order (longest list first)
   int ctas = 0;     // > 0: a persistent grid of this many CTAs (the timing's A/B), else one per item
   int key_len = 0;  // 0: none; 1: a key length per (b, h), own lists; 2: the same, one shared list
+  int split = 0;    // > 0 (with ctas > 0): the split tail, up to this many parts per item
 };
+
+// The split tail's scratch (SparseFwdArgs::split_*), sized for D <= 128 and up to 1024 CTAs, and
+// set up as the binding does per call: the counters zeroed on the launch's stream first.
+void use_split(dlm::sm90::SparseFwdArgs& a, int parts, int ctas) {
+  static float* partials = nullptr;
+  static int32_t* counters = nullptr;
+  constexpr int kMaxCtas = 1024;
+  if (!partials) {
+    CK(cudaMalloc(&partials, dlm::sm90::split_scratch_floats(128, kMaxCtas) * sizeof(float)));
+    CK(cudaMalloc(&counters, 2 * kMaxCtas * sizeof(int32_t)));
+  }
+  if (ctas > kMaxCtas) { printf("use_split: at most %d CTAs\n", kMaxCtas); exit(1); }
+  a.split_parts = parts;
+  a.split_partials = partials;
+  a.split_counters = counters;
+  if (parts > 0) CK(cudaMemsetAsync(counters, 0, 2 * ctas * sizeof(int32_t), a.stream));
+}
 
 template <class Elem, int D>
 struct Bufs {
@@ -201,6 +220,7 @@ void check(const Case& c, const char* name) {
     CK(cudaMemcpy(b.v, hv.data(), nk * sizeof(Elem), cudaMemcpyHostToDevice));
   }
   b.poison(c);
+  if (c.split) use_split(b.args, c.split, c.ctas);
   if (c.ctas > 0 || !std::is_same_v<Cfg, HarnessCfg<Elem, D>>)
     CK(dlm::sm90::launch_block_sparse_fwd_cfg<Cfg>(b.args, c.ctas));
   else
@@ -271,9 +291,9 @@ void check(const Case& c, const char* name) {
   for (float x : hl) unwritten += std::isnan(x);
   const bool ok = bad == 0 && max_lse_err <= 1e-3 && unwritten == 0;
   g_failed += !ok;
-  printf("%s %s D=%d B=%d Sq=%d Sk=%d H=%d/%d %s%s%s pad %d ctas %d: %ld rows (%ld empty), max |out err| %.4f, max |lse err| %.5f, bad %ld, unwritten %ld\n",
+  printf("%s %s D=%d B=%d Sq=%d Sk=%d H=%d/%d %s%s%s pad %d ctas %d split %d: %ld rows (%ld empty), max |out err| %.4f, max |lse err| %.5f, bad %ld, unwritten %ld\n",
          ok ? "PASS" : "FAIL", name, D, c.B, c.sq, c.sk, c.H, c.Hkv, c.kind, c.order ? " +order" : "",
-         c.key_len == 1 ? " +key_len" : c.key_len == 2 ? " +key_len shared list" : "", c.pad, c.ctas, rows,
+         c.key_len == 1 ? " +key_len" : c.key_len == 2 ? " +key_len shared list" : "", c.pad, c.ctas, c.split, rows,
          empty_rows, max_err, max_lse_err, bad, unwritten);
 }
 
@@ -292,6 +312,15 @@ void checks(const char* name) {
   check<Elem, D, Cfg>({1, 257, 1000, 16, 16, "mix", 0, 0, true, 0, 2}, name);   // shared list (column-sparse)
   check<Elem, D, Cfg>({2, 129, 256, 8, 8, "mix", 0, 0, false, 0, 2}, name);     // Sk a multiple of 128
   check<Elem, D, Cfg>({2, 700, 900, 8, 8, "mix", 0, 0, true, 7, 2}, name);      // persistent, shared list
+  // The split tail: 96 items on 40 CTAs (16 split over 2-3 CTAs each, lists empty, full or not);
+  // 32 items on 132 (all split, 4 CTAs each); 6 items on 100 (up to 8 parts of up to 24 tiles);
+  // 96 on 7 (5 left, one CTA each: parts of one); key lengths, own and shared lists.
+  check<Elem, D, Cfg>({2, 700, 900, 8, 2, "mix", 0, 0, true, 40, 0, 4}, name);
+  check<Elem, D, Cfg>({1, 1000, 1300, 4, 4, "density", 0.3, 0, true, 132, 0, 8}, name);
+  check<Elem, D, Cfg>({1, 257, 3000, 2, 1, "mix", 0, 0, true, 100, 0, 8}, name);
+  check<Elem, D, Cfg>({2, 700, 900, 8, 2, "mix", 0, 0, false, 7, 0, 4}, name);
+  check<Elem, D, Cfg>({2, 300, 700, 8, 8, "mix", 0, 0, true, 132, 1, 6}, name);
+  check<Elem, D, Cfg>({2, 700, 900, 8, 8, "mix", 0, 0, true, 40, 2, 4}, name);
 }
 
 // ------------------------------------------------------------------------------------- timing
@@ -749,6 +778,25 @@ int epi_ab() {
   return 0;
 }
 
+// Mode `split-ab`: the split tail (csrc/NOTES.md "Session 22"; block_sparse_fwd.cuh tail_part):
+// the last round's items split into up to 2 / 4 / 8 parts over the CTAs it leaves idle, against
+// the plain persistent launch; the counters' memset timed with each split launch, as the binding
+// runs it. Checks first (the shipped config with the split at every `checks` shape).
+int split_ab() {
+  checks<bf16, 128>("bf16");
+  checks<fp16, 64>("fp16");
+  printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
+  if (g_failed) return 1;
+  static const char* const names[4] = {"plain", "split 2", "split 4", "split 8"};
+  ab_table(names, [](int v, const dlm::sm90::SparseFwdArgs& a, int sms) {
+    static const int parts[4] = {0, 2, 4, 8};
+    dlm::sm90::SparseFwdArgs s = a;
+    use_split(s, parts[v], sms);
+    CK(dlm::sm90::launch_block_sparse_fwd_cfg<HarnessCfg<bf16, 128>>(s, sms));
+  });
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "all";
   if (mode == "prof") {
@@ -770,11 +818,13 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "epi-ab") return epi_ab();
+  if (mode == "split-ab") return split_ab();
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
     check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");
     check<bf16, 128>({1, 200, 300, 8, 8, "mix", 0, 0, true, 0, 2}, "bf16");
     check<bf16, 128>({1, 700, 900, 8, 2, "mix", 0, 0, true, 3}, "bf16");  // persistent: 3 CTAs, 48 items
+    check<bf16, 128>({1, 700, 900, 8, 2, "mix", 0, 0, true, 20, 0, 4}, "bf16");  // split tail: 48 on 20
   }
   if (mode == "all" || mode == "check") {
     checks<bf16, 128>("bf16");
