@@ -519,7 +519,8 @@ CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
 //     (not a predicate) and moved the SASS.
 // The producer loads the same tiles in the same order into the ring; `it` keeps in step with it.
 // Params: the kernel's parameters (scale_log2 and store_o_lse's fields, read in place).
-template <class Cfg, template <class, class> class Side, class Params, class... SideArgs>
+template <class Cfg, template <class, class> class Side, bool kTail = false, class Params,
+          class... SideArgs>
 CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss, int consumer,
                                int num_items, SideArgs const&... side_args) {
   using Elem = typename Cfg::Elem;
@@ -552,25 +553,13 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
 
   int it = 0;  // the producer's ring position, kept in step
   if (Cfg::kPingPong && consumer == 1) named_barrier_arrive(kTurnBarrier + 0);  // see kTurnBarrier
-  // The CTA's whole items, then (split tail) its part of a split item: one loop, so that its body
-  // is inlined once (as a lambda called twice it became a function, and ptxas serialized the
-  // wgmmas in it: C7520).
-  // Only in_tail stays live over the loop (with the TailPart, ptxas spilled in it: 244 bytes).
-  const int whole = kernel.whole(num_items);
-  bool in_tail = false;
-  float row_max[kRows], row_sum[kRows], scale_row[kRows];
-  for (int item = 0, w = snake_item(0);; w = snake_item(++item)) {
-    int lo = 0, hi = 0;
-    if (w >= whole) {
-      TailPart tp;
-      if (in_tail || !kernel.tail(num_items, tp)) break;
-      in_tail = true;
-      w = tp.w, lo = tp.lo, hi = tp.hi;
-    }
-    const int ev = consumer * 8;  // trace_event's slots of this consumer (harness `trace` only)
-    trace_event<Cfg>(item, ev + 0);
-    auto wi = kernel.item(w, consumer, tScS_rc);
-    if (in_tail) wi = kernel.part(wi, lo, hi);
+  // Work item wi, the item-th of this CTA's: its key tiles into acc_o, row_max and row_sum. One call
+  // site per instantiation (a lambda called twice became a function, whose wgmmas ptxas serialized:
+  // C7520), so the plain kernel's loop is what it was before the split tail.
+  constexpr int kRowsV = kRows;
+  auto visit = [&](auto const& wi, int item, float (&row_max)[kRowsV], float (&row_sum)[kRowsV]) {
+    const int ev = consumer * 8;
+    float scale_row[kRows];
     for (int i = 0; i < kRows; ++i) {
       row_max[i] = -INFINITY;
       row_sum[i] = 0.f;
@@ -656,18 +645,28 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       Barrier::arrive(&ss.v_empty[last]);
     }
     trace_event<Cfg>(item, ev + 6);
-    if (in_tail) break;  // a part of a split item: finish_part below, outside the loop
-    // Epilogue (no key tile: O = 0, lse = -inf); rows from row_end on are not stored.
-    store_item<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, wi.row_base,
-                    kernel.row_end(wi), wi.row_offset, kernel.o_rows(), consumer, tid);
-    trace_event<Cfg>(item, ev + 7);
-  }
-  TailPart tp;
-  if (in_tail && kernel.tail(num_items, tp)) {  // the part's partial, the last part's merge + epilogue
-    const auto wi = kernel.item(tp.w, consumer, tScS_rc);
-    finish_part<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, tp, p.split_partials,
-                     p.split_counters, wi.b, wi.h, wi.row_base, kernel.row_end(wi), wi.row_offset,
-                     kernel.o_rows(), consumer, tid);
+  };
+  if constexpr (!kTail) {
+    for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
+      trace_event<Cfg>(item, consumer * 8 + 0);
+      const auto wi = kernel.item(w, consumer, tScS_rc);
+      float row_max[kRows], row_sum[kRows];
+      visit(wi, item, row_max, row_sum);
+      // Epilogue (no key tile: O = 0, lse = -inf); rows from row_end on are not stored.
+      store_item<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, wi.row_base,
+                      kernel.row_end(wi), wi.row_offset, kernel.o_rows(), consumer, tid);
+      trace_event<Cfg>(item, consumer * 8 + 7);
+    }
+  } else {  // the split tail's launch: this CTA's part of a split item (num_items: all of them)
+    TailPart tp;
+    if (kernel.tail(num_items, tp)) {
+      const auto wi = kernel.part(kernel.item(tp.w, consumer, tScS_rc), tp.lo, tp.hi);
+      float row_max[kRows], row_sum[kRows];
+      visit(wi, 0, row_max, row_sum);
+      finish_part<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, tp, p.split_partials,
+                       p.split_counters, wi.b, wi.h, wi.row_base, kernel.row_end(wi),
+                       wi.row_offset, kernel.o_rows(), consumer, tid);
+    }
   }
   store_o_drain<Cfg>(tid);
 }

@@ -23,8 +23,8 @@
 // loop over items is v5's with the snake walk (snake_item); the grid is one CTA per item, or
 // persistent (SparseFwdArgs::max_ctas, at most that many CTAs; cutlass_sparse.PERSISTENT decides,
 // csrc/NOTES.md "Session 10"). On the persistent grid the last round's items may be split into
-// parts over the CTAs it would leave idle, merged by the part that finishes last (tail_part,
-// attn_common.cuh finish_part; SparseFwdArgs::split_parts).
+// parts over the CTAs it would leave idle, merged by the part that finishes last (a second launch
+// of the kernel, kTail: tail_part, attn_common.cuh finish_part; SparseFwdArgs::split_parts).
 //
 // Per-item key lengths (key_len, optional; the column-sparse forward's: csrc/NOTES.md "Column-sparse
 // forward (issue #5)"). With key_len set, the keys of (b, h) are [0, key_len[b * H + h]) (<= Sk),
@@ -119,6 +119,7 @@ struct SparseFwdParams {
   int split_parts;            // SparseFwdArgs::split_parts (0: no split tail)
   float* split_partials;
   int32_t* split_counters;
+  int items_end;              // the plain launch's walk: items [0, items_end) (all, or the whole rounds)
   // Cfg::kSmemO: the TMA store of O over (seqlen_q, D, heads, batch).
   using TmaO = decltype(make_tma_o<Cfg>(nullptr, 1, 1, 1, 1, 1, 1));
   TmaO tma_o{};
@@ -138,17 +139,13 @@ CUTE_DEVICE SparseItem sparse_item(Params const& p, int w) {
 
 // The split tail (csrc/NOTES.md "Session 22"). With 4096 items of 13 tiles on 132 CTAs (16K at
 // density 0.1) 31 rounds are full and 4 items make a 32nd: 3 % of the launch with 128 CTAs idle.
-// With split_parts > 0 the CTAs walk the first whole = items / grid * grid items as before, and
-// the tail = items - whole left (the last round's; the shortest in a longest-first order) go over
-// the whole grid: tail item t has the CTAs [first, next), first = ceil(t * grid / tail), so CTA c
+// With split_parts > 0 the plain launch walks the first whole = items / grid * grid items, and
+// the tail launch (kTail) takes the tail = items - whole left (the last round's; the shortest in
+// a longest-first order) over the whole grid: tail item t has the CTAs [first, next), first = ceil(t * grid / tail), so CTA c
 // works on tail item c * tail / grid; the item splits into parts = min(its CTAs, its tiles,
 // split_parts) (at least 1) runs of its list, part i its tiles [i * n / parts, (i + 1) * n /
 // parts), and the CTAs past its parts have none. Producer and consumers take the same part
 // (TailPart: hopper/attn_common.cuh, with the parts' merge, finish_part).
-template <class Params>
-CUTE_DEVICE int whole_items(Params const& p, int num_items) {
-  return p.split_parts > 0 ? num_items / int(gridDim.x) * int(gridDim.x) : num_items;
-}
 template <class Params>
 CUTE_DEVICE bool tail_part(Params const& p, int num_items, TailPart& tp) {
   const int grid = gridDim.x, whole = num_items / grid * grid, tail = num_items - whole;
@@ -188,7 +185,6 @@ struct SparseConsumerSide {
     item.n_tiles = hi - lo;
     return item;
   }
-  CUTE_DEVICE int whole(int num_items) const { return whole_items(p, num_items); }
   CUTE_DEVICE bool tail(int num_items, TailPart& tp) const { return tail_part(p, num_items, tp); }
   // Step j is short iff Sk is not a multiple of BN and it visits the last key block.
   CUTE_DEVICE int tile(Item const&, int j) const { return j; }
@@ -231,7 +227,6 @@ struct KeyLenConsumerSide {
     item.n_tiles = hi - lo;
     return item;
   }
-  CUTE_DEVICE int whole(int num_items) const { return whole_items(p, num_items); }
   CUTE_DEVICE bool tail(int num_items, TailPart& tp) const { return tail_part(p, num_items, tp); }
   CUTE_DEVICE int tile(Item const&, int j) const { return j; }
   CUTE_DEVICE bool may_mask(int) const { return true; }  // the tail is per item: masked() decides
@@ -250,8 +245,11 @@ struct KeyLenConsumerSide {
 
 // kKeyLen: the consumers take each item's key length from p.key_len (KeyLenConsumerSide);
 // otherwise every item has seqlen_k keys (SparseConsumerSide, the shipped kernel). The producer
-// is the same: it loads the listed blocks, whatever their valid length.
-template <class Cfg, bool kKeyLen>
+// is the same: it loads the listed blocks, whatever their valid length. kTail: the split tail's
+// launch (one part of a split item per CTA, tail_part), after the plain launch has walked the
+// whole rounds; two launches, not one loop, so that the plain kernel's loop stays as it was (the
+// loop that also took the tail part ran 1.5-2 % slower: csrc/NOTES.md "Session 22").
+template <class Cfg, bool kKeyLen, bool kTail>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     block_sparse_fwd_kernel(__grid_constant__ const SparseFwdParams<Cfg> p) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
@@ -264,7 +262,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutKV{});
 
-  const int num_items = p.batch * p.heads * p.num_q_blocks;
+  // The plain launch walks [0, items_end); the tail launch splits what is left (tail_part).
+  const int num_items = kTail ? p.batch * p.heads * p.num_q_blocks : p.items_end;
   const int warp_group = threadIdx.x / 128;
   init_fwd_barriers<Cfg>(ss);
 
@@ -283,10 +282,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
       Tensor tVsV = tma_v.partition_D(sV);
       int it = 0;  // K/V visits so far, over every work item of this CTA: the ring position
-      // The item's Q, then its list's entries [lo, hi), for the item-th of this CTA's items: its
-      // whole items, then (split tail) its part of a split item, as the consumers take them. The
-      // tail after the loop, not in it: the producer has 24 registers, and the loop that also
-      // decoded the tail spilled 200 bytes.
+      // The item's Q, then its list's entries [lo, hi), for the item-th of this CTA's items: the
+      // plain launch's whole items, or the tail launch's part of a split item (one call site each).
       auto produce = [&](SparseItem const& si, int item, int lo, int hi) {
         const int kvh = si.h / (p.heads / p.kv_heads);
         Tensor gQ = local_tile(mQ(_, _, si.h, si.b), Shape<Int<BM>, Int<D>>{}, make_coord(si.qb, 0));
@@ -309,15 +306,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         trace_event<Cfg>(item, ev + 2);
       };
-      const int whole = whole_items(p, num_items);
-      int item = 0;
-      for (int w = snake_item(0); w < whole; w = snake_item(++item)) {
-        trace_event<Cfg>(item, ev + 0);
-        const SparseItem si = sparse_item(p, w);
-        produce(si, item, 0, si.count);
+      if constexpr (!kTail) {
+        for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
+          trace_event<Cfg>(item, ev + 0);
+          const SparseItem si = sparse_item(p, w);
+          produce(si, item, 0, si.count);
+        }
+      } else {
+        TailPart tp;
+        if (tail_part(p, num_items, tp)) produce(sparse_item(p, tp.w), 0, tp.lo, tp.hi);
       }
-      TailPart tp;
-      if (tail_part(p, num_items, tp)) produce(sparse_item(p, tp.w), item, tp.lo, tp.hi);
       trace_event<Cfg>(0, kTraceEvents - 2);  // the producer's end
       trace_event<Cfg>(0, kTraceEvents - 1);
     }
@@ -326,15 +324,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   // ------------------------------------------------------------------------------------ consumers
   if constexpr (kKeyLen)
-    fwd_consumers<Cfg, KeyLenConsumerSide>(p, ss, warp_group - 1, num_items);
+    fwd_consumers<Cfg, KeyLenConsumerSide, kTail>(p, ss, warp_group - 1, num_items);
   else
-    fwd_consumers<Cfg, SparseConsumerSide>(p, ss, warp_group - 1, num_items);
+    fwd_consumers<Cfg, SparseConsumerSide, kTail>(p, ss, warp_group - 1, num_items);
 }
 
 // ------------------------------------------------------------------------------------- launch
-template <class Cfg, bool kKeyLen>
+template <class Cfg, bool kKeyLen, bool kTail>
 cudaError_t run_block_sparse_fwd(const SparseFwdParams<Cfg>& p, int ctas, cudaStream_t stream) {
-  auto kernel = block_sparse_fwd_kernel<Cfg, kKeyLen>;
+  auto kernel = block_sparse_fwd_kernel<Cfg, kKeyLen, kTail>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured =  // once per instantiation: the attribute is per function
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -371,17 +369,25 @@ cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a, int max_ctas = 0
       a.lse_stride[1], a.lse_stride[0], a.seqlen_q, sk, a.heads, a.kv_heads, a.batch,
       a.num_q_blocks, a.shared_list ? 0 : a.max_blocks, a.kv_block_indices, a.kv_block_counts,
       a.work_order, a.scale * 1.4426950408889634f, a.key_len, a.split_parts, a.split_partials,
-      a.split_counters};
+      a.split_counters, items};
   if constexpr (Cfg::kSmemO)
     p.tma_o = make_tma_o<Cfg>(static_cast<Elem*>(a.o), a.seqlen_q, a.heads, a.batch, a.o_stride[1],
                               a.o_stride[2], a.o_stride[0]);
-  // The split tail runs on the whole persistent grid, whatever the item count.
-  const bool split = a.split_parts > 0 && max_ctas > 0;
+  // The split tail: the plain launch walks the whole rounds of the persistent grid, then the tail
+  // launch (the same grid, whatever the item count) splits the items left over it.
+  const bool split = a.split_parts > 0 && max_ctas > 0 && items % max_ctas != 0;
   if (split && (!a.split_partials || !a.split_counters)) return cudaErrorInvalidValue;
   if (!split) p.split_parts = 0;
   const int ctas = split || (max_ctas > 0 && max_ctas < items) ? max_ctas : items;
-  return a.key_len ? run_block_sparse_fwd<Cfg, true>(p, ctas, a.stream)
-                   : run_block_sparse_fwd<Cfg, false>(p, ctas, a.stream);
+  if (split) p.items_end = items - items % ctas;
+  const bool key_len = a.key_len != nullptr;
+  if (p.items_end > 0) {
+    const cudaError_t err = key_len ? run_block_sparse_fwd<Cfg, true, false>(p, ctas, a.stream)
+                                    : run_block_sparse_fwd<Cfg, false, false>(p, ctas, a.stream);
+    if (err != cudaSuccess || !split) return err;
+  }
+  return key_len ? run_block_sparse_fwd<Cfg, true, true>(p, ctas, a.stream)
+                 : run_block_sparse_fwd<Cfg, false, true>(p, ctas, a.stream);
 }
 
 template <class Elem, int D>
