@@ -266,6 +266,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int num_items = kTail ? p.batch * p.heads * p.num_q_blocks : p.items_end;
   const int warp_group = threadIdx.x / 128;
   init_fwd_barriers<Cfg>(ss);
+  // The split tail's two launches overlap (programmatic dependent launch): the plain launch lets
+  // the tail launch's CTAs start as its own leave their SMs, and those wait here, past their
+  // set-up, until the plain launch has completed (its writes are not what they read: this keeps
+  // the stream's order for whatever comes after). Without a dependent launch both are no-ops.
+  if constexpr (kTail)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  else
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<24>();
@@ -337,8 +345,19 @@ cudaError_t run_block_sparse_fwd(const SparseFwdParams<Cfg>& p, int ctas, cudaSt
   static const cudaError_t configured =  // once per instantiation: the attribute is per function
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (configured != cudaSuccess) return configured;
-  kernel<<<ctas, Cfg::kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  if constexpr (!kTail) {
+    kernel<<<ctas, Cfg::kThreads, smem, stream>>>(p);
+    return cudaGetLastError();
+  } else {  // a programmatic dependent launch of the plain launch before it (see the kernel)
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(ctas), config.blockDim = dim3(Cfg::kThreads);
+    config.dynamicSmemBytes = smem, config.stream = stream;
+    config.attrs = &attribute, config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, p);
+  }
 }
 
 // max_ctas > 0: a persistent grid of at most that many CTAs (each walks its items in the snake
