@@ -397,7 +397,8 @@ struct TailPart {
   int w, first, parts, index, lo, hi;
 };
 
-// Global-memory helpers of finish_part: the release / acquire count and L2 reads.
+// finish_part's synchronisation: a count with release and acquire semantics at GPU scope, and a
+// warpgroup barrier that ORs a predicate.
 CUTE_DEVICE int atomic_add_acq_rel_gpu(int32_t* p, int v) {
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -519,6 +520,8 @@ CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
 //     (not a predicate) and moved the SASS.
 // The producer loads the same tiles in the same order into the ring; `it` keeps in step with it.
 // Params: the kernel's parameters (scale_log2 and store_o_lse's fields, read in place).
+// kTail: the split tail's launch (block_sparse_fwd.cuh): instead of the walk, this CTA's part of a
+// split item (kernel.tail(num_items, tp), kernel.part(item, lo, hi)), ended by finish_part.
 template <class Cfg, template <class, class> class Side, bool kTail = false, class Params,
           class... SideArgs>
 CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss, int consumer,
@@ -556,8 +559,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
   // Work item wi, the item-th of this CTA's: its key tiles into acc_o, row_max and row_sum. One call
   // site per instantiation (a lambda called twice became a function, whose wgmmas ptxas serialized:
   // C7520), so the plain kernel's loop is what it was before the split tail.
-  constexpr int kRowsV = kRows;
-  auto visit = [&](auto const& wi, int item, float (&row_max)[kRowsV], float (&row_sum)[kRowsV]) {
+  auto visit = [&](auto const& wi, int item, float (&row_max)[kRows], float (&row_sum)[kRows]) {
     const int ev = consumer * 8;
     float scale_row[kRows];
     for (int i = 0; i < kRows; ++i) {

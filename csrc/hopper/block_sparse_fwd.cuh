@@ -114,8 +114,7 @@ struct SparseFwdParams {
   const int32_t* counts;      // (B, H, nQb)
   const int32_t* work_order;  // null: item w is entry w
   float scale_log2;           // softmax scale * log2(e)
-  const int32_t* key_len;     // (B, H); read by the kKeyLen kernel only (appended: the shipped
-                              // kernel's parameter offsets stay as they were)
+  const int32_t* key_len;     // (B, H); read by the kKeyLen kernel only
   int split_parts;            // SparseFwdArgs::split_parts (0: no split tail)
   float* split_partials;
   int32_t* split_counters;
@@ -141,10 +140,10 @@ CUTE_DEVICE SparseItem sparse_item(Params const& p, int w) {
 // density 0.1) 31 rounds are full and 4 items make a 32nd: 3 % of the launch with 128 CTAs idle.
 // With split_parts > 0 the plain launch walks the first whole = items / grid * grid items, and
 // the tail launch (kTail) takes the tail = items - whole left (the last round's; the shortest in
-// a longest-first order) over the whole grid: tail item t has the CTAs [first, next), first = ceil(t * grid / tail), so CTA c
-// works on tail item c * tail / grid; the item splits into parts = min(its CTAs, its tiles,
-// split_parts) (at least 1) runs of its list, part i its tiles [i * n / parts, (i + 1) * n /
-// parts), and the CTAs past its parts have none. Producer and consumers take the same part
+// a longest-first order) over the whole grid: tail item t has the CTAs [first, next), first =
+// ceil(t * grid / tail), so CTA c works on tail item c * tail / grid; the item splits into parts =
+// min(its CTAs, its tiles, split_parts) (at least 1) runs of its list, part i its tiles
+// [i * n / parts, (i + 1) * n / parts), and the CTAs past its parts have none. Producer and consumers take the same part
 // (TailPart: hopper/attn_common.cuh, with the parts' merge, finish_part).
 template <class Params>
 CUTE_DEVICE bool tail_part(Params const& p, int num_items, TailPart& tp) {
