@@ -74,7 +74,7 @@ PERSISTENT = True
 # The split tail (csrc/NOTES.md "Session 22"; block_sparse_fwd.cuh tail_part): where the persistent
 # grid's last round would leave at least half of its CTAs idle, the kernel walks the whole rounds,
 # and a second launch splits the last round's items into up to SPLIT_PARTS parts (runs of their key
-# lists) over all the CTAs; the part that finishes last merges the fp32 partials (64 KB per part at
+# lists) over all the CTAs; the part that finishes last merges the fp32 partials (68 KB per part at
 # D = 128, read from L2: why not more parts). At 16K / 10 % (4096 items of 13 tiles on 132 CTAs)
 # the 32nd round holds 4 items, ~3 % of the launch.
 SPLIT_PARTS = 4
