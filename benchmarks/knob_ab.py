@@ -17,9 +17,6 @@ rounds (the main preset's method, benchmarks/__main__.py), medians, bf16, 16K to
     split-tail   cutlass_sparse.SPLIT_PARTS 0 (no split) against 4 (session 22), the block- and
                  column-sparse forwards; the H = 33 case has no tail (4224 items, 32 rounds of 132
                  CTAs): its ratio is the noise.
-    column-gather cutlass_sparse.IN_KERNEL_GATHER False (gather K / V per query head, then the
-                 kernel) against True (the kernel's producer gathers the rows: session 23), the
-                 column-sparse forward at the quick preset's nine shapes.
 
 The last column is the second setting's speed over the first's.
 """
@@ -80,9 +77,6 @@ KNOBS = {
                        (sparse.SparseCase(16384, 0.1), sparse.SparseCase(16384, 0.3),
                         sparse.SparseCase(32768, 0.1), sparse.SparseCase(65536, 0.1),
                         sparse.SparseCase(16384, 0.1, heads=33, kv_heads=11)), cs),
-    "column-gather": Knob("IN_KERNEL_GATHER", (False, True), ("column",),
-                          tuple(sparse.SparseCase(s, d) for s in (16384, 32768, 65536)
-                                for d in (0.1, 0.3, 0.5)), cs),
 }
 
 

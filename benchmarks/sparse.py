@@ -11,11 +11,10 @@ the same block table
 (``BlockMask.from_kv_blocks``, every listed block marked full, so no mask_mod runs) is the
 block-sparse contender; outputs are checked against the torch backend in fp32 on a slice
 (``err_ours``, ``err_flex``). Column-sparse: ``dlm_ops column`` is the default dispatch (on sm90
-the ``cutlass`` backend: the block-sparse kernel with a key length per head, its producer copying
-the listed K / V rows itself), ``dlm_ops column triton`` the same call forced to Triton's kernel, and,
-where the cutlass extension is built, ``dlm_ops column gather`` times that backend's preparation
-alone (``gather ms``: one launch of column_gather, the plan, and the gathered K / V only where the
-kernel does not gather them itself) and its kernel alone on inputs prepared once
+the ``cutlass`` backend: the listed K / V gathered per head, then the block-sparse kernel with a
+key length per head), ``dlm_ops column triton`` the same call forced to Triton's kernel, and,
+where the cutlass extension is built, ``dlm_ops column gather`` times that backend's gather and
+plan alone (``gather ms``: one launch of column_gather) and its kernel alone on inputs prepared once
 (``kernel ms``; the last column is what the op adds to both); no other contender (flex would need a
 per-token mask_mod over a column table, evaluated inside every visited block).
 
@@ -153,16 +152,15 @@ def make_column(case: SparseCase, q, k, v, idx, counts, backend=None):
 
 
 def make_column_gather(case: SparseCase, k, v, idx, counts):
-    """What the cutlass column forward does before its kernel (cutlass_sparse.column_inputs: one
-    launch of the extension's column_gather writing the plan, and, unless the kernel gathers the
-    rows itself, the gathered K / V), or None where the extension is not built here."""
+    """What the cutlass column forward does before its kernel (the gathered K / V and the plan:
+    one launch of the extension's column_gather, cutlass_sparse.column_inputs), or None where the
+    extension is not built here."""
     from dlm_ops.backends import cutlass_sparse as cs
 
     if cs.CutlassSparseBackend().unavailable_reason() is not None or cs._extension() is None:
         return None
     ext, nqb = cs._extension(), -(-case.seqlen // cs.BLOCK)
-    gather = not cs.gathers_in_kernel(ext, k, v)
-    return lambda: cs.column_inputs(ext, k, v, idx, counts, nqb, gather)
+    return lambda: cs.column_inputs(ext, k, v, idx, counts, nqb)
 
 
 def make_column_kernel(case: SparseCase, q, k, v, idx, counts):
@@ -176,16 +174,12 @@ def make_column_kernel(case: SparseCase, q, k, v, idx, counts):
     if cs.CutlassSparseBackend().unavailable_reason() is not None or cs._extension() is None:
         return None
     ext, nqb = cs._extension(), -(-case.seqlen // cs.BLOCK)
-    in_kernel = cs.gathers_in_kernel(ext, k, v)
-    kg, vg, key_len, shared, blocks, order = cs.column_inputs(ext, k, v, idx, counts, nqb,
-                                                              not in_kernel)
+    kg, vg, key_len, shared, blocks, order = cs.column_inputs(ext, k, v, idx, counts, nqb)
     b, sq, h, _ = q.shape
     out, lse = torch.empty_like(q), torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     scale = q.shape[-1] ** -0.5
-    keys = dict(columns=idx.contiguous()) if in_kernel else {}
-    return lambda: ext.fwd(q, *((k, v) if in_kernel else (kg, vg)), out, lse, shared, blocks,
-                           order, cs.BLOCK, cs.BLOCK, scale, key_len=key_len, **keys,
-                           **cs._launch_grid(q.device, blocks.numel()))
+    return lambda: ext.fwd(q, kg, vg, out, lse, shared, blocks, order, cs.BLOCK, cs.BLOCK, scale,
+                           key_len=key_len, **cs._launch_grid(q.device, blocks.numel()))
 
 
 def make_selections(seqlen: int, q, k) -> dict:

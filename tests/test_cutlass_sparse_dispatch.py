@@ -33,11 +33,7 @@ class FakeExtension:
     arguments and writes what the kernel must (the torch backend's out and lse), and the column
     gather (column_gather.cuh), which checks the binding's preconditions, records its call and
     writes the torch reference's buffers and plan (its contents are checked against the
-    definition by the tests; the CUDA kernel against the reference by the GPU test below). Like
-    the extension since session 23, its forward also gathers the listed rows itself (columns) and
-    its column_gather writes the plan alone without kg / vg."""
-
-    gathers_columns = True
+    definition by the tests; the CUDA kernel against the reference by the GPU test below)."""
 
     def __init__(self):
         self.calls = []
@@ -55,9 +51,8 @@ class FakeExtension:
         for t, shape in ((kv_indices, (b, h, m)), (kv_counts, (b, h)), (key_len, (b, h)),
                          (block_counts, (b, h, nqb)), (shared_list, (-(-m // block_k),))):
             assert t.dtype == torch.int32 and t.is_contiguous() and t.shape == shape
-        assert (kg is None) == (vg is None)
         for t in (kg, vg):
-            assert t is None or (t.dtype == k.dtype and t.is_contiguous() and t.shape == (b, m, h, d))
+            assert t.dtype == k.dtype and t.is_contiguous() and t.shape == (b, m, h, d)
         if work_order is not None:
             assert work_order.dtype == torch.int32 and work_order.shape == (b * h * nqb,)
         want_len = kv_counts.clamp(0, m)
@@ -73,19 +68,13 @@ class FakeExtension:
         return block_q == 128 and block_k == 128 and d in (64, 128)
 
     def fwd(self, q, k, v, out, lse, kv_block_indices, kv_block_counts, work_order, block_q,
-            block_k, scale, key_len=None, max_ctas=0, split_parts=0, columns=None):
+            block_k, scale, key_len=None, max_ctas=0, split_parts=0):
         assert isinstance(max_ctas, int) and max_ctas >= 0
         assert isinstance(split_parts, int) and split_parts >= 0
         self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, idx=kv_block_indices,
                                counts=kv_block_counts, order=work_order, block_q=block_q,
                                block_k=block_k, scale=scale, key_len=key_len, max_ctas=max_ctas,
-                               split_parts=split_parts, columns=columns))
-        if columns is not None:  # the in-kernel gather: key position j of (b, h) is k's row
-            # columns[b, h, j] (the binding's preconditions: key_len, one shared list, int32 lists)
-            assert key_len is not None and kv_block_indices.dim() == 1
-            assert columns.dtype == torch.int32 and columns.is_contiguous()
-            assert columns.shape == (*key_len.shape, columns.shape[-1])
-            k, v = cs.gather_columns(k, v, columns, key_len)
+                               split_parts=split_parts))
         if key_len is None:
             o, l = TorchSparseBackend().block_fwd(q, k, v, kv_block_indices, kv_block_counts,
                                                   block_q, block_k, scale)
@@ -278,7 +267,7 @@ def test_backwards_run_triton_counted(fake):
     assert backend.column_bwd(q, q, k, v, cout, clse, None, cidx, ccnt, 0.1) == \
         ("triton", "column_bwd")
     assert cs.STATS == dict(fwd=1, fwd_fallback=0, bwd_fallback=1, column_fwd=1,
-                            column_fwd_in_kernel=1, column_fwd_fallback=0, column_bwd_fallback=1)
+                            column_fwd_fallback=0, column_bwd_fallback=1)
 
 
 # -- column-sparse forward -------------------------------------------------------------------------
@@ -289,22 +278,19 @@ def test_backwards_run_triton_counted(fake):
        dtype=st.sampled_from([torch.bfloat16, torch.float16]),
        mode=st.sampled_from(["random", "random", "empty", "all"]),
        slots=st.sampled_from([1, 127, 128, 129, 260, None]), seed=st.integers(0, 1000),
-       gather=st.sampled_from(["in kernel", "in kernel, torch order", "kernel",
-                               "kernel, torch order", "torch"]))
+       gather=st.sampled_from(["kernel", "kernel, torch order", "torch"]))
 def test_column_forward_runs_cutlass_over_gathered_keys(b, sq, sk, heads, d, dtype, mode, slots,
                                                         seed, gather):
     """Any Sq / Sk, GQA, K (list slots) around the 128-key tile, counts 0 / K / random, junk past
-    the counts: the kernel gets q and either (in kernel, the default) the caller's k / v with the
-    lists as `columns`, or per-query-head gathered K / V (B, K, H, D) whose listed slots
-    are the listed keys and whose other slots are finite keys of the input; and the shared list
+    the counts: the kernel gets q, per-query-head gathered K / V (B, K, H, D) whose listed slots
+    are the listed keys and whose other slots are finite keys of the input, the shared list
     0 .. ceil(K / 128) - 1, block counts ceil(count / 128) per (b, h, query block), key_len =
     counts, a stable heads-longest-first work order, blocks 128 and the scale; what it writes
     (the fake: the kernel's contract, asserted) meets the accuracy rule against the reference.
     The same whether the extension's column_gather prepares them in one launch (ranking the
     heads, or with work_order None above RANK_MAX_HEADS and torch's sort) or, in an extension
     without it, the torch reference does; the gather gets the caller's k / v, int32 lists, fresh
-    buffers (none in kernel: the plan alone) and block 128, and the forward reads exactly what it
-    wrote."""
+    buffers and block 128, and the forward reads exactly what it wrote."""
     ext = FakeExtension()
     h, hkv = heads
     m = sk + 2 if slots is None else slots
@@ -314,18 +300,13 @@ def test_column_forward_runs_cutlass_over_gathered_keys(b, sq, sk, heads, d, dty
         mp.setattr(cs, "_extension", lambda: ext)
         mp.setattr(cs, "STATS", dict.fromkeys(cs.STATS, 0))
         mp.setattr(TritonSparseBackend, "column_fwd", lambda self, *a: ("triton", "column_fwd"))
-        if gather == "torch":  # an extension built before both
-            mp.delattr(FakeExtension, "column_gather")
-            mp.delattr(FakeExtension, "gathers_columns")
-        if gather in ("kernel", "kernel, torch order"):
-            mp.setattr(cs, "IN_KERNEL_GATHER", False)
-        if gather.endswith("torch order"):
+        if gather == "torch":
+            mp.delattr(FakeExtension, "column_gather")  # an extension built before it
+        if gather == "kernel, torch order":
             mp.setattr(cs, "RANK_MAX_HEADS", b * h - 1)
         out, lse = cs.CutlassSparseBackend().column_fwd(q, k, v, idx, cnt, 0.3)
         stats = dict(cs.STATS)
-    in_kernel = gather.startswith("in kernel")
-    assert stats == dict(cs.STATS, column_fwd=1, column_fwd_fallback=0,
-                         column_fwd_in_kernel=int(in_kernel))
+    assert stats == dict(cs.STATS, column_fwd=1, column_fwd_fallback=0)
     (call,) = ext.calls
     if gather == "torch":
         assert not ext.gathers
@@ -333,25 +314,17 @@ def test_column_forward_runs_cutlass_over_gathered_keys(b, sq, sk, heads, d, dty
         (g,) = ext.gathers
         assert g["k"] is k and g["v"] is v and g["block_k"] == 128
         assert torch.equal(g["idx"], idx) and torch.equal(g["counts"], cnt)
-        assert (g["kg"] is None and g["vg"] is None) == in_kernel
         # the forward reads what the gather wrote
         for fwd_arg, name in (("k", "kg"), ("v", "vg"), ("key_len", "key_len"),
                               ("counts", "blocks"), ("idx", "shared")):
-            if not (in_kernel and name in ("kg", "vg")):
-                assert call[fwd_arg] is g[name]
-        assert (g["order"] is call["order"]) == (not gather.endswith("torch order"))
-        assert (g["order"] is None) == gather.endswith("torch order")
+            assert call[fwd_arg] is g[name]
+        assert (g["order"] is call["order"]) == (gather == "kernel")
+        assert (g["order"] is None) == (gather == "kernel, torch order")
     assert call["q"] is q and call["out"] is out and call["lse"] is lse
     assert (call["block_q"], call["block_k"], call["scale"]) == (128, 128, 0.3)
     assert call["max_ctas"] == 132
     assert call["split_parts"] == cs._launch_grid(q.device, call["counts"].numel())["split_parts"]
-    if in_kernel:  # the caller's k / v and lists; the kernel reads the listed rows itself
-        assert call["k"] is k and call["v"] is v
-        assert call["columns"].is_contiguous() and torch.equal(call["columns"], idx)
-        kg, vg = cs.gather_columns(k, v, idx, cnt.clamp(0, m))  # what the kernel's tiles hold
-    else:
-        assert call["columns"] is None
-        kg, vg = call["k"], call["v"]
+    kg, vg = call["k"], call["v"]
     for t, src in ((kg, k), (vg, v)):
         assert t.shape == (b, m, h, d) and t.dtype == dtype and t.is_contiguous()
         for bi in range(b):
@@ -635,31 +608,21 @@ def test_gpu_column_gather_reads_zeros_for_rows_outside_the_keys(sparse_ext):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 128), (torch.float16, 64)])
-def test_gpu_column_forward_is_the_same_with_any_gather(sparse_ext, monkeypatch, layout, dtype, d):
-    """The column-sparse forward with the kernel's own gather (the default), through the CUDA
-    gather and through the torch one: the same keys in the same tiles, so the same out and lse bit
-    for bit (the kernel is deterministic, and a masked column is exactly 0 either way), at a head
-    count above RANK_MAX_HEADS too (torch's sort of the work order); with unchecked rows outside
-    [0, Sk) (zeros on every path) and counts past the list (clamped)."""
-    b, sq, sk, h, hkv = 2, 300, 900, 8, 2
-    q = torch.randn(b, sq, h, d, device="cuda").to(dtype)
-    k, v = _gpu_kv(b, sk, hkv, d, dtype, layout, seed=1)
+def test_gpu_column_forward_is_the_same_with_either_gather(sparse_ext, monkeypatch, layout):
+    """The column-sparse forward through the CUDA gather and through the torch one: the same
+    kernel inputs, so the same out and lse bit for bit (the kernel is deterministic), at a head
+    count above RANK_MAX_HEADS too (torch's sort of the work order)."""
+    b, sq, sk, h, hkv, d = 2, 300, 900, 8, 2, 128
+    q = torch.randn(b, sq, h, d, device="cuda").bfloat16()
+    k, v = _gpu_kv(b, sk, hkv, d, torch.bfloat16, layout, seed=1)
     idx = torch.rand(b, h, sk, device="cuda").argsort(-1)[..., :400].int().contiguous()
-    idx[0, 1, 5], idx[1, 2, 0], idx[1, 3, 7] = sk, -1, sk + 1000  # check_indices=False rows
     cnt = torch.randint(0, 401, (b, h), device="cuda").int()
-    cnt[0, 1], cnt[1, 2], cnt[1, 3], cnt[0, 0] = 400, 300, 500, 129  # the bad rows listed; 500 > K
     backend = cs.CutlassSparseBackend()
-    monkeypatch.setattr(cs, "STATS", dict.fromkeys(cs.STATS, 0))
     runs = [backend.column_fwd(q, k, v, idx, cnt, 0.09)]
-    assert cs.STATS["column_fwd_in_kernel"] == 1
-    monkeypatch.setattr(cs, "IN_KERNEL_GATHER", False)
-    runs.append(backend.column_fwd(q, k, v, idx, cnt, 0.09))
     monkeypatch.setattr(cs, "RANK_MAX_HEADS", 1)
     runs.append(backend.column_fwd(q, k, v, idx, cnt, 0.09))
     monkeypatch.setattr(cs, "_extension", lambda: _WithoutGather(sparse_ext))
     runs.append(backend.column_fwd(q, k, v, idx, cnt, 0.09))
-    assert cs.STATS["column_fwd_in_kernel"] == 1 and cs.STATS["column_fwd"] == 4
     for out, lse in runs[1:]:
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
 

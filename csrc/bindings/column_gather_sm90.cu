@@ -23,14 +23,12 @@ void check_int32(const torch::Tensor& t, const torch::Tensor& like, c10::IntArra
 }
 
 // k / v (B, Sk, Hkv, D), any strides with a unit stride in D; kv_indices (B, H, K) and kv_counts
-// (B, H) int32 contiguous; writes kg / vg (B, K, H, D) contiguous (k's dtype; both None: the plan
-// alone, for the attention kernel's in-kernel gather), key_len (B, H), block_counts (B, H, nQb),
-// shared_list (ceil(K / block_k)) and, unless None, work_order (B * H * nQb): see the header. One
-// launch on the current stream, no host sync.
+// (B, H) int32 contiguous; writes kg / vg (B, K, H, D) contiguous (k's dtype), key_len (B, H),
+// block_counts (B, H, nQb), shared_list (ceil(K / block_k)) and, unless None, work_order
+// (B * H * nQb): see the header. One launch on the current stream, no host sync.
 void column_gather(torch::Tensor k, torch::Tensor v, torch::Tensor kv_indices, torch::Tensor kv_counts,
-                   std::optional<torch::Tensor> kg, std::optional<torch::Tensor> vg, torch::Tensor key_len,
-                   torch::Tensor block_counts, torch::Tensor shared_list,
-                   std::optional<torch::Tensor> work_order, int64_t block_k) {
+                   torch::Tensor kg, torch::Tensor vg, torch::Tensor key_len, torch::Tensor block_counts,
+                   torch::Tensor shared_list, std::optional<torch::Tensor> work_order, int64_t block_k) {
   TORCH_CHECK(k.is_cuda(), "k must be a CUDA tensor");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.stride(3) == 1 && v.stride(3) == 1,
               "k / v: (B, Sk, Hkv, D) of one shape, unit stride in D");
@@ -44,10 +42,9 @@ void column_gather(torch::Tensor k, torch::Tensor v, torch::Tensor kv_indices, t
   TORCH_CHECK(hkv >= 1 && h % hkv == 0, "heads (", h, ") must be a multiple of kv heads (", hkv, ")");
   TORCH_CHECK(m >= 1, "kv_indices: at least one list slot (K >= 1)");
   TORCH_CHECK(block_k >= 1, "block_k >= 1");
-  TORCH_CHECK(kg.has_value() == vg.has_value(), "kg / vg: both or neither");
   for (const auto* t : {&kg, &vg}) {
-    TORCH_CHECK(!t->has_value() || ((*t)->device() == k.device() && (*t)->scalar_type() == k.scalar_type() &&
-                                    (*t)->is_contiguous() && (*t)->sizes() == c10::IntArrayRef({b, m, h, d})),
+    TORCH_CHECK(t->device() == k.device() && t->scalar_type() == k.scalar_type() && t->is_contiguous() &&
+                    t->sizes() == c10::IntArrayRef({b, m, h, d}),
                 "kg / vg: contiguous (B, K, H, D) in k's dtype on k's device");
   }
   TORCH_CHECK(block_counts.dim() == 3, "block_counts: (B, H, nQb)");
@@ -62,8 +59,7 @@ void column_gather(torch::Tensor k, torch::Tensor v, torch::Tensor kv_indices, t
 
   const c10::cuda::CUDAGuard guard(k.device());
   dlm::sm90::ColumnGatherArgs a{};
-  a.k = k.data_ptr(), a.v = v.data_ptr();
-  a.kg = kg ? kg->data_ptr() : nullptr, a.vg = vg ? vg->data_ptr() : nullptr;
+  a.k = k.data_ptr(), a.v = v.data_ptr(), a.kg = kg.data_ptr(), a.vg = vg.data_ptr();
   const int64_t size = k.element_size();
   for (int i = 0; i < 3; ++i) a.k_stride[i] = k.stride(i) * size, a.v_stride[i] = v.stride(i) * size;
   a.kv_indices = kv_indices.data_ptr<int32_t>(), a.kv_counts = kv_counts.data_ptr<int32_t>();
@@ -75,7 +71,7 @@ void column_gather(torch::Tensor k, torch::Tensor v, torch::Tensor kv_indices, t
   a.work_order = work_order ? work_order->data_ptr<int32_t>() : nullptr;
   a.num_q_blocks = static_cast<int>(nqb), a.block_k = static_cast<int>(block_k);
   a.stream = c10::cuda::getCurrentCUDAStream();
-  TORCH_CHECK(!kg || dlm::sm90::column_gather_vector_bytes(a) > 0,
+  TORCH_CHECK(dlm::sm90::column_gather_vector_bytes(a) > 0,
               "k / v: rows of at most 1024 bytes, 2-byte aligned bases, strides and rows");
   if (b * h == 0) return;  // no head: nothing to gather, an empty plan
   C10_CUDA_CHECK(dlm::sm90::launch_column_gather(a));

@@ -37,14 +37,11 @@ bool supports(int64_t block_q, int64_t block_k, int64_t d) {
 // gathered keys, dlm_ops/backends/cutlass_sparse.py); max_ctas: 0 one CTA per item, > 0 a
 // persistent grid of at most that many CTAs; split_parts (with max_ctas > 0): > 0 splits the last
 // round's items into up to that many parts over the grid (block_sparse_fwd.cuh tail_part), with
-// scratch allocated here per call (the partials uninitialised, 2 * max_ctas counters zeroed);
-// columns: None or (B, H, K) int32, the column-sparse lists (with key_len and the shared list): key
-// position j of (b, h) is row columns[b, h, j] of k / v, gathered by the kernel itself.
+// scratch allocated here per call (the partials uninitialised, 2 * max_ctas counters zeroed).
 void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
          torch::Tensor kv_block_indices, torch::Tensor kv_block_counts,
          std::optional<torch::Tensor> work_order, int64_t block_q, int64_t block_k, double scale,
-         std::optional<torch::Tensor> key_len, int64_t max_ctas, int64_t split_parts,
-         std::optional<torch::Tensor> columns) {
+         std::optional<torch::Tensor> key_len, int64_t max_ctas, int64_t split_parts) {
   const auto& idx = kv_block_indices;
   const auto& counts = kv_block_counts;
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
@@ -78,14 +75,6 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
                     key_len->is_contiguous() && key_len->dim() == 2 && key_len->size(0) == b &&
                     key_len->size(1) == h, "key_len: (B, H) contiguous int32 on q's device");
   }
-  if (columns) {
-    TORCH_CHECK(key_len && shared, "columns: with key_len and one shared list");
-    TORCH_CHECK(columns->device() == q.device() && columns->scalar_type() == torch::kInt32 &&
-                    columns->is_contiguous() && columns->dim() == 3 && columns->size(0) == b &&
-                    columns->size(1) == h && columns->size(2) >= 1 && columns->size(2) <= INT32_MAX,
-                "columns: (B, H, K >= 1) contiguous int32 on q's device");
-    TORCH_CHECK(k.stride(1) <= INT32_MAX && v.stride(1) <= INT32_MAX, "k / v: key strides must fit in int32");
-  }
   TORCH_CHECK(b * h * nqb <= INT32_MAX && idx.numel() <= INT32_MAX && sq <= INT32_MAX &&
                   sk <= INT32_MAX, "sizes must fit in int32");
   if (work_order) {
@@ -107,8 +96,6 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   a.num_q_blocks = static_cast<int>(nqb), a.max_blocks = static_cast<int>(idx.size(-1));
   a.shared_list = shared;
   a.key_len = key_len ? key_len->data_ptr<int32_t>() : nullptr;
-  a.columns = columns ? columns->data_ptr<int32_t>() : nullptr;
-  a.columns_len = columns ? static_cast<int>(columns->size(2)) : 0;
   a.scale = static_cast<float>(scale);
   a.work_order = work_order ? work_order->data_ptr<int32_t>() : nullptr;
   TORCH_CHECK(max_ctas >= 0 && max_ctas <= INT32_MAX, "max_ctas must be >= 0");
@@ -138,9 +125,6 @@ void add_sparse_fwd(pybind11::module_& m) {  // the module: csrc/bindings/sparse
         pybind11::arg("lse"), pybind11::arg("kv_block_indices"), pybind11::arg("kv_block_counts"),
         pybind11::arg("work_order"), pybind11::arg("block_q"), pybind11::arg("block_k"),
         pybind11::arg("scale"), pybind11::arg("key_len") = pybind11::none(),
-        pybind11::arg("max_ctas") = 0, pybind11::arg("split_parts") = 0,
-        pybind11::arg("columns") = pybind11::none());
-  // The column-sparse forward's in-kernel gather (fwd's columns, column_gather without kg / vg).
-  m.attr("gathers_columns") = true;
+        pybind11::arg("max_ctas") = 0, pybind11::arg("split_parts") = 0);
 }
 }  // namespace dlm_bindings

@@ -489,18 +489,15 @@ CUTE_DEVICE void finish_part(Params const& p, typename Cfg::SharedStorage& ss, A
                   o_rows, consumer, tid);
 }
 
-// Barrier set-up of the forwards: Q full / empty and the K / V ring (its full barriers expecting
-// `kv_full_arrivals`: 1 for TMA's arrive_and_expect_tx, 128 for the sparse forward's gathering
-// producer), then the CTA's sync.
+// Barrier set-up of the forwards: Q full / empty and the K / V ring, then the CTA's sync.
 template <class Cfg>
-CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss, int kv_full_arrivals = 1) {
+CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < Cfg::QSTAGES; ++i) {
       cutlass::arch::ClusterBarrier::init(&ss.q_full[i], 1);
       cutlass::arch::ClusterBarrier::init(&ss.q_empty[i], 128 * Cfg::kConsumers);
     }
-    init_kv_ring<Cfg::STAGES>(ss.k_full, ss.k_empty, ss.v_full, ss.v_empty, 128 * Cfg::kConsumers,
-                              kv_full_arrivals);
+    init_kv_ring<Cfg::STAGES>(ss.k_full, ss.k_empty, ss.v_full, ss.v_empty, 128 * Cfg::kConsumers);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -525,8 +522,8 @@ CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss, int kv_full_
 // Params: the kernel's parameters (scale_log2 and store_o_lse's fields, read in place).
 // kTail: the split tail's launch (block_sparse_fwd.cuh): instead of the walk, this CTA's part of a
 // split item (kernel.tail(num_items, tp), kernel.part(item, lo, hi)), ended by finish_part.
-template <class Cfg, template <class, class> class Side, bool kTail = false, int kRegs = 240,
-          class Params, class... SideArgs>
+template <class Cfg, template <class, class> class Side, bool kTail = false, class Params,
+          class... SideArgs>
 CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss, int consumer,
                                int num_items, SideArgs const&... side_args) {
   using Elem = typename Cfg::Elem;
@@ -535,7 +532,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutVt{});
-  cutlass::arch::warpgroup_reg_alloc<kRegs>();
+  cutlass::arch::warpgroup_reg_alloc<240>();
   const int tid = threadIdx.x % 128;
   typename Cfg::MmaS mma_s;
   typename Cfg::MmaO mma_o;

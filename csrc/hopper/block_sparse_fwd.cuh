@@ -34,13 +34,6 @@
 // shipped kernel (key_len null) keeps its machine code: no per-item tail in its loop. Lists may
 // also be shared (shared_list: every item reads the one list kv_block_indices[0, max_blocks)), so
 // the column-sparse forward passes one arange instead of B * H * nQb copies of it.
-//
-// The column-sparse forward's in-kernel gather (columns, optional, with key_len; csrc/NOTES.md
-// "Session 23"): key position j of (b, h) is key row columns[b, h, j] of the ORIGINAL k / v (kv
-// head h / G), so the producer warpgroup copies the listed rows of each tile itself (gather_rows:
-// 16-byte cp.async into the swizzled layout TMA would write, completion counted on the ring's
-// full barriers) and no per-query-head copy of K / V exists. A third kernel flavour (kGather); the
-// consumers are KeyLenConsumerSide's.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -82,11 +75,6 @@ struct SparseFwdArgs {
   int split_parts = 0;
   float* split_partials = nullptr;
   int32_t* split_counters = nullptr;
-  // The in-kernel gather (needs key_len and shared_list): (B, H, columns_len) int32, contiguous;
-  // key position j of (b, h) is row columns[b, h, j] of k / v (a row outside [0, Sk) reads zeros).
-  // k / v rows, bases and strides 16-byte aligned (the cp.async granule).
-  const int32_t* columns = nullptr;
-  int columns_len = 0;
 };
 
 // Scratch of the split tail: per CTA and consumer warpgroup, its part's unnormalised O (64 x D
@@ -131,12 +119,6 @@ struct SparseFwdParams {
   float* split_partials;
   int32_t* split_counters;
   int items_end;              // the plain launch's walk: items [0, items_end) (all, or the whole rounds)
-  // The in-kernel gather (kGather): SparseFwdArgs::columns, and k / v as plain pointers, elements.
-  const int32_t* columns = nullptr;
-  int columns_len = 0, key_rows = 0;  // key_rows: Sk itself (seqlen_k is at least 1 for the descriptors)
-  const typename Cfg::Elem *k = nullptr, *v = nullptr;
-  int64_t k_stride_h = 0, k_stride_b = 0, v_stride_h = 0, v_stride_b = 0;
-  int k_row_stride = 0, v_row_stride = 0;  // the key stride, int32: the launch checks it fits
   // Cfg::kSmemO: the TMA store of O over (seqlen_q, D, heads, batch).
   using TmaO = decltype(make_tma_o<Cfg>(nullptr, 1, 1, 1, 1, 1, 1));
   TmaO tma_o{};
@@ -260,117 +242,15 @@ struct KeyLenConsumerSide {
   }
 };
 
-// The producer's walk, one call of produce(item, the item-th of this CTA's, lo, hi) per work item
-// (its list's entries [lo, hi)): the plain launch's whole items in the snake order, or the tail
-// launch's part of a split item. One call site each (the item body is a lambda).
-template <class Cfg, bool kTail, class Params, class Produce>
-CUTE_DEVICE void walk_items(Params const& p, int num_items, Produce&& produce) {
-  if constexpr (!kTail) {
-    for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
-      trace_event<Cfg>(item, kTraceProducer + 0);
-      const SparseItem si = sparse_item(p, w);
-      produce(si, item, 0, si.count);
-    }
-  } else {
-    TailPart tp;
-    if (tail_part(p, num_items, tp)) produce(sparse_item(p, tp.w), 0, tp.lo, tp.hi);
-  }
-}
-
-// Byte offset of 16-byte piece `piece` of row r of ring stage `stage` in Cfg::SmemLayoutKV (what
-// TMA writes and wgmma reads): 8-row x 128-byte atoms, 128-byte swizzled (a piece's index within
-// its 128-byte row XORed with r % 8), tiled down the BN rows, then across D in 64-element column
-// blocks, then over the stages, from a 1024-byte aligned base. The standalone harness checks it
-// against the CuTe tensor's addresses (tests/cuda/block_sparse_fwd_standalone.cu `checks`).
-template <class Cfg>
-CUTE_HOST_DEVICE constexpr uint32_t gather_offset(int r, int piece, int stage) {
-  constexpr int kRowBytes = 128, kBlockBytes = Cfg::BN * kRowBytes;
-  return uint32_t(stage * Cfg::kTileBytesKV + piece / 8 * kBlockBytes + r * kRowBytes +
-                  ((piece % 8) ^ (r % 8)) * 16);
-}
-// One BN-row tile of K or V gathered into the ring stage at shared address `stage_base`, by the
-// 128 threads of the producer warpgroup: `row` is the key row of tile row threadIdx.x (< 0 or >=
-// key_rows: zeros), base the (b, kv head) origin of k or v, stride its row stride in elements.
-// Warp w copies tile rows [32 w, 32 w + 32), kRowsPerPass whole rows per instruction (lane l the
-// 16-byte piece l % kPieces of row l / kPieces), so every global read is whole rows; a row's key
-// comes from its owner by shuffle. cp.async.cg (L2 only: a row is read once per item), with a
-// source size of 0 for zeros. Unrolled by 4: fully unrolled, the 56-register producer spilled.
-template <class Cfg>
-CUTE_DEVICE void gather_rows(uint32_t stage_base, typename Cfg::Elem const* base, int stride, int row,
-                             int key_rows) {
-  constexpr int kPieces = Cfg::D * int(sizeof(typename Cfg::Elem)) / 16;  // 16-byte pieces per row
-  constexpr int kRowsPerPass = 32 / kPieces;
-  static_assert(Cfg::BN == 128 && 32 % kPieces == 0, "four warps of 32 rows, whole rows per pass");
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 % 4, piece = lane % kPieces;
-  const auto* src0 = base + piece * (16 / int(sizeof(*base)));
-#pragma unroll 4
-  for (int i = 0; i < 32 / kRowsPerPass; ++i) {
-    const int r = i * kRowsPerPass + lane / kPieces;  // the warp's r-th row
-    const int key = __shfl_sync(0xffffffffu, row, r);
-    const bool valid = static_cast<unsigned>(key) < static_cast<unsigned>(key_rows);
-    const auto* src = src0 + int64_t(valid ? key : 0) * stride;
-    const uint32_t dst = stage_base + gather_offset<Cfg>(warp * 32 + r, piece, 0);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-                 "r"(valid ? 16 : 0) : "memory");
-  }
-}
-
-// The gathering kernel's register split: its producer's loop needs more than the TMA producer's
-// 24 registers (at 40 it spilled 4-16 bytes, nvcc 13.0), so the consumers get 224 instead of 240
-// (the KeyLen kernels' consumers use 216 at bf16 D = 128: cuobjdump, session 23); 128 x 56 +
-// 256 x 224 is the 384 x 168 the launch allocates.
-constexpr int kGatherProducerRegs = 56, kGatherConsumerRegs = 224;
-
-// The gathering producer (kGather): every thread of warpgroup 0 copies rows of each listed tile
-// (gather_rows) and counts itself on the tile's full barrier when its copies land
-// (cp.async.mbarrier.arrive.noinc: the barriers expect 128 arrivals, init_fwd_barriers); thread 0
-// also loads each item's Q by TMA, as the plain producer does.
-template <class Cfg, bool kTail, class Params>
-CUTE_DEVICE void gather_producer(Params const& p, typename Cfg::SharedStorage& ss, int num_items) {
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
-  using Barrier = cutlass::arch::ClusterBarrier;
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
-  const uint32_t k_ring = smem_addr(ss.k), v_ring = smem_addr(ss.v);
-  auto arrive_on_landing = [](uint64_t* bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-  };
-  int it = 0;  // the ring position, as the consumers count it
-  walk_items<Cfg, kTail>(p, num_items, [&](SparseItem const& si, int item, int lo, int hi) {
-    if (threadIdx.x == 0) {
-      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, D, p.heads, p.batch));
-      Tensor gQ = local_tile(mQ(_, _, si.h, si.b), Shape<Int<BM>, Int<D>>{}, make_coord(si.qb, 0));
-      produce_q<Cfg>(p.tma_q, p.tma_q.get_slice(0), gQ, sQ, ss, item);
-    }
-    const int kvh = si.h / (p.heads / p.kv_heads), head = si.b * p.heads + si.h;
-    const int len = p.key_len[head];  // <= columns_len (the plan clamps it)
-    const int32_t* columns = p.columns + int64_t(head) * p.columns_len;
-    const auto* k = p.k + si.b * p.k_stride_b + kvh * p.k_stride_h;
-    const auto* v = p.v + si.b * p.v_stride_b + kvh * p.v_stride_h;
-    for (int j = lo; j < hi; ++j, ++it) {
-      const int position = si.list[j] * BN + int(threadIdx.x);  // this thread's row of the tile
-      const int row = position < len ? columns[position] : -1;  // read before the waits
-      const int stage = it % STAGES, phase = (it / STAGES) & 1;
-      Barrier::wait(&ss.k_empty[stage], phase ^ 1);
-      gather_rows<Cfg>(k_ring + stage * Cfg::kTileBytesKV, k, p.k_row_stride, row, p.key_rows);
-      arrive_on_landing(&ss.k_full[stage]);
-      Barrier::wait(&ss.v_empty[stage], phase ^ 1);
-      gather_rows<Cfg>(v_ring + stage * Cfg::kTileBytesKV, v, p.v_row_stride, row, p.key_rows);
-      arrive_on_landing(&ss.v_full[stage]);
-    }
-  });
-}
-
 // kKeyLen: the consumers take each item's key length from p.key_len (KeyLenConsumerSide);
 // otherwise every item has seqlen_k keys (SparseConsumerSide, the shipped kernel). The producer
 // is the same: it loads the listed blocks, whatever their valid length. kTail: the split tail's
 // launch (one part of a split item per CTA, tail_part), after the plain launch has walked the
 // whole rounds; two launches, not one loop, so that the plain kernel's loop stays as it was (the
-// loop that also took the tail part ran 1.5-2 % slower: csrc/NOTES.md "Session 22"). kGather (with
-// kKeyLen): the column-sparse forward's in-kernel gather, gather_producer in place of the TMA one.
-template <class Cfg, bool kKeyLen, bool kTail, bool kGather = false>
+// loop that also took the tail part ran 1.5-2 % slower: csrc/NOTES.md "Session 22").
+template <class Cfg, bool kKeyLen, bool kTail>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     block_sparse_fwd_kernel(__grid_constant__ const SparseFwdParams<Cfg> p) {
-  static_assert(kKeyLen || !kGather, "the gather's key positions end at key_len");
   constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -384,8 +264,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // The plain launch walks [0, items_end); the tail launch splits what is left (tail_part).
   const int num_items = kTail ? p.batch * p.heads * p.num_q_blocks : p.items_end;
   const int warp_group = threadIdx.x / 128;
-  // The gathering producer's 128 threads each count on a full barrier once their copies land.
-  init_fwd_barriers<Cfg>(ss, kGather ? 128 : 1);
+  init_fwd_barriers<Cfg>(ss);
   // The split tail's two launches overlap (programmatic dependent launch): the plain launch lets
   // the tail launch's CTAs start as its own leave their SMs, and those wait here, past their
   // set-up, until the plain launch has completed (its writes are not what they read: this keeps
@@ -396,11 +275,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
-    if constexpr (kGather) {
-      cutlass::arch::warpgroup_reg_dealloc<kGatherProducerRegs>();
-      gather_producer<Cfg, kTail>(p, ss, num_items);
-      return;
-    }
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (threadIdx.x == 0) {
       constexpr int ev = kTraceProducer;  // trace_event's slots (common.cuh; harness `trace` only)
@@ -415,7 +289,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tKsK = tma_k.partition_D(sK);  // (TMA, 1, 1, STAGES)
       Tensor tVsV = tma_v.partition_D(sV);
       int it = 0;  // K/V visits so far, over every work item of this CTA: the ring position
-      // The item's Q, then its list's entries [lo, hi) (walk_items).
+      // The item's Q, then its list's entries [lo, hi), for the item-th of this CTA's items: the
+      // plain launch's whole items, or the tail launch's part of a split item (one call site each).
       auto produce = [&](SparseItem const& si, int item, int lo, int hi) {
         const int kvh = si.h / (p.heads / p.kv_heads);
         Tensor gQ = local_tile(mQ(_, _, si.h, si.b), Shape<Int<BM>, Int<D>>{}, make_coord(si.qb, 0));
@@ -438,7 +313,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         trace_event<Cfg>(item, ev + 2);
       };
-      walk_items<Cfg, kTail>(p, num_items, produce);
+      if constexpr (!kTail) {
+        for (int item = 0, w = snake_item(0); w < num_items; w = snake_item(++item)) {
+          trace_event<Cfg>(item, ev + 0);
+          const SparseItem si = sparse_item(p, w);
+          produce(si, item, 0, si.count);
+        }
+      } else {
+        TailPart tp;
+        if (tail_part(p, num_items, tp)) produce(sparse_item(p, tp.w), 0, tp.lo, tp.hi);
+      }
       trace_event<Cfg>(0, kTraceEvents - 2);  // the producer's end
       trace_event<Cfg>(0, kTraceEvents - 1);
     }
@@ -446,18 +330,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 
   // ------------------------------------------------------------------------------------ consumers
-  if constexpr (kGather)
-    fwd_consumers<Cfg, KeyLenConsumerSide, kTail, kGatherConsumerRegs>(p, ss, warp_group - 1, num_items);
-  else if constexpr (kKeyLen)
+  if constexpr (kKeyLen)
     fwd_consumers<Cfg, KeyLenConsumerSide, kTail>(p, ss, warp_group - 1, num_items);
   else
     fwd_consumers<Cfg, SparseConsumerSide, kTail>(p, ss, warp_group - 1, num_items);
 }
 
 // ------------------------------------------------------------------------------------- launch
-template <class Cfg, bool kKeyLen, bool kTail, bool kGather = false>
+template <class Cfg, bool kKeyLen, bool kTail>
 cudaError_t run_block_sparse_fwd(const SparseFwdParams<Cfg>& p, int ctas, cudaStream_t stream) {
-  auto kernel = block_sparse_fwd_kernel<Cfg, kKeyLen, kTail, kGather>;
+  auto kernel = block_sparse_fwd_kernel<Cfg, kKeyLen, kTail>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured =  // once per instantiation: the attribute is per function
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -492,10 +374,6 @@ cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a, int max_ctas = 0
     for (int i = 0; i < 3; ++i)
       if (st[i] % 8 != 0) return cudaErrorInvalidValue;
   if (!aligned(a.q) || !aligned(a.k) || !aligned(a.v) || !aligned(a.o)) return cudaErrorInvalidValue;
-  // The gather: key lengths and the shared list with it; 16-byte rows, bases and row strides.
-  if (a.columns && (!a.key_len || !a.shared_list || a.columns_len < 1 ||
-                    (D * sizeof(Elem)) % 16 != 0 || a.k_stride[1] > INT32_MAX || a.v_stride[1] > INT32_MAX))
-    return cudaErrorInvalidValue;
   const int items = a.batch * a.heads * a.num_q_blocks;
   if (items == 0) return cudaSuccess;
   auto ptr = [](const void* x) { return static_cast<const Elem*>(x); };
@@ -510,10 +388,6 @@ cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a, int max_ctas = 0
       a.num_q_blocks, a.shared_list ? 0 : a.max_blocks, a.kv_block_indices, a.kv_block_counts,
       a.work_order, a.scale * 1.4426950408889634f, a.key_len, a.split_parts, a.split_partials,
       a.split_counters, items};
-  p.columns = a.columns, p.columns_len = a.columns_len, p.key_rows = a.seqlen_k;
-  p.k = ptr(a.k), p.v = ptr(a.v);
-  p.k_row_stride = int(a.k_stride[1]), p.k_stride_h = a.k_stride[2], p.k_stride_b = a.k_stride[0];
-  p.v_row_stride = int(a.v_stride[1]), p.v_stride_h = a.v_stride[2], p.v_stride_b = a.v_stride[0];
   if constexpr (Cfg::kSmemO)
     p.tma_o = make_tma_o<Cfg>(static_cast<Elem*>(a.o), a.seqlen_q, a.heads, a.batch, a.o_stride[1],
                               a.o_stride[2], a.o_stride[0]);
@@ -524,18 +398,14 @@ cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a, int max_ctas = 0
   if (!split) p.split_parts = 0;
   const int ctas = split || (max_ctas > 0 && max_ctas < items) ? max_ctas : items;
   if (split) p.items_end = items - items % ctas;
-  // The flavour: the gathering producer, per-item key lengths, or neither (the shipped kernel).
-  auto run = [&](auto tail) {
-    constexpr bool kTail = decltype(tail)::value;
-    if (a.columns) return run_block_sparse_fwd<Cfg, true, kTail, true>(p, ctas, a.stream);
-    if (a.key_len) return run_block_sparse_fwd<Cfg, true, kTail>(p, ctas, a.stream);
-    return run_block_sparse_fwd<Cfg, false, kTail>(p, ctas, a.stream);
-  };
+  const bool key_len = a.key_len != nullptr;
   if (p.items_end > 0) {
-    const cudaError_t err = run(std::false_type{});
+    const cudaError_t err = key_len ? run_block_sparse_fwd<Cfg, true, false>(p, ctas, a.stream)
+                                    : run_block_sparse_fwd<Cfg, false, false>(p, ctas, a.stream);
     if (err != cudaSuccess || !split) return err;
   }
-  return run(std::true_type{});
+  return key_len ? run_block_sparse_fwd<Cfg, true, true>(p, ctas, a.stream)
+                 : run_block_sparse_fwd<Cfg, false, true>(p, ctas, a.stream);
 }
 
 template <class Elem, int D>

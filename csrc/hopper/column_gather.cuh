@@ -8,8 +8,7 @@
 // bytes, so one instantiation serves every dtype and head dim), V the vector width in bytes (16 when
 // the bases and strides allow it, else 8 / 4 / 2), nQb query blocks, bk the kernel's key block.
 //
-// What it writes, for every (b, h) with c = clamp(counts[b, h], 0, K) (with kg / vg null, the
-// plan alone: the attention kernel's in-kernel gather reads k / v itself):
+// What it writes, for every (b, h) with c = clamp(counts[b, h], 0, K):
 //   kg[b, j, h, :] = k[b, row(j), h / G, :] and vg likewise, j in [0, K), where row(j) =
 //     idx[b, h, j] for j < c, else idx[b, h, 0] (c > 0) or 0 (c = 0): the slots past a count are
 //     masked by the attention kernel but must be finite (0 * inf is NaN in P V), so they repeat a
@@ -44,7 +43,7 @@ namespace dlm::sm90 {
 struct ColumnGatherArgs {
   const void *k, *v;                    // (B, Sk, Hkv, R bytes), rows contiguous
   int64_t k_stride[3], v_stride[3];     // (batch, key, kv head), BYTES
-  void *kg, *vg;                        // (B, K, H, R bytes), contiguous; both null: the plan alone
+  void *kg, *vg;                        // (B, K, H, R bytes), contiguous
   const int32_t* kv_indices;            // (B, H, K), contiguous
   const int32_t* kv_counts;             // (B, H), contiguous; clamped to [0, K] here
   int batch, heads, kv_heads, list_len, seqlen_k, row_bytes;
@@ -140,13 +139,6 @@ __global__ void __launch_bounds__(1024) column_gather_kernel(const ColumnGatherA
   if (blockIdx.x == 0) write_plan(a, head, count);
 }
 
-// The plan alone (kg == null: the attention kernel gathers the rows itself, block_sparse_fwd.cuh
-// kGather): one CTA per head.
-__global__ void __launch_bounds__(kThreads) column_plan_kernel(const ColumnGatherArgs a) {
-  const int64_t head = static_cast<int64_t>(blockIdx.z) * a.heads + blockIdx.y;
-  write_plan(a, head, clamp_count(a.kv_counts[head], a.list_len));
-}
-
 template <class Vec>
 cudaError_t launch_with(const ColumnGatherArgs& a) {
   const int row_vecs = a.row_bytes / static_cast<int>(sizeof(Vec));
@@ -178,12 +170,8 @@ inline int column_gather_vector_bytes(const ColumnGatherArgs& a) {
 inline cudaError_t launch_column_gather(const ColumnGatherArgs& a) {
   using namespace column_gather_detail;
   if (a.list_len < 1 || a.batch < 1 || a.heads < 1 || a.kv_heads < 1 || a.heads % a.kv_heads ||
-      a.block_k < 1 || a.num_q_blocks < 0 || a.batch > 65535 || a.heads > 65535 || !a.kg != !a.vg)
+      a.block_k < 1 || a.num_q_blocks < 0 || a.batch > 65535 || a.heads > 65535)
     return cudaErrorInvalidValue;
-  if (!a.kg) {
-    column_plan_kernel<<<dim3(1, a.heads, a.batch), kThreads, 0, a.stream>>>(a);
-    return cudaGetLastError();
-  }
   switch (column_gather_vector_bytes(a)) {
     case 16: return launch_with<uint4>(a);
     case 8: return launch_with<uint2>(a);

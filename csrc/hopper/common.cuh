@@ -205,15 +205,15 @@ CUTE_DEVICE float exp2_approx(float x) {
 CUTE_HOST_DEVICE int run_begin(const TileRuns& t, int r) { return r ? t.begin[1] : t.begin[0]; }
 CUTE_HOST_DEVICE int run_end(const TileRuns& t, int r) { return r ? t.end[1] : t.end[0]; }
 
-// The K / V ring's barriers, one set per stage: "full" completes on the producer's TMA bytes (or on
-// full_arrivals producer threads' cp.async landings), "empty" on every consumer thread's release. Called by thread 0 before fence_barrier_init.
+// The K / V ring's barriers, one set per stage: "full" completes on the producer's TMA bytes,
+// "empty" on every consumer thread's release. Called by thread 0 before fence_barrier_init.
 template <int STAGES>
 CUTE_DEVICE void init_kv_ring(uint64_t* k_full, uint64_t* k_empty, uint64_t* v_full,
-                              uint64_t* v_empty, int consumer_threads, int full_arrivals = 1) {
+                              uint64_t* v_empty, int consumer_threads) {
   using Barrier = cutlass::arch::ClusterBarrier;
   for (int s = 0; s < STAGES; ++s) {
-    Barrier::init(&k_full[s], full_arrivals);
-    Barrier::init(&v_full[s], full_arrivals);
+    Barrier::init(&k_full[s], 1);
+    Barrier::init(&v_full[s], 1);
     Barrier::init(&k_empty[s], consumer_threads);
     Barrier::init(&v_empty[s], consumer_threads);
   }

@@ -16,18 +16,14 @@ uniform counts, 12 us with random ones, where torch.argsort + the int32 cast too
 persistent grid (one CTA per SM, ``PERSISTENT``) whose CTAs take the items in the snake order;
 a last round that would leave half the grid idle is split into parts over it (``SPLIT_PARTS``).
 
-Column-sparse (``column_fwd``): dense attention over each head's listed keys, so the same kernel
-runs with every query block listing key blocks 0 .. ceil(count / 128) - 1 (one shared arange) and
-key_len = kv_counts (the tile of the last listed key masks the rest), key position j of (b, h)
-being key row kv_indices[b, h, j]: the kernel's producer copies each tile's listed K / V rows from
-k / v itself (``IN_KERNEL_GATHER``, csrc/NOTES.md "Session 23": 16-byte cp.async into the
-swizzled tiles, no per-query-head copy of K / V), where k / v are TMA-ready. Otherwise (and in
-an extension built before it) the listed rows are first gathered per query head into (B, K, H, D)
-buffers (K = kv_indices.shape[-1], static: no host sync; sized by the list width K, not the
-counts: cut Sk-wide tables to the longest list) and the kernel runs over them with Hkv = H. Same
-coverage (D 64 / 128, fp16 / bf16, TMA-ready q), K >= 1. The kernel's plan (key_len, block
-counts, shared list, work order), and the gathered copies where they are made, are ONE launch of
-the extension's ``column_gather`` (csrc/hopper/column_gather.cuh: 16-byte rows, int32 indices,
+Column-sparse (``column_fwd``): dense attention over each head's listed keys, so the listed K / V
+rows are gathered per query head into (B, K, H, D) buffers (K = kv_indices.shape[-1], static: no
+host sync) and the same kernel runs over them with Hkv = H, every query block listing key blocks
+0 .. ceil(count / 128) - 1 (one shared arange) and key_len = kv_counts (the tile of the last
+listed key masks the rest). Same coverage (D 64 / 128, fp16 / bf16, TMA-ready q), K >= 1. The
+buffers are sized by the list width K, not the counts: cut Sk-wide tables to the longest list.
+The gather and the kernel's plan (key_len, block counts, shared list, work order) are ONE launch
+of the extension's ``column_gather`` (csrc/hopper/column_gather.cuh: 16-byte rows, int32 indices,
 any k / v strides with a unit stride in D); the torch ops ``gather_columns`` and ``column_plan``
 are its reference and run where the extension lacks it (an older build) or k / v have a non-unit
 stride in D. Before that launch, the torch gather (advanced indexing with int64 index tensors)
@@ -64,7 +60,7 @@ SOURCES = ["bindings/sparse_sm90.cpp", "bindings/sparse_fwd_sm90.cu",
 # CUTLASS forwards run, and calls handed to Triton, per entry point; the backwards have no CUTLASS
 # kernel: they are all fallbacks.
 STATS = {"fwd": 0, "fwd_fallback": 0, "bwd_fallback": 0, "column_fwd": 0,
-         "column_fwd_in_kernel": 0, "column_fwd_fallback": 0, "column_bwd_fallback": 0}
+         "column_fwd_fallback": 0, "column_bwd_fallback": 0}
 BLOCK = 128  # the kernel's key block (block_sparse_fwd_supports)
 
 # The forwards' grid: persistent (one CTA per SM walking its items in the snake order; the next
@@ -82,12 +78,6 @@ PERSISTENT = True
 # D = 128, read from L2: why not more parts). At 16K / 10 % (4096 items of 13 tiles on 132 CTAs)
 # the 32nd round holds 4 items, ~3 % of the launch.
 SPLIT_PARTS = 4
-# The column-sparse forward's in-kernel gather (csrc/NOTES.md "Session 23"; block_sparse_fwd.cuh
-# kGather): the kernel's producer copies each tile's listed K / V rows from k / v itself, so no
-# per-query-head copy of K / V is made (H / Hkv x K x D x 4 bytes: 0.5 GB at 64K / 50 %, H 32 / 8,
-# D 128) and no gather runs before the kernel. False: gather first (column_inputs), the path of an
-# extension built before the gathering kernel and of k / v that are not TMA-ready.
-IN_KERNEL_GATHER = True
 
 _EXT = None
 _BUILD_ERROR: str | None = None
@@ -177,40 +167,31 @@ def column_order(per_head: torch.Tensor, num_q_blocks: int) -> torch.Tensor:
 RANK_MAX_HEADS = 4096
 
 
-def column_inputs(ext, k, v, idx, counts, num_q_blocks: int, gather: bool = True):
+def column_inputs(ext, k, v, idx, counts, num_q_blocks: int):
     """What the kernel reads in a column-sparse forward, (kg, vg, key_len, shared, blocks, order):
-    the gathered K / V (B, K, H, D) (gather_columns; None, None with gather=False: the kernel's
-    in-kernel gather reads k / v itself), key_len = counts clamped to [0, K] (so an unchecked call
-    cannot make the kernel read past the list or the keys) and column_plan's tables. One launch
-    of the extension's column_gather, or the torch reference where the extension lacks it or k / v
-    have a non-unit stride in D. No host sync either way."""
+    the gathered K / V (B, K, H, D) (gather_columns), key_len = counts clamped to [0, K] (so an
+    unchecked call cannot make the kernel read past the list or the keys) and column_plan's
+    tables. One launch of the extension's column_gather, or the torch reference where the
+    extension lacks it or k / v have a non-unit stride in D. No host sync either way."""
     b, h, m = idx.shape
-    launch = getattr(ext, "column_gather", None)
-    if launch is None or k.stride(-1) != 1 or v.stride(-1) != 1:
+    gather = getattr(ext, "column_gather", None)
+    if gather is None or k.stride(-1) != 1 or v.stride(-1) != 1:
         key_len = counts.clamp(0, m).contiguous()  # int32 (B, H)
-        kg, vg = gather_columns(k, v, idx, key_len) if gather else (None, None)
+        kg, vg = gather_columns(k, v, idx, key_len)
         return (kg, vg, key_len, *column_plan(key_len, num_q_blocks, m))
     dev, i32 = idx.device, torch.int32
-    kg = new_output(k, (b, m, h, k.shape[-1])) if gather else None
-    vg = new_output(v, kg.shape) if gather else None
+    kg = new_output(k, (b, m, h, k.shape[-1]))
+    vg = new_output(v, kg.shape)
     key_len = torch.empty((b, h), dtype=i32, device=dev)
     blocks = torch.empty((b, h, num_q_blocks), dtype=i32, device=dev)
     shared = torch.empty((-(-m // BLOCK),), dtype=i32, device=dev)
     ranked = b * h <= RANK_MAX_HEADS
     order = torch.empty((b * h * num_q_blocks,), dtype=i32, device=dev) if ranked else None
-    launch(k, v, idx.contiguous(), counts.contiguous(), kg, vg, key_len, blocks, shared, order,
+    gather(k, v, idx.contiguous(), counts.contiguous(), kg, vg, key_len, blocks, shared, order,
            BLOCK)
     if not ranked:
         order = column_order((key_len + (BLOCK - 1)) // BLOCK, num_q_blocks)
     return kg, vg, key_len, shared, blocks, order
-
-
-def gathers_in_kernel(ext, k, v) -> bool:
-    """Whether the column-sparse forward lets the kernel gather the listed rows itself
-    (IN_KERNEL_GATHER, an extension with the gathering kernel, k / v whose rows the producer's
-    16-byte copies can read: TMA-ready)."""
-    return (IN_KERNEL_GATHER and getattr(ext, "gathers_columns", False)
-            and cutlass.tma_ready(k) and cutlass.tma_ready(v))
 
 
 class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
@@ -256,29 +237,20 @@ class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
 
     def column_fwd(self, q, k, v, idx, counts, scale):
         ext = _extension()
-        # q alone needs checking: the kernel reads k / v rows itself (gathers_in_kernel) or from
-        # fresh contiguous copies (D 64 / 128: 16-byte rows); K = 0 leaves no list slot (Triton
-        # writes the empty result).
+        # q alone needs checking: the gathered K / V are fresh contiguous buffers (D 64 / 128:
+        # 16-byte rows); K = 0 leaves no list slot (Triton writes the empty result).
         if (ext is None or not ext.supports(BLOCK, BLOCK, q.shape[-1]) or idx.shape[-1] == 0
                 or not cutlass.tma_ready(q)):
             STATS["column_fwd_fallback"] += 1
             return super().column_fwd(q, k, v, idx, counts, scale)
         b, sq, h, _ = q.shape
-        idx = idx.contiguous()
-        in_kernel = gathers_in_kernel(ext, k, v)
         kg, vg, key_len, shared, blocks, order = column_inputs(ext, k, v, idx, counts,
-                                                               -(-sq // BLOCK), not in_kernel)
+                                                               -(-sq // BLOCK))
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, sq), torch.float32)
-        grid = _launch_grid(q.device, blocks.numel())
-        if in_kernel:
-            ext.fwd(q, k, v, out, lse, shared, blocks, order, BLOCK, BLOCK, scale, key_len=key_len,
-                    columns=idx, **grid)
-        else:
-            ext.fwd(q, kg, vg, out, lse, shared, blocks, order, BLOCK, BLOCK, scale,
-                    key_len=key_len, **grid)
+        ext.fwd(q, kg, vg, out, lse, shared, blocks, order, BLOCK, BLOCK, scale, key_len=key_len,
+                **_launch_grid(q.device, blocks.numel()))
         STATS["column_fwd"] += 1
-        STATS["column_fwd_in_kernel"] += in_kernel
         return out, lse
 
     def column_bwd(self, dout, q, k, v, out, lse, dlse, idx, counts, scale):

@@ -21,7 +21,6 @@
 //                         # O rescale skipped while the max is stale): checks + A/B
 //   ./sparse_fwd epi-ab   # the item's end: two Q buffers, the O store knocked out (A/B)
 //   ./sparse_fwd split-ab # the split tail (the last round's items in parts): checks + A/B
-//   ./sparse_fwd column   # the in-kernel gather: a few checks, then the column-sparse tables
 //   ./sparse_fwd trace    # where an item's time goes: clock64 stamps at fixed points of each item
 //                         # (common.cuh Traced), per-phase means in microseconds at four shapes
 //   ./sparse_fwd prof     # one persistent launch at 16K, density 0.1 and 0.5, for ncu: the kernel's
@@ -74,29 +73,18 @@ struct Pattern {
   int nqb, nkb, max_blocks;
   std::vector<int32_t> idx, cnt, lens;
   bool shared = false;
-  std::vector<int32_t> cols;  // key_len 3: (B, H, Sk) key rows, a random permutation per (b, h)
 };
 
 // kind "mix": per list empty (15 %), all blocks (15 %) or a random subset of random size;
 // kind "density": round(density * nKb) random blocks everywhere. key_len 1: a length per (b, h)
-// (cycling through 0, 1, 127, 128, 129, Sk and random ones) with own lists; 2: with the shared list;
-// 3: the same with columns, key position j of (b, h) the key row cols[(b H + h) Sk + j] (the
-// in-kernel gather of the column-sparse forward, block_sparse_fwd.cuh kGather).
+// (cycling through 0, 1, 127, 128, 129, Sk and random ones) with own lists; 2: with the shared list.
 Pattern make_pattern(int B, int H, int sq, int sk, const char* kind, double density, int pad, std::mt19937& g,
                      int key_len = 0) {
   Pattern p;
   p.nqb = (sq + kBlock - 1) / kBlock;
   p.nkb = (sk + kBlock - 1) / kBlock;
   p.max_blocks = p.nkb + pad;
-  p.shared = key_len >= 2;
-  if (key_len == 3) {
-    std::vector<int32_t> perm(sk);
-    for (int bh = 0; bh < B * H; ++bh) {
-      std::iota(perm.begin(), perm.end(), 0);
-      std::shuffle(perm.begin(), perm.end(), g);
-      p.cols.insert(p.cols.end(), perm.begin(), perm.end());
-    }
-  }
+  p.shared = key_len == 2;
   const size_t lists = (size_t)B * H * p.nqb;
   if (key_len) {
     const int fixed[] = {0, 1, 127, 128, 129, sk};
@@ -148,7 +136,7 @@ struct Case {
   int pad;          // max_blocks - nKb
   bool order;       // pass a work order (longest list first)
   int ctas = 0;     // > 0: a persistent grid of this many CTAs (the timing's A/B), else one per item
-  int key_len = 0;  // 0: none; 1: a key length per (b, h), own lists; 2: the same, one shared list; 3: 2 + columns
+  int key_len = 0;  // 0: none; 1: a key length per (b, h), own lists; 2: the same, one shared list
   int split = 0;    // > 0 (with ctas > 0): the split tail, up to this many parts per item
 };
 
@@ -173,7 +161,7 @@ template <class Elem, int D>
 struct Bufs {
   Elem *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
   float* lse = nullptr;
-  int32_t *idx = nullptr, *cnt = nullptr, *order = nullptr, *lens = nullptr, *cols = nullptr;
+  int32_t *idx = nullptr, *cnt = nullptr, *order = nullptr, *lens = nullptr;
   dlm::sm90::SparseFwdArgs args{};
   void alloc(const Case& c, const Pattern& p) {
     const size_t nq = (size_t)c.B * c.sq * c.H * D, nk = (size_t)c.B * c.sk * c.Hkv * D;
@@ -186,10 +174,6 @@ struct Bufs {
     if (!p.lens.empty()) {
       CK(cudaMalloc(&lens, p.lens.size() * 4));
       CK(cudaMemcpy(lens, p.lens.data(), p.lens.size() * 4, cudaMemcpyHostToDevice));
-    }
-    if (!p.cols.empty()) {
-      CK(cudaMalloc(&cols, p.cols.size() * 4));
-      CK(cudaMemcpy(cols, p.cols.data(), p.cols.size() * 4, cudaMemcpyHostToDevice));
     }
     std::vector<int32_t> ord(p.cnt.size());
     std::iota(ord.begin(), ord.end(), 0);
@@ -210,14 +194,12 @@ struct Bufs {
     a.stream = 0;
     a.shared_list = p.shared;
     a.key_len = lens;  // null without key lengths
-    a.columns = cols;  // null but with key_len 3
-    a.columns_len = cols ? c.sk : 0;
   }
   void poison(const Case& c) {  // 0xff bytes: NaN in bf16, fp16 and fp32
     CK(cudaMemset(o, 0xff, (size_t)c.B * c.sq * c.H * D * sizeof(Elem)));
     CK(cudaMemset(lse, 0xff, (size_t)c.B * c.H * c.sq * 4));
   }
-  ~Bufs() { cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(lse); cudaFree(idx); cudaFree(cnt); cudaFree(order); cudaFree(lens); cudaFree(cols); }
+  ~Bufs() { cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(lse); cudaFree(idx); cudaFree(cnt); cudaFree(order); cudaFree(lens); }
 };
 
 template <class Elem, int D, class Cfg = HarnessCfg<Elem, D>>
@@ -268,8 +250,7 @@ void check(const Case& c, const char* name) {
         keys.clear();
         for (int t = 0; t < p.cnt[l]; ++t) {
           const int kb = list[t];
-          for (int j = kb * kBlock; j < std::min(len, (kb + 1) * kBlock); ++j)
-            keys.push_back(p.cols.empty() ? j : p.cols[((size_t)bb * c.H + h) * c.sk + j]);
+          for (int j = kb * kBlock; j < std::min(len, (kb + 1) * kBlock); ++j) keys.push_back(j);
         }
         const float got_lse = hl[((size_t)bb * c.H + h) * c.sq + i];
         const Elem* orow = &ho[(((size_t)bb * c.sq + i) * c.H + h) * D];
@@ -312,32 +293,12 @@ void check(const Case& c, const char* name) {
   g_failed += !ok;
   printf("%s %s D=%d B=%d Sq=%d Sk=%d H=%d/%d %s%s%s pad %d ctas %d split %d: %ld rows (%ld empty), max |out err| %.4f, max |lse err| %.5f, bad %ld, unwritten %ld\n",
          ok ? "PASS" : "FAIL", name, D, c.B, c.sq, c.sk, c.H, c.Hkv, c.kind, c.order ? " +order" : "",
-         c.key_len == 1 ? " +key_len" : c.key_len == 2 ? " +key_len shared list" : c.key_len == 3 ? " +gather" : "", c.pad, c.ctas, c.split, rows,
+         c.key_len == 1 ? " +key_len" : c.key_len == 2 ? " +key_len shared list" : "", c.pad, c.ctas, c.split, rows,
          empty_rows, max_err, max_lse_err, bad, unwritten);
-}
-
-// gather_offset (the in-kernel gather's shared-memory address of a 16-byte piece) against the
-// addresses of the CuTe tensor TMA and wgmma use, over every row, piece and stage.
-template <class Cfg>
-void check_gather_offsets(const char* name) {
-  using Elem = typename Cfg::Elem;
-  static std::vector<char> raw(cute::cosize_v<typename Cfg::SmemLayoutKV> * sizeof(Elem) + 1024);
-  Elem* base = reinterpret_cast<Elem*>((reinterpret_cast<uintptr_t>(raw.data()) + 1023) / 1024 * 1024);
-  auto t = cute::make_tensor(cute::make_smem_ptr(base), typename Cfg::SmemLayoutKV{});
-  long bad = 0;
-  for (int s = 0; s < Cfg::STAGES; ++s)
-    for (int r = 0; r < Cfg::BN; ++r)
-      for (int piece = 0; piece < Cfg::D * (int)sizeof(Elem) / 16; ++piece)
-        bad += (char*)&t(r, piece * 16 / (int)sizeof(Elem), s) - (char*)base !=
-               (long)dlm::sm90::gather_offset<Cfg>(r, piece, s);
-  g_failed += bad != 0;
-  printf("%s %s D=%d gather_offset against the CuTe layout: %ld mismatches\n", bad ? "FAIL" : "PASS", name,
-         Cfg::D, bad);
 }
 
 template <class Elem, int D, class Cfg = HarnessCfg<Elem, D>>
 void checks(const char* name) {
-  check_gather_offsets<Cfg>(name);
   check<Elem, D, Cfg>({2, 1000, 1300, 32, 8, "mix", 0, 0, false}, name);    // GQA 32/8, both ends short
   check<Elem, D, Cfg>({1, 640, 389, 4, 4, "mix", 0, 3, true}, name);        // Sk < Sq, padding, work order
   check<Elem, D, Cfg>({1, 512, 512, 4, 4, "density", 1.0, 0, false}, name); // all blocks, multiples of 128
@@ -360,12 +321,6 @@ void checks(const char* name) {
   check<Elem, D, Cfg>({2, 700, 900, 8, 2, "mix", 0, 0, false, 7, 0, 4}, name);
   check<Elem, D, Cfg>({2, 300, 700, 8, 8, "mix", 0, 0, true, 132, 1, 6}, name);
   check<Elem, D, Cfg>({2, 700, 900, 8, 8, "mix", 0, 0, true, 40, 2, 4}, name);
-  // The in-kernel gather (key_len 3): GQA, one and several CTAs per item, the split tail.
-  check<Elem, D, Cfg>({2, 300, 700, 8, 2, "mix", 0, 0, true, 0, 3}, name);
-  check<Elem, D, Cfg>({1, 257, 1000, 16, 4, "mix", 0, 0, false, 0, 3}, name);
-  check<Elem, D, Cfg>({2, 129, 256, 8, 8, "mix", 0, 0, true, 0, 3}, name);
-  check<Elem, D, Cfg>({2, 700, 900, 8, 2, "mix", 0, 0, true, 7, 3}, name);
-  check<Elem, D, Cfg>({2, 700, 900, 8, 2, "mix", 0, 0, true, 40, 3, 4}, name);
 }
 
 // ------------------------------------------------------------------------------------- timing
@@ -432,14 +387,10 @@ Timed time_one(int s, double density, int iters, int sms) {
 // order), then the kernel. Timed: the kernel alone (no work order, as before), the gather alone,
 // and both back to back (benchmarks.sparse times the op through torch). Checked once per shape:
 // the plan, and sampled gathered rows against the source, byte for byte.
-// The in-kernel gather (block_sparse_fwd.cuh kGather) at the same shapes, persistent (one CTA per
-// SM, as the op runs): the gathered form's kernel, the gathering kernel over the source K / V
-// (Hkv = 8) and the lists, and that kernel after the plan alone (column_gather without kg / vg);
-// checked first: both kernels' outputs bit for bit.
-struct ColumnTimed { Timed kernel; float gather_ms, both_ms, persistent_ms, in_kernel_ms, plan_in_kernel_ms; };
+struct ColumnTimed { Timed kernel; float gather_ms, both_ms; };
 
 
-ColumnTimed time_column(int s, double density, int iters, int sms) {
+ColumnTimed time_column(int s, double density, int iters) {
   constexpr int D = 128, kHkv = 8;
   const int keys = (int)std::lround(density * s);
   const Case c{1, s, keys, 32, 32, "mix", 0, 0, false};
@@ -524,56 +475,13 @@ ColumnTimed time_column(int s, double density, int iters, int sms) {
     CK(dlm::sm90::launch_column_gather(ga));
     CK(dlm::sm90::launch_block_sparse_fwd<bf16, D>(fa));
   });
-  // The in-kernel gather: the same keys from the source, so the same output bit for bit.
-  dlm::sm90::SparseFwdArgs ia = fa;
-  ia.k = ks, ia.v = vs, ia.kv_heads = kHkv, ia.seqlen_k = s;
-  const int64_t kst[3] = {(int64_t)s * kHkv * D, kHkv * D, D};  // elements
-  std::copy(kst, kst + 3, ia.k_stride); std::copy(kst, kst + 3, ia.v_stride);
-  ia.columns = dlists, ia.columns_len = keys;
-  dlm::sm90::ColumnGatherArgs pa = ga;
-  pa.kg = pa.vg = nullptr;  // the plan alone
-  const size_t nout = (size_t)s * c.H * D;
-  std::vector<uint16_t> want_o(nout), got_o(nout);
-  CK(dlm::sm90::launch_column_gather(ga));
-  CK(dlm::sm90::launch_block_sparse_fwd_cfg<HarnessCfg<bf16, D>>(fa, sms));
-  CK(cudaMemcpy(want_o.data(), b.o, nout * 2, cudaMemcpyDeviceToHost));
-  b.poison(c);
-  CK(dlm::sm90::launch_column_gather(pa));
-  CK(dlm::sm90::launch_block_sparse_fwd_cfg<HarnessCfg<bf16, D>>(ia, sms));
-  CK(cudaMemcpy(got_o.data(), b.o, nout * 2, cudaMemcpyDeviceToHost));
-  if (got_o != want_o) {
-    printf("FAILED in-kernel gather S=%d K=%d: output differs from the gathered form's\n", s, keys);
-    ++g_failed;
-  }
-  const float persistent_ms = time_loop(iters, [&] {
-    CK(dlm::sm90::launch_block_sparse_fwd_cfg<HarnessCfg<bf16, D>>(fa, sms));
-  });
-  const float in_kernel_ms = time_loop(iters, [&] {
-    CK(dlm::sm90::launch_block_sparse_fwd_cfg<HarnessCfg<bf16, D>>(ia, sms));
-  });
-  const float plan_in_kernel_ms = time_loop(iters, [&] {
-    CK(dlm::sm90::launch_column_gather(pa));
-    CK(dlm::sm90::launch_block_sparse_fwd_cfg<HarnessCfg<bf16, D>>(ia, sms));
-  });
   CK(cudaFree(ks)); CK(cudaFree(vs)); CK(cudaFree(dlists)); CK(cudaFree(dcounts));
   const double gb = 4.0 * keys * c.H * D * 2 / 1e9;  // k and v rows, read and written
   printf("time column S=%d density %.2f (%d keys): kernel %.3f ms, %.0f TFLOPS, %.2f x density; gather %.3f ms "
          "(%.2f GB, %.2f TB/s); gather + kernel %.3f ms, %.2f x density\n", s, density, keys, ms, tflops, ratio,
          gather_ms, gb, gb / gather_ms, both_ms, both_ms / (dense_cudnn_ms(s) * real_density));
-  printf("time column S=%d density %.2f persistent: gathered form %.3f ms, in-kernel gather %.3f ms (%.3f x), "
-         "plan + in-kernel %.3f ms, %.2f x density\n", s, density, persistent_ms, in_kernel_ms,
-         persistent_ms / in_kernel_ms, plan_in_kernel_ms, plan_in_kernel_ms / (dense_cudnn_ms(s) * real_density));
   fflush(stdout);
-  return {{s, density, ms, tflops, ratio, 0}, gather_ms, both_ms, persistent_ms, in_kernel_ms, plan_in_kernel_ms};
-}
-
-void column_timing(int sms);
-
-int sm_count() {
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
+  return {{s, density, ms, tflops, ratio, 0}, gather_ms, both_ms};
 }
 
 void timing() {
@@ -589,14 +497,9 @@ void timing() {
   for (auto& x : t)
     printf("| %dK | %.1f | %.3f | %.0f | %.2f | %.2f | %.3f | %.2f |\n", x.s / 1024, x.density, x.ms, x.tflops,
            dense_cudnn_ms(x.s), x.ratio, x.ms_persistent, x.ratio * x.ms_persistent / x.ms);
-  column_timing(sms);
-}
-
-// The column-sparse form's tables (time_column), alone: mode `column`.
-void column_timing(int sms) {
   std::vector<ColumnTimed> col;
   for (int s : {16384, 32768, 65536})
-    for (double d : {0.1, 0.3, 0.5}) col.push_back(time_column(s, d, 20, sms));
+    for (double d : {0.1, 0.3, 0.5}) col.push_back(time_column(s, d, 20));
   printf("\nColumn-sparse form (gathered keys, Hkv = H = 32, shared list, key_len): the kernel alone, the gather\n"
          "(column_gather.cuh: K / V rows of 32 heads from Hkv = 8 and the plan, one launch) alone, both:\n"
          "| S | density | kernel ms | TFLOPS | ratio | gather ms | TB/s | gather + kernel ms | ratio |\n"
@@ -606,15 +509,6 @@ void column_timing(int sms) {
     printf("| %dK | %.1f | %.3f | %.0f | %.2f | %.3f | %.2f | %.3f | %.2f |\n", x.kernel.s / 1024,
            x.kernel.density, x.kernel.ms, x.kernel.tflops, x.kernel.ratio, x.gather_ms, gb / x.gather_ms, x.both_ms,
            x.kernel.ratio * x.both_ms / x.kernel.ms);
-  }
-  printf("\nThe in-kernel gather, persistent grid of %d CTAs (ratio = time / (dense cuDNN ms x density)):\n"
-         "| S | density | gathered form: gather + kernel ms | kernel ms | in-kernel gather ms | speed | plan + in-kernel ms | ratio |\n"
-         "|---|---|---|---|---|---|---|---|\n", sms);
-  for (auto& x : col) {
-    const double per_ms = x.kernel.ratio / x.kernel.ms;  // ratio per millisecond at this shape
-    printf("| %dK | %.1f | %.3f | %.3f | %.3f | %.3fx | %.3f | %.2f |\n", x.kernel.s / 1024, x.kernel.density,
-           x.gather_ms + x.persistent_ms, x.persistent_ms, x.in_kernel_ms, x.persistent_ms / x.in_kernel_ms,
-           x.plan_in_kernel_ms, per_ms * x.plan_in_kernel_ms);
   }
 }
 
@@ -925,25 +819,12 @@ int main(int argc, char** argv) {
   }
   if (mode == "epi-ab") return epi_ab();
   if (mode == "split-ab") return split_ab();
-  if (mode == "column") {  // the in-kernel gather's checks, then the column-sparse tables
-    for (auto* name : {"bf16", "fp16"}) {
-      const bool bf = name[0] == 'b';
-      for (int k3 : {0, 1}) {
-        const Case c = k3 ? Case{2, 700, 900, 8, 2, "mix", 0, 0, true, 40, 3, 4} : Case{2, 300, 700, 8, 2, "mix", 0, 0, true, 0, 3};
-        if (bf) check<bf16, 128>(c, name); else check<fp16, 64>(c, name);
-      }
-    }
-    column_timing(sm_count());
-    printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
-    return g_failed ? 1 : 0;
-  }
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
     check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");
     check<bf16, 128>({1, 200, 300, 8, 8, "mix", 0, 0, true, 0, 2}, "bf16");
     check<bf16, 128>({1, 700, 900, 8, 2, "mix", 0, 0, true, 3}, "bf16");  // persistent: 3 CTAs, 48 items
     check<bf16, 128>({1, 700, 900, 8, 2, "mix", 0, 0, true, 20, 0, 4}, "bf16");  // split tail: 48 on 20
-    check<bf16, 128>({1, 700, 900, 8, 2, "mix", 0, 0, true, 20, 3, 4}, "bf16");  // in-kernel gather, split
   }
   if (mode == "all" || mode == "check") {
     checks<bf16, 128>("bf16");
