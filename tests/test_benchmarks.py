@@ -154,3 +154,31 @@ def test_knob_ab_knobs_name_what_the_backends_read():
         assert all(sparse_cases) or not any(sparse_cases), name
         want = {"block", "column"} if all(sparse_cases) else {"fwd", "bwd", "step"}
         assert set(knob.modes) <= want, name
+
+
+def test_step_gap_and_power_say_they_need_a_gpu(monkeypatch):
+    import pytest
+
+    from benchmarks import power, step_gap
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for module in (step_gap, power):
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            module.main([])
+
+
+def test_step_gap_row_divides_by_forward_plus_backward():
+    from benchmarks.step_gap import HEAD, row
+
+    line = row("c", "x", {"fwd": 0.25, "bwd": 0.75, "step": 1.08, "graph step": 1.01})
+    assert line == "| c | x | 0.250 | 0.750 | 1.000 | 1.080 | 1.010 | 1.080 | 1.010 |"
+    assert line.count("|") == HEAD.splitlines()[0].count("|")
+
+
+def test_power_settles_on_the_samples_after_the_first_third():
+    from benchmarks.power import settled
+
+    lines = ["1980, 120.5, 40", "1700, 690.0, 61", "1650, 689.0, 62", "not a sample",
+             "1640, 691.0, 63", "1635, 690.5, 63", "1630, 688.0, 62", "1645, 690.0, 62"]
+    assert settled(lines) == (1640.0, 690.0, 62.0)
+    assert all(x != x for x in settled([]))  # NaN: nothing sampled
