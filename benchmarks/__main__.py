@@ -236,7 +236,8 @@ def main(argv=None) -> int:
         cases = [c for c in cases if a.only in c.label]
     table_of = {"exact": EXACT_CONTENDERS, "varlen": VARLEN_CONTENDERS}.get(a.preset, CONTENDERS)
     refs = {"exact": ("sdpa cudnn", "sdpa flash"),
-            "varlen": ("dlm_ops triton",)}.get(a.preset, (YARDSTICK, "flex BD3"))
+            "varlen": ("dlm_ops triton", "dlm_ops batched", YARDSTICK)}.get(
+                a.preset, (YARDSTICK, "flex BD3"))
     names = a.contenders.split(",") if a.contenders else list(table_of)
     contenders = {n: table_of[n] for n in names}
     try:

@@ -229,11 +229,22 @@ def ours_varlen(case: VarlenCase, backend: str | None = None):
         q, k, v, cu_t, 2 * case.n, case.block_size, backend=backend), (q, k, v))
 
 
-# Packed samples have no SDPA counterpart: the backends against each other (ratio vs Triton's).
+def _batched(case: VarlenCase) -> Case:
+    """The batched case doing a packing's work: only where every sample has the same half."""
+    if len(set(case.halves)) != 1:
+        raise ValueError("samples of different lengths have no batched counterpart")
+    return Case(len(case.halves), case.halves[0], case.heads, case.kv_heads, case.head_dim,
+                case.block_size, case.dtype)
+
+
+# Packed samples: the backends against each other (ratio vs Triton's) and, where every sample has
+# the same half, the batched op and cuDNN's causal halves on the same work (what packing costs).
 VARLEN_CONTENDERS = {
     "dlm_ops": ours_varlen,
     "dlm_ops triton": lambda c: ours_varlen(c, "triton"),
     "dlm_ops cutlass": lambda c: ours_varlen(c, "cutlass"),
+    "dlm_ops batched": lambda c: ours(_batched(c)),
+    "cudnn causal halves": lambda c: causal_halves(_batched(c), SDPBackend.CUDNN_ATTENTION),
 }
 
 EXACT_CONTENDERS = {

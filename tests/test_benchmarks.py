@@ -47,6 +47,23 @@ def test_varlen_and_odd_presets():
     assert all(case.n % 128 for case in _preset("odd"))
 
 
+def test_packed_samples_of_one_length_have_a_batched_counterpart():
+    """The varlen preset's batched contenders do the packing's own work where every sample has the
+    same half (equal flops), and refuse a mixed packing (reported as skipped, not timed)."""
+    import pytest
+
+    from benchmarks.contenders import _batched
+
+    for case in _preset("varlen"):
+        if len(set(case.halves)) == 1:
+            batched = _batched(case)
+            assert (batched.batch, batched.n) == (len(case.halves), case.halves[0])
+            assert batched.flops("fwd") == case.flops("fwd")
+        else:
+            with pytest.raises(ValueError, match="no batched counterpart"):
+                _batched(case)
+
+
 def test_host_time_says_it_needs_a_gpu(monkeypatch):
     """benchmarks.host_time measures CUDA launches: without a GPU it stops with a clear message
     instead of timing the CPU fallback."""
