@@ -31,6 +31,28 @@ def _i32(x):
     return torch.tensor(x, dtype=torch.int32)
 
 
+def varlen_ds_slots(cu, block_size, key_tile):
+    """The dS backward's slot table of packed samples, written from dlm_ops.geometry (the mirror of
+    the extension's varlen_ds_slots): (table, each sample's first row, visits, width). Sample i owns
+    a row per 64-query tile of its own (cut from each half's start), `width` (the widest sample's
+    key tiles) entries per row; its visits are numbered after the earlier samples', key tile by key
+    tile in visit order; -1 where no visit is."""
+    samples = [m for _, m in VarlenMask(tuple(cu), block_size).samples]
+    width = max([1] + [len(m.bwd_tiles(64, key_tile)) for m in samples])
+    rows, tables, visits = [], [], 0
+    for m in samples:
+        starts = {lo: i for i, (lo, _) in enumerate(m._tiles(64))}
+        table = [[-1] * width for _ in starts]
+        for kt, plan in enumerate(m.bwd_tiles(64, key_tile)):
+            for visit in plan.visits:
+                table[starts[visit.start]][kt] = visits
+                visits += 1
+        rows.append(sum(len(t) for t in tables))
+        tables.append(table)
+    flat = [x for t in tables for row in t for x in row]
+    return _i32(flat), _i32(rows), visits, width
+
+
 class FakeExtension:
     """The extension's interface: tables from geometry.py, kernels that record and write zeros."""
 
@@ -57,7 +79,8 @@ class FakeExtension:
         t = 64 if d > 128 else 128
         dkdv = entries(cu, bs, lambda m: m.bwd_tiles(128 if d == 64 else 64, t))  # bwd_block_m
         dq = entries(cu, bs, lambda m: m.fwd_tiles(t, t))
-        return [_i32(x) for x in (*dkdv, *dq)]
+        ds_dq = entries(cu, bs, lambda m: m.fwd_tiles(128, t))  # the dQ-from-dS kernel's
+        return [_i32(x) for x in (*dkdv, *dq, *ds_dq)]
 
     def dkdv_schedule(self, nn, nc, bs, d, slots, group, ctas, order_chunk=0, order_block=0):
         bm, bn = 128 if d == 64 else 64, 64 if d > 128 else 128
@@ -75,14 +98,16 @@ class FakeExtension:
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
             n_noisy, block_size, scale, dkdv_sample=None, dq_sample=None, cu_seqlens=None,
             persistent_dkdv=False, ds_scratch=None, ds_slots=None, ds_visits=0, dkdv_schedule=None,
-            dkdv_order_chunk=0, dkdv_order_block=0):
-        assert ds_scratch is not None or dkdv_order_chunk == 0  # the binding's check
+            dkdv_order_chunk=0, dkdv_order_block=0, ds_rows=None, ds_k_tiles=0):
+        assert ds_scratch is not None or dkdv_order_chunk == 0  # the binding's checks
+        assert (ds_rows is not None) == (cu_seqlens is not None and ds_scratch is not None)
         self.calls.append(("bwd", dict(q=q, lse=lse, dlse=dlse, lse2=lse2, delta=delta,
                                        dkdv_order=dkdv_order, dq_order=dq_order,
                                        dkdv_sample=dkdv_sample, dq_sample=dq_sample,
                                        cu_seqlens=cu_seqlens, persistent_dkdv=persistent_dkdv,
                                        ds_scratch=ds_scratch, ds_slots=ds_slots, ds_visits=ds_visits,
-                                       dkdv_schedule=dkdv_schedule,
+                                       dkdv_schedule=dkdv_schedule, ds_rows=ds_rows,
+                                       ds_k_tiles=ds_k_tiles,
                                        dkdv_walk=(dkdv_order_chunk, dkdv_order_block))))
         for g in (dq, dk, dv):
             g.zero_()
@@ -304,6 +329,10 @@ class DsExtension(FakeExtension):
     def ds_block(d):  # 64 queries x the dK/dV kernel's key tile; 0: not at this head dim
         return {128: 64 * 128, 256: 64 * 64}.get(d, 0)
 
+    def varlen_ds_slots(self, cu, bs, d):
+        assert self.ds_block(d)  # the binding's check
+        return varlen_ds_slots(cu, bs, 64 if d == 256 else 128)
+
 
 @pytest.mark.parametrize("nn,nc,d,max_bytes,takes", [
     (256, 384, 128, cd.DS_SCRATCH_MAX_BYTES, True),
@@ -365,6 +394,74 @@ def test_ds_slots_cover_every_visible_pair_once_per_visit(nn_tiles, nc_tiles, bs
         seen = mask.visible(rows, rows)
         q_idx, k_idx = seen.nonzero(as_tuple=True)
         assert (table[q_idx // 64, k_idx // key_tile] >= 0).all()
+
+
+@pytest.mark.parametrize("halves,d,max_bytes,takes", [
+    ([0, 100, 37, 0, 256, 1, 300], 128, cd.DS_SCRATCH_MAX_BYTES, True),  # odd halves, empty samples
+    ([3, 100, 300, 0, 1000], 256, cd.DS_SCRATCH_MAX_BYTES, True),       # D = 256: 64-key blocks
+    ([1024, 1024], 128, cd.DS_SCRATCH_MAX_BYTES, True),
+    ([100, 37], 64, cd.DS_SCRATCH_MAX_BYTES, False),                   # D = 64: the two-kernel dQ
+    ([100, 37], 128, 0, False),                                        # the scratch's bound (0: off)
+])
+def test_varlen_ds_backward_where_it_applies(fake, monkeypatch, halves, d, max_bytes, takes):
+    """Packed samples of any lengths take the dS backward at D = 128 / 256 (session 24): the
+    extension's slot table with each sample's rows and the table's width, a scratch of 1 + H * visits
+    blocks, the dQ-from-dS kernel's entries; the plain dK/dV order (no slot-major walk)."""
+    ext = DsExtension()
+    monkeypatch.setattr(cd, "_EXT", ext)
+    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", max_bytes)
+    q, k, v, mask = _packed(halves, 4, 2, d)
+    backend = cd.CutlassDiffusionBackend()
+    out, lse = backend.varlen_fwd(q, k, v, mask, 0.125, 0.0, False)
+    backend.varlen_bwd(torch.randn_like(q), q, k, v, out, lse, None, mask, 0.125, 0.0, False)
+    call = dict(ext.calls)["bwd"]
+    assert cd.STATS["varlen_bwd_ds"] == int(takes) and cd.STATS["varlen_bwd"] == 1
+    cu = list(mask.cu_seqlens)
+    if not takes:
+        assert call["ds_scratch"] is None and call["ds_rows"] is None
+        assert (call["dq_order"].tolist(), call["dq_sample"].tolist()) == entries(
+            cu, 16, lambda m: m.fwd_tiles(64 if d > 128 else 128, 64 if d > 128 else 128))
+        return
+    key_tile = 64 if d == 256 else 128
+    slots, rows, visits, width = varlen_ds_slots(cu, 16, key_tile)
+    assert torch.equal(call["ds_slots"], slots) and torch.equal(call["ds_rows"], rows)
+    assert call["ds_visits"] == visits and call["ds_k_tiles"] == width
+    assert call["ds_scratch"].dtype == q.dtype
+    assert call["ds_scratch"].numel() == (1 + 4 * visits) * 64 * key_tile
+    assert (call["dq_order"].tolist(), call["dq_sample"].tolist()) == entries(
+        cu, 16, lambda m: m.fwd_tiles(128, key_tile))
+    assert call["dkdv_walk"] == cd.PLAIN_ORDER and call["dkdv_schedule"] is None
+
+
+@given(st.lists(st.integers(0, 300), max_size=6), st.sampled_from([1, 3, 16, 100, 300]),
+       st.sampled_from([64, 128]))
+def test_varlen_ds_slots_cover_every_visible_pair_once_per_visit(halves, bs, key_tile):
+    """The packed slot table (the mirror above; the GPU test compares the extension's to it): one
+    slot per visit of every sample, numbered 0 .. visits - 1, consecutive within a key tile in visit
+    order, every visible pair of a sample in a visited tile; a sample's rows are its own."""
+    cu = [0]
+    for n in halves:
+        cu.append(cu[-1] + 2 * n)
+    slots, rows, visits, width = varlen_ds_slots(cu, bs, key_tile)
+    table = slots.view(-1, width)
+    assert sorted(table[table >= 0].tolist()) == list(range(visits))
+    samples = [m for _, m in VarlenMask(tuple(cu), bs).samples]
+    assert table.shape[0] == sum(len(m._tiles(64)) for m in samples)
+    for m, row0 in zip(samples, rows.tolist()):
+        plans = m.bwd_tiles(64, key_tile)
+        row_of = {lo: row0 + i for i, (lo, _) in enumerate(m._tiles(64))}
+        for kt, plan in enumerate(plans):
+            column = [table[row_of[v.start], kt].item() for v in plan.visits]
+            assert column == list(range(column[0], column[0] + len(column))) if column else True
+        if m.seqlen:
+            pos = torch.arange(m.seqlen)
+            q_idx, k_idx = m.visible(pos, pos).nonzero(as_tuple=True)
+            tiles64, tiles_k = m._tiles(64), m._tiles(key_tile)
+            row = torch.tensor([row_of[next(lo for lo, hi in tiles64 if lo <= i < hi)] for i in range(m.seqlen)])
+            col = torch.tensor([next(t for t, (lo, hi) in enumerate(tiles_k) if lo <= i < hi)
+                                for i in range(m.seqlen)])
+            assert (table[row[q_idx], col[k_idx]] >= 0).all()
 
 
 @pytest.mark.parametrize("balanced", [True, False])

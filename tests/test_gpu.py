@@ -385,8 +385,11 @@ def test_cutlass_persistent_dkdv_is_bitwise_the_per_tile_kernel(monkeypatch, d, 
                                                                  block_size, heads):
     """The two dK/dV kernels at D = 64 / 128 (the persistent one up to PERSISTENT_DKDV_MAX_HALF, one
     CTA per key tile above) compute every item in the same order: bitwise equal gradients. The
-    other tests run halves of at most 1024, so this is also where the per-tile kernel runs."""
+    other tests run halves of at most 1024, so this is also where the per-tile kernel runs. The dS
+    backward (D = 128 on the 128 grid and packed) always runs its persistent kernel: off here."""
     from dlm_ops.backends import cutlass_diffusion as cd
+
+    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", 0)
 
     h, hkv = heads
     halves = [0, 100, 37, 0, 256, 1, 300]
@@ -514,7 +517,7 @@ def test_cutlass_varlen_tables_match_geometry(cu_list, block_size, d):
     the ones written from dlm_ops.geometry (tests/test_cutlass_dispatch.py's mirror)."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
-    from .test_cutlass_dispatch import entries
+    from .test_cutlass_dispatch import entries, varlen_ds_slots
 
     cd._extension()
     t = cd._varlen_tables(tuple(cu_list), block_size, d, "cuda")
@@ -524,6 +527,69 @@ def test_cutlass_varlen_tables_match_geometry(cu_list, block_size, d):
     bm = 128 if d == 64 else 64  # diffusion_bwd.cuh bwd_block_m
     assert tuple(x.tolist() for x in t.dkdv) == entries(cu_list, block_size, lambda m: m.bwd_tiles(bm, bn))
     assert tuple(x.tolist() for x in t.dq) == entries(cu_list, block_size, lambda m: m.fwd_tiles(bn, bn))
+    assert tuple(x.tolist() for x in t.ds_dq) == entries(cu_list, block_size, lambda m: m.fwd_tiles(128, bn))
+    if d in cd.DS_HEAD_DIMS:  # the dS backward's slot table, as the mirror writes it
+        slots, rows, visits, width = varlen_ds_slots(cu_list, block_size, bn)
+        assert t.ds[0].tolist() == slots.tolist() and t.ds[1].tolist() == rows.tolist()
+        assert t.ds[2:] == (visits, width)
+    else:
+        assert t.ds is None
+
+
+@_SM90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("halves,block_size,heads", [
+    ([0, 100, 37, 0, 256, 1, 300], 16, (4, 2)),   # odd halves, empty and one-token samples
+    ([200, 70, 0, 33, 160, 129, 250, 180, 1], 100, (4, 4)),  # short FULL key tiles
+    ([1024, 1024], 4, (4, 4)),                   # on the 128 grid: as batched
+    ([1000], 300, (2, 2)),
+])
+def test_cutlass_varlen_ds_backward(monkeypatch, dtype, head_dim, halves, block_size, heads):
+    """The dS backward over packed samples (session 24: the kStartVarlen dS kernels), the default at
+    D = 128 and 256: it runs (STATS), meets the accuracy rule with an upstream dlse, is bitwise
+    deterministic, and against the two-kernel backward (DS_SCRATCH_MAX_BYTES = 0) gives bitwise
+    the same dk, dv and dq within a few units of dS's rounding. Keys a tile reads past its half
+    (odd halves) must have dS^T = 0 in the scratch, or dq picks up the next half's keys."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    h, hkv = heads
+    cu_list = [0]
+    for n in halves:
+        cu_list.append(cu_list[-1] + 2 * n)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    q, k, v = (t[0] for t in _qkv(1, cu_list[-1], h, hkv, head_dim, dtype, seed=len(halves) + h))
+
+    def run(q, k, v):
+        return dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 2 * max(halves), block_size,
+                                                  return_lse=True)
+
+    before = cd.STATS["varlen_bwd_ds"]
+    check_against_reference(run, lambda q, k, v, **kw: diffusion_attn_varlen_ref(q, k, v, cu, block_size, **kw),
+                            (q, k, v), dtype)
+    assert cd.STATS["varlen_bwd_ds"] == before + 1, "the dS backward did not run"
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    dout = torch.randn(q.shape, device="cuda", generator=gen).to(dtype)
+    dlse = torch.randn((h, q.shape[0]), device="cuda", generator=gen)
+
+    def grads():
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = run(*inputs)
+        loss = (out.float() * dout.float()).sum() + (lse * dlse).sum()
+        return torch.autograd.grad(loss, inputs)
+
+    ds_a, ds_b = grads(), grads()
+    for name, a, b in zip(("dq", "dk", "dv"), ds_a, ds_b):
+        assert torch.equal(a, b), f"{name}: not deterministic"
+    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", 0)
+    before = dict(cd.STATS)
+    two = grads()
+    assert cd.STATS["varlen_bwd_ds"] == before["varlen_bwd_ds"]
+    assert cd.STATS["varlen_bwd"] == before["varlen_bwd"] + 1
+    assert torch.equal(ds_a[1], two[1]) and torch.equal(ds_a[2], two[2])
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    assert (ds_a[0].float() - two[0].float()).abs().max() <= tol * two[0].float().abs().max()
 
 
 @_SM90

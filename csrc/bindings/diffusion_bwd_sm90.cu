@@ -6,8 +6,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "bindings/sm90_common.h"
@@ -66,7 +68,8 @@ int64_t ds_block(int64_t head_dim) {
 }
 
 // The work entries of packed samples: {dK/dV key tiles, their samples, dQ query tiles, their
-// samples}, each kernel's most expensive first over all samples (CPU int32 tensors).
+// samples, dQ-from-dS query tiles, their samples}, each kernel's most expensive first over all
+// samples (CPU int32 tensors).
 std::vector<torch::Tensor> varlen_bwd_tile_orders(std::vector<int64_t> cu_seqlens, int64_t block_size,
                                                   int64_t head_dim) {
   const int d = static_cast<int>(head_dim);
@@ -76,7 +79,50 @@ std::vector<torch::Tensor> varlen_bwd_tile_orders(std::vector<int64_t> cu_seqlen
   auto dq = dlm_bindings::varlen_entries(cu_seqlens, block_size, [d](const dlm::SequenceMask& m) {
     return m.fwd_tiles(dq_block_m(d), dq_block_n(d));
   });
-  return {dkdv[0], dkdv[1], dq[0], dq[1]};
+  auto ds_dq = dlm_bindings::varlen_entries(cu_seqlens, block_size, [d](const dlm::SequenceMask& m) {
+    return m.fwd_tiles(kDsDqBlockM, ds_dq_block_n(d));
+  });
+  return {dkdv[0], dkdv[1], dq[0], dq[1], ds_dq[0], ds_dq[1]};
+}
+
+// The dS backward's slot table of packed samples (head dims with ds_block): sample i owns rows
+// [rows[i], rows[i] + its 64-query tiles) of a table `width` key tiles wide (the widest sample's);
+// entry (row, kt) is the scratch block (less 1 + head * visits) of the dK/dV kernel's visit of that
+// query tile by key tile kt, numbered over all samples key tile by key tile in the kernel's visit
+// order (run 0, then run 1), -1 where it does not visit. Returns {slots, rows} (CPU int32), visits
+// and width: cutlass_diffusion._ds_plan_varlen's arguments of bwd.
+std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> varlen_ds_slots(std::vector<int64_t> cu_seqlens,
+                                                                         int64_t block_size, int64_t head_dim) {
+  const int d = static_cast<int>(head_dim);
+  TORCH_CHECK(ds_backward_supports(d), "the dS backward: D = 128 or 256");
+  TORCH_CHECK(!cu_seqlens.empty() && cu_seqlens.back() <= INT32_MAX, "cu_seqlens: 1 to 2^31 - 1 tokens");
+  const std::vector<int32_t> cu(cu_seqlens.begin(), cu_seqlens.end());
+  const dlm::VarlenMask mask{cu.data(), static_cast<int>(cu.size()) - 1, static_cast<int>(block_size)};
+  TORCH_CHECK(dlm::varlen_valid(mask), "cu_seqlens must start at 0 and step by even lengths >= 0, "
+              "block_size >= 1");
+  auto rows = torch::empty({mask.num_samples}, torch::dtype(torch::kInt32));
+  int64_t total_rows = 0, width = 1;
+  for (int i = 0; i < mask.num_samples; ++i) {
+    const dlm::TilePlans plans = mask.sample(i).bwd_tiles(kBwdBlockM, ds_dq_block_n(d));
+    rows.data_ptr<int32_t>()[i] = static_cast<int32_t>(total_rows);
+    total_rows += plans.other.count();
+    width = std::max<int64_t>(width, plans.count());
+  }
+  TORCH_CHECK(total_rows * width < INT32_MAX, "the dS slot table: fewer than 2^31 entries");
+  auto slots = torch::full({total_rows * width}, -1, torch::dtype(torch::kInt32));
+  int32_t* slot = slots.data_ptr<int32_t>();
+  int64_t visits = 0;
+  for (int i = 0; i < mask.num_samples; ++i) {
+    const dlm::TilePlans plans = mask.sample(i).bwd_tiles(kBwdBlockM, ds_dq_block_n(d));
+    const int64_t row0 = rows.data_ptr<int32_t>()[i];
+    for (int kt = 0; kt < plans.count(); ++kt) {
+      const dlm::TileRuns runs = plans.runs(kt);
+      for (int r = 0; r < 2; ++r)
+        for (int qt = runs.begin[r]; qt < runs.end[r]; ++qt) slot[(row0 + qt) * width + kt] = static_cast<int32_t>(visits++);
+    }
+  }
+  TORCH_CHECK(visits < INT32_MAX, "the dS backward: fewer than 2^31 visits");
+  return {slots, rows, visits, width};
 }
 
 struct LaunchBwd {
@@ -95,10 +141,12 @@ struct LaunchBwd {
 // samples (varlen): B = 1, S = total tokens, the orders and samples from varlen_bwd_tile_orders and
 // cu_seqlens the (num_samples + 1,) int32 offsets on the device; n_noisy is then unused.
 // persistent_dkdv: the persistent dK/dV kernel (D = 64 / 128; other head dims run the one-CTA-per-tile
-// kernel regardless). ds_scratch / ds_slots / ds_visits (batched, D = 128 or 256, both halves
+// kernel regardless). ds_scratch / ds_slots / ds_visits (D = 128 or 256; batched: both halves
 // multiples of 128): the backward with dS through HBM (diffusion_bwd.cuh launch_bwd_ds), ds_scratch
-// of q's dtype with at least (1 + B * H * ds_visits) * ds_block(D) elements, ds_slots the (S / 64) x
-// (S / key tile) int32 slot table, dq_order the third of bwd_tile_orders. dkdv_schedule (batched):
+// of q's dtype with at least (1 + B * H * ds_visits) * ds_block(D) elements; batched, ds_slots the
+// (S / 64) x (S / key tile) int32 slot table and dq_order the third of bwd_tile_orders; packed
+// samples, ds_slots / ds_rows / ds_visits / ds_k_tiles from varlen_ds_slots and dq_order / dq_sample
+// its fifth and sixth of varlen_bwd_tile_orders. dkdv_schedule (batched):
 // dkdv_schedule's for this call's B * Hkv slots on min(SM count, items) CTAs, on the device, walked
 // where the dK/dV kernel that runs is the persistent one (ignored otherwise); none: the snake.
 // dkdv_order_chunk / dkdv_order_block (the dS backward's dK/dV kernel only; others walk the plain
@@ -111,7 +159,8 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
          std::optional<torch::Tensor> dkdv_sample, std::optional<torch::Tensor> dq_sample,
          std::optional<torch::Tensor> cu_seqlens, bool persistent_dkdv,
          std::optional<torch::Tensor> ds_scratch, std::optional<torch::Tensor> ds_slots, int64_t ds_visits,
-         std::optional<torch::Tensor> dkdv_schedule, int64_t dkdv_order_chunk, int64_t dkdv_order_block) {
+         std::optional<torch::Tensor> dkdv_schedule, int64_t dkdv_order_chunk, int64_t dkdv_order_block,
+         std::optional<torch::Tensor> ds_rows, int64_t ds_k_tiles) {
   const bool varlen = cu_seqlens.has_value();
   dlm_bindings::check_work_order(dkdv_order_chunk, dkdv_order_block);
   TORCH_CHECK(ds_scratch.has_value() || dkdv_order_chunk == 0, "dkdv_order_chunk: the dS backward only");
@@ -154,20 +203,31 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
                     dlse->stride(2) == 1, "dlse: fp32 (B, H, S) with unit stride in S");
   }
   TORCH_CHECK(ds_scratch.has_value() == ds_slots.has_value(), "ds_scratch and ds_slots together");
+  TORCH_CHECK(ds_rows.has_value() == (varlen && ds_scratch.has_value()),
+              "ds_rows: with ds_scratch over packed samples, and only then");
   if (ds_scratch) {
     const int64_t s = q.size(1), d = q.size(3), block = ds_block(d);
-    TORCH_CHECK(!varlen && block && n_noisy % kDsDqBlockM == 0 && (s - n_noisy) % kDsDqBlockM == 0,
-                "the dS backward: batched, D = 128 or 256, both halves multiples of ", kDsDqBlockM);
+    TORCH_CHECK(block && (varlen || (n_noisy % kDsDqBlockM == 0 && (s - n_noisy) % kDsDqBlockM == 0)),
+                "the dS backward: D = 128 or 256; batched, both halves multiples of ", kDsDqBlockM);
     TORCH_CHECK(ds_scratch->device() == dev && ds_scratch->scalar_type() == q.scalar_type() &&
                     ds_scratch->is_contiguous() && reinterpret_cast<uintptr_t>(ds_scratch->data_ptr()) % 16 == 0 &&
                     ds_visits >= 0 && ds_scratch->numel() >= (1 + q.size(0) * q.size(2) * ds_visits) * block,
                 "ds_scratch: contiguous, q's dtype, (1 + B * H * ds_visits) * ", block, " elements");
-    const int64_t key_tiles = s / ds_dq_block_n(static_cast<int>(d));
-    TORCH_CHECK(ds_slots->device() == dev && ds_slots->scalar_type() == torch::kInt32 &&
-                    ds_slots->is_contiguous() && ds_slots->numel() == (s / kBwdBlockM) * key_tiles,
-                "ds_slots: contiguous int32, (S / ", kBwdBlockM, ") * ", key_tiles, " entries");
-    TORCH_CHECK(dq_order.size(0) == s / kDsDqBlockM,
-                "dq_order: the dQ-from-dS kernel's query tiles (bwd_tile_orders()[2]), ", s / kDsDqBlockM);
+    TORCH_CHECK(ds_slots->device() == dev && ds_slots->scalar_type() == torch::kInt32 && ds_slots->is_contiguous(),
+                "ds_slots: contiguous int32 on q's device");
+    if (varlen) {  // varlen_ds_slots' table: the rows of every sample, ds_k_tiles wide
+      TORCH_CHECK(ds_rows->device() == dev && ds_rows->scalar_type() == torch::kInt32 && ds_rows->is_contiguous() &&
+                      ds_rows->numel() == cu_seqlens->numel() - 1,
+                  "ds_rows: contiguous int32 on q's device, one per sample");
+      TORCH_CHECK(ds_k_tiles > 0 && ds_slots->numel() % ds_k_tiles == 0,
+                  "ds_slots: rows of ds_k_tiles entries (varlen_ds_slots)");
+    } else {
+      const int64_t key_tiles = s / ds_dq_block_n(static_cast<int>(d));
+      TORCH_CHECK(ds_k_tiles == 0 && ds_slots->numel() == (s / kBwdBlockM) * key_tiles,
+                  "ds_slots: (S / ", kBwdBlockM, ") * ", key_tiles, " entries, ds_k_tiles 0");
+      TORCH_CHECK(dq_order.size(0) == s / kDsDqBlockM,
+                  "dq_order: the dQ-from-dS kernel's query tiles (bwd_tile_orders()[2]), ", s / kDsDqBlockM);
+    }
   }
   const c10::cuda::CUDAGuard guard(dev);
   dlm::sm90::BwdArgs a{};
@@ -190,6 +250,8 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   if (ds_scratch) {
     a.ds_scratch = ds_scratch->data_ptr(), a.ds_slots = ds_slots->data_ptr<int32_t>();
     a.ds_visits = static_cast<int>(ds_visits);
+    a.ds_k_tiles = static_cast<int>(ds_k_tiles);
+    if (ds_rows) a.ds_rows = ds_rows->data_ptr<int32_t>();
     a.dkdv_order_chunk = static_cast<int>(dkdv_order_chunk);
     a.dkdv_order_block = static_cast<int>(dkdv_order_block);
   }
@@ -218,6 +280,8 @@ namespace dlm_bindings {
 void add_bwd(pybind11::module_& m) {
   m.def("bwd_tile_orders", &bwd_tile_orders);
   m.def("varlen_bwd_tile_orders", &varlen_bwd_tile_orders);
+  m.def("varlen_ds_slots", &varlen_ds_slots, pybind11::arg("cu_seqlens"), pybind11::arg("block_size"),
+        pybind11::arg("head_dim"));
   m.def("dkdv_schedule", &dkdv_schedule, pybind11::arg("n_noisy"), pybind11::arg("n_clean"),
         pybind11::arg("block_size"), pybind11::arg("head_dim"), pybind11::arg("slots"),
         pybind11::arg("group"), pybind11::arg("ctas"), pybind11::arg("order_chunk") = 0,
@@ -231,7 +295,8 @@ void add_bwd(pybind11::module_& m) {
         pybind11::arg("cu_seqlens") = pybind11::none(), pybind11::arg("persistent_dkdv") = false,
         pybind11::arg("ds_scratch") = pybind11::none(), pybind11::arg("ds_slots") = pybind11::none(),
         pybind11::arg("ds_visits") = 0, pybind11::arg("dkdv_schedule") = pybind11::none(),
-        pybind11::arg("dkdv_order_chunk") = 0, pybind11::arg("dkdv_order_block") = 0);
+        pybind11::arg("dkdv_order_chunk") = 0, pybind11::arg("dkdv_order_block") = 0,
+        pybind11::arg("ds_rows") = pybind11::none(), pybind11::arg("ds_k_tiles") = 0);
   m.attr("scratch_pad") = dlm::sm90::kVarlenScratchPad;  // floats past lse2 / delta (the kernels zero them)
   m.def("ds_block", &ds_block, pybind11::arg("head_dim"));
 }

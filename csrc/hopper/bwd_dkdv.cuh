@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   [[maybe_unused]] const int num_items = p.entries * p.batch * p.kv_heads;
   struct Item {
     int b, kvh, kt, offset;  // offset: the packed row of the sample's position 0 (kStartVarlen)
+    int ds_row;              // Cfg::kStoreDs: the sample's first row of the slot table
     SequenceMask mask;
     TilePlans plans;  // own: key tiles; other: query tiles
     Interval k_tile;
@@ -43,6 +44,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     Item t;
     t.b = bh / p.kv_heads, t.kvh = bh % p.kv_heads, t.kt = p.tile_order[e];
     t.offset = Cfg::kStart == kStartVarlen ? geom.offset : 0;
+    t.ds_row = 0;
+    if constexpr (Cfg::kStoreDs && Cfg::kStart == kStartVarlen) t.ds_row = p.ds_rows[p.tile_sample[e]];
     t.mask = Cfg::kStart == kStartTile ? p.mask : geom.mask;
     t.plans = t.mask.bwd_tiles(BM, BN);
     t.k_tile = t.plans.tile(t.kt);
@@ -262,7 +265,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if constexpr (Cfg::kStoreDs) {
       const bool run0 = run_end(runs, 0) > run_begin(runs, 0);
       if (run0 || run_end(runs, 1) > run_begin(runs, 1))
-        ds_slot0 = p.ds_slots[(run0 ? run_begin(runs, 0) : run_begin(runs, 1)) * p.ds_k_tiles + kt];
+        ds_slot0 = p.ds_slots[(t.ds_row + (run0 ? run_begin(runs, 0) : run_begin(runs, 1))) * p.ds_k_tiles + kt];
     }
     Barrier::wait(&ss.kv_full[buf], (item / Cfg::kKvBufs) & 1);
     for (int g = 0; g < group; ++g) {
@@ -301,7 +304,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
           // P^T = exp2(s * scale log2 e - lse2[query]); masked pairs get exp2(-inf) = 0.
           Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (keys, queries)
-          const bool masked = !visit.full || visit.end - visit.start < BM;
+          // Cfg::kStoreDs over packed samples: keys this warpgroup reads past its half are masked
+          // too, as their dS^T rows are stored (the dQ kernel's K rows there are other keys).
+          constexpr bool kKeysPast = Cfg::kStoreDs && Cfg::kStart != kStartTile;
+          const bool masked = !visit.full || visit.end - visit.start < BM ||
+                              (kKeysPast && key_base + kRowsW > k_tile.hi);
           // kStartAny / kStartVarlen: the copy began (first row & 3) floats before the tile.
           [[maybe_unused]] int skip = 0;
           if constexpr (Cfg::kStart != kStartTile)
@@ -315,8 +322,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             [[maybe_unused]] Intervals seen_by[kRows];
             if constexpr (kMasked) {
               CUTE_UNROLL
-              for (int i = 0; i < kRows; ++i)
-                seen_by[i] = mask.col_intervals(key_base + get<0>(tScS_rc(i, 0)));
+              for (int i = 0; i < kRows; ++i) {
+                const int key = key_base + get<0>(tScS_rc(i, 0));
+                seen_by[i] = !kKeysPast || key < k_tile.hi ? mask.col_intervals(key) : Intervals{};
+              }
             }
             CUTE_UNROLL
             for (int j = 0; j < size<1>(s); ++j) {

@@ -12,8 +12,10 @@
 // One CTA per (batch, head, 128-row query tile), in the dQ kernel's order; per visited key tile a
 // producer thread loads K (BN keys x D) and the tile's two dS^T blocks into a ring; consumer c
 // multiplies its block by K (wgmma SS: dS^T read as the MN-major A operand, K^T MN-major) into its
-// 64 x D accumulator (128 registers at D = 256). Tiles start at multiples of their size
-// (kStartTile): halves of multiples of 128.
+// 64 x D accumulator (128 registers at D = 256). START_: tiles at multiples of their size
+// (kStartTile: halves of multiples of 128) or packed samples (kStartVarlen: each sample's halves
+// tiled from their own starts, K boxes placed by coordinates, the rows of a tile past its half
+// stored from registers; the dK/dV kernel zeroed dS^T of the keys past a half).
 #pragma once
 
 #include "hopper/bwd_parts.cuh"
@@ -28,9 +30,12 @@ namespace dlm::sm90 {
 // with TMA (store_rows_tma), where the register stores' 4-byte STGs took 13 % of the kernel's stall
 // samples at n = 1K (ncu). The buffer is reused one item later, after that store has read it.
 // 224 KB of shared memory at D = 128, 208 KB at D = 256.
-template <class Elem_, int D_ = 128, int STAGES_ = 3, bool PERSISTENT_ = false, bool TMA_STORE_ = false>
+template <class Elem_, int D_ = 128, int STAGES_ = 3, bool PERSISTENT_ = false, bool TMA_STORE_ = false,
+          int START_ = kStartTile>
 struct DqFromDsConfig {
   using Elem = Elem_;
+  static constexpr int kStart = START_;
+  static_assert(START_ == kStartTile || START_ == kStartVarlen, "the dS store's tilings");
   static constexpr bool kTmaStore = TMA_STORE_;
   // BN: the dK/dV kernel's key tile, one dS^T block's keys.
   static constexpr int D = D_, BM = kDsDqBlockM, BN = ds_dq_block_n(D), STAGES = STAGES_;
@@ -89,6 +94,11 @@ struct DqFromDsParams {
   int entries;                // of tile_order: the items are (entry, batch * head slot)
   WorkOrder order;            // their order (entry-major, or L2 chunks of slots: work_order)
   TmaStoreRows<Elem> tma_store{};  // Cfg::kTmaStore: dq as (S, D, H, B)
+  // kStartVarlen only (batch 1): entry e's sample, the samples' offsets, and each sample's first
+  // row of the slot table (BwdParams' fields of the same names).
+  const int32_t* tile_sample = nullptr;
+  const int32_t* cu_seqlens = nullptr;
+  const int32_t* ds_rows = nullptr;
 };
 
 template <class Cfg>
@@ -105,14 +115,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor sDs = make_tensor(make_smem_ptr(ss.ds), typename Cfg::SmemLayoutDs{});
 
   const int slots = p.batch * p.heads, num_items = slots * p.entries;
-  const TilePlans plans = p.mask.fwd_tiles(BM, BN);
   struct Item {
     int b, h, bh, qt;
+    int offset, ds_row, seqlen;  // kStartVarlen: the sample's packed row 0, first slot-table row, length
   };
   auto item_at = [&](int w) {
     int e, bh;
     p.order.decode(w, p.entries, e, bh);
-    return Item{bh / p.heads, bh % p.heads, bh, p.tile_order[e]};
+    Item t{bh / p.heads, bh % p.heads, bh, p.tile_order[e], 0, 0, 0};
+    if constexpr (Cfg::kStart == kStartVarlen) {
+      const int sample = p.tile_sample[e];
+      t.offset = p.cu_seqlens[sample], t.ds_row = p.ds_rows[sample];
+      t.seqlen = p.cu_seqlens[sample + 1] - t.offset;
+    }
+    return t;
+  };
+  // The item's tiles: query tiles of BM rows, key tiles of BN (the launch's mask, or its sample's).
+  auto plans_of = [&](const Item& t) {
+    if constexpr (Cfg::kStart == kStartVarlen) return block_diffusion(t.seqlen, p.mask.block_size).fwd_tiles(BM, BN);
+    else return p.mask.fwd_tiles(BM, BN);
   };
   // f(item) for the CTA's items: its one (blockIdx.x), or (Cfg::kPersistent) snake_item's walk.
   auto for_each_item = [&](auto&& f) {
@@ -147,10 +168,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       int it = 0;  // the ring position, continued across items
       for_each_item([&](const Item t) {
         const int kvh = t.h / (p.heads / p.kv_heads);
+        const TilePlans plans = plans_of(t);
         const TileRuns runs = plans.runs(t.qt);
         Tensor tKgK = tma_k.partition_S(
             local_tile(mK(_, _, kvh, t.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
-        const int32_t* slot_rows = p.ds_slots + t.qt * Cfg::kConsumers * p.ds_k_tiles;
+        // kStartTile: consumer c's slot-table row is 2 qt + c. kStartVarlen: the dK/dV kernel's
+        // 64-query tile at q_tile.lo + 64 c of the sample (tiles are cut from each half's start,
+        // so it is one of them), or none past the half (block 0).
+        [[maybe_unused]] const int32_t* slot_rows = p.ds_slots + t.qt * Cfg::kConsumers * p.ds_k_tiles;
+        [[maybe_unused]] const int32_t* sample_rows[Cfg::kConsumers];
+        if constexpr (Cfg::kStart == kStartVarlen) {
+          const Interval q_tile = plans.tile(t.qt);
+          const Tiling ds_tiling{plans.n_noisy, plans.n_clean, Cfg::kDsRows};
+          for (int c = 0; c < Cfg::kConsumers; ++c) {
+            const int lo = q_tile.lo + c * Cfg::kDsRows;
+            sample_rows[c] = lo < q_tile.hi ? p.ds_slots + int64_t(t.ds_row + ds_tiling.index_of(lo)) * p.ds_k_tiles
+                                            : nullptr;
+          }
+        }
         const int first_block = 1 + t.bh * p.ds_visits;
         for (int r = 0; r < 2; ++r) {
           for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
@@ -158,10 +193,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             Barrier::wait(&ss.empty[stage], phase ^ 1);
             TxBarrier::arrive_and_expect_tx(&ss.full[stage],
                                             Cfg::kTileBytesK + Cfg::kConsumers * Cfg::kBlockBytesDs);
-            copy(p.tma_k.with(ss.full[stage]), tKgK(_, _, _, kt), tKsK(_, _, _, stage));
+            if constexpr (Cfg::kStart == kStartTile) {
+              copy(p.tma_k.with(ss.full[stage]), tKgK(_, _, _, kt), tKsK(_, _, _, stage));
+            } else {  // rows past the tensor's end read as zeros; past the half, dS^T is 0 there
+              const auto at = make_coord(t.offset + plans.other.tile(kt).lo, 0);
+              copy(p.tma_k.with(ss.full[stage]),
+                   tma_k.partition_S(local_tile(domain_offset(at, mK(_, _, kvh, t.b)), Shape<Int<BN>, Int<D>>{},
+                                                make_coord(0, 0))),
+                   tKsK(_, _, _, stage));
+            }
             for (int c = 0; c < Cfg::kConsumers; ++c) {
               // A 64-row half that no dK/dV visit covers (slot -1) reads block 0, all zeros.
-              const int slot = slot_rows[c * p.ds_k_tiles + kt];
+              int slot;
+              if constexpr (Cfg::kStart == kStartTile) slot = slot_rows[c * p.ds_k_tiles + kt];
+              else slot = sample_rows[c] ? sample_rows[c][kt] : -1;
               copy(p.tma_ds.with(ss.full[stage]), tDgD(_, _, _, slot < 0 ? 0 : first_block + slot),
                    tDsD(_, _, _, stage * Cfg::kConsumers + c));
             }
@@ -183,6 +228,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor tQcQ = thr.partition_C(make_identity_tensor(Shape<Int<Cfg::kDsRows>, Int<D>>{}));
   int it = 0;  // the producer's ring position, kept in step
   for_each_item([&](const Item t) {
+    const TilePlans plans = plans_of(t);
     const TileRuns runs = plans.runs(t.qt);
     const Interval q_tile = plans.tile(t.qt);
     clear(acc);
@@ -207,24 +253,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     warpgroup_fence_operand(acc);
     if (it > first) Barrier::arrive(&ss.empty[(it - 1) % STAGES]);  // the item's last visit
     const int row0 = q_tile.lo + consumer * Cfg::kDsRows;
+    // kStartTile: every consumer's 64 rows lie in the tile (tiles at multiples of 128 inside halves
+    // of multiples of 128); kStartVarlen: the rows past the half are not stored, so a consumer
+    // whose rows the tile does not all hold stores from registers.
     if constexpr (Cfg::kTmaStore) {
-      // Tiles start at multiples of 128 inside halves of multiples of 128 (kStartTile): every
-      // consumer's 64 rows lie in the tile. The previous item's store has read the buffer before
-      // any thread of this warpgroup writes it.
-      Tensor sDq = make_tensor(make_smem_ptr(ss.dq_store.dq[consumer]), typename Cfg::SmemLayoutDq{});
-      if (tid == 0) tma_store_wait<0>();
-      bar_sync(kGradStoreBarrier + consumer, 128);
-      stage_rows<typename Cfg::Elem>(acc, p.scale, sDq, thr);
-      tma_store_fence();
-      bar_sync(kGradStoreBarrier + consumer, 128);
-      if (tid == 0) {
-        store_rows_tma<D>(p.tma_store, sDq, p.seqlen, p.heads, p.batch, row0, t.h, t.b);
-        tma_store_arrive();
+      if (Cfg::kStart == kStartTile || row0 + Cfg::kDsRows <= q_tile.hi) {
+        // The previous item's store has read the buffer before any thread of this warpgroup writes it.
+        Tensor sDq = make_tensor(make_smem_ptr(ss.dq_store.dq[consumer]), typename Cfg::SmemLayoutDq{});
+        if (tid == 0) tma_store_wait<0>();
+        bar_sync(kGradStoreBarrier + consumer, 128);
+        stage_rows<typename Cfg::Elem>(acc, p.scale, sDq, thr);
+        tma_store_fence();
+        bar_sync(kGradStoreBarrier + consumer, 128);
+        if (tid == 0) {
+          store_rows_tma<D>(p.tma_store, sDq, p.seqlen, p.heads, p.batch, t.offset + row0, t.h, t.b);
+          tma_store_arrive();
+        }
+        return;
       }
-    } else {
-      typename Cfg::Elem* dq = p.dq + t.b * p.dq_stride_b + t.h * p.dq_stride_h;
-      store_rows(acc, tQcQ, p.scale, dq, p.dq_stride_s, row0, q_tile.hi);
     }
+    typename Cfg::Elem* dq = p.dq + t.b * p.dq_stride_b + t.h * p.dq_stride_h + t.offset * p.dq_stride_s;
+    store_rows(acc, tQcQ, p.scale, dq, p.dq_stride_s, row0, q_tile.hi);
   });
   if constexpr (Cfg::kTmaStore) {
     if (tid == 0) tma_store_wait<0>();  // the last store has read its buffer before the CTA exits

@@ -196,8 +196,12 @@ struct DkDvConfig {
   static constexpr bool kStoreDs = STORE_DS_ != 0;
   static constexpr bool kStoreDsBehind = STORE_DS_ == 2;
   // At D = 256 (the role split below) the dK warpgroup alone holds dS^T, so it alone stores it.
-  static_assert(!STORE_DS_ || ((D_ == 128 || (D_ == 256 && !HANDOFF_)) && START_ == kStartTile && !FUSED_DQ_),
-                "the dS store: D = 128 or 256 (without the hand-over), tiles at multiples of the tile size");
+  // Tiles at multiples of the tile size (batched halves of multiples of 128) or packed samples
+  // (kStartVarlen: each sample's slot table rows from p.ds_rows; keys a tile reads past its half
+  // get dS^T = 0, since the dQ kernel multiplies the whole block by the rows of K it loads).
+  static_assert(!STORE_DS_ || ((D_ == 128 || (D_ == 256 && !HANDOFF_)) &&
+                               (START_ == kStartTile || START_ == kStartVarlen) && !FUSED_DQ_),
+                "the dS store: D = 128 or 256 (without the hand-over), kStartTile or kStartVarlen tiles");
   // TMA_STORE_: the epilogue stages dK / dV in the warpgroup's own (now dead) rows of K / V in
   // shared memory and stores them with TMA (store_rows_tma) instead of 4-byte register stores.
   static constexpr bool kTmaStore = TMA_STORE_;
@@ -375,9 +379,11 @@ struct BwdParams {
   TmaStoreRows<Elem> tma_store_a{}, tma_store_b{};
   // DkDvConfig kStoreDs only: the dS^T scratch, blocks of BN x BM (keys x queries, queries
   // contiguous); the visit of query tile qt and key tile kt of slot (b, h) writes block 1 + (b * heads
-  // + h) * ds_visits + ds_slots[qt * ds_k_tiles + kt] (diffusion_bwd.cuh launch_bwd_ds).
+  // + h) * ds_visits + ds_slots[(row0 + qt) * ds_k_tiles + kt] (diffusion_bwd.cuh launch_bwd_ds),
+  // row0 = 0, or (kStartVarlen) ds_rows[sample]: each sample's rows of the table.
   Elem* ds = nullptr;
   const int32_t* ds_slots = nullptr;
+  const int32_t* ds_rows = nullptr;
   int ds_k_tiles = 0, ds_visits = 0;
   typename Cfg::DsStore::TmaDs tma_ds{};
   // The persistent dK/dV kernel's walk: the balanced schedule built for exactly this grid

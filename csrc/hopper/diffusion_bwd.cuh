@@ -88,6 +88,10 @@ struct BwdArgs {
   void* ds_scratch = nullptr;
   const int32_t* ds_slots = nullptr;
   int ds_visits = 0;
+  // The slot table's width (key tiles per row); 0: ceil(seqlen / key tile), the batched table's.
+  // kStartVarlen: ds_rows[i], sample i's first row of the table (its own rows, its own key tiles).
+  int ds_k_tiles = 0;
+  const int32_t* ds_rows = nullptr;
   // Optional (device): the persistent dK/dV kernel's balanced schedule (dlm/geometry.h
   // balanced_schedule) for exactly min(SM count, items) CTAs; null: the snake walk. The other
   // kernels ignore it.
@@ -153,7 +157,8 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
   if constexpr (Cfg::kStoreDs) {
     p.ds = static_cast<Elem*>(a.ds_scratch);
     p.ds_slots = a.ds_slots;
-    p.ds_k_tiles = (a.seqlen + Cfg::BN - 1) / Cfg::BN;
+    p.ds_rows = a.ds_rows;
+    p.ds_k_tiles = a.ds_k_tiles ? a.ds_k_tiles : (a.seqlen + Cfg::BN - 1) / Cfg::BN;
     p.ds_visits = a.ds_visits;
     p.tma_ds = Cfg::DsStore::make_tma(p.ds, (1 + a.batch * a.heads * a.ds_visits) * Cfg::BN);
   }
@@ -223,11 +228,12 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
       static_cast<Elem*>(a.dq), a.dq_stride[1], a.dq_stride[2], a.dq_stride[0],
       a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale, a.dq_order, a.ds_slots,
-      (a.seqlen + Cfg::BN - 1) / Cfg::BN, a.ds_visits, a.dq_tiles,
+      a.ds_k_tiles ? a.ds_k_tiles : (a.seqlen + Cfg::BN - 1) / Cfg::BN, a.ds_visits, a.dq_tiles,
       // A (batch, head) slot re-reads its kv head's K (shared by the group: adjacent slots); the dS
       // blocks it reads are its own.
       work_order(a.batch * a.heads, int64_t{a.seqlen} * D * sizeof(Elem) * a.kv_heads / a.heads,
                  a.order_chunk, a.order_block)};
+  p.tile_sample = a.dq_sample, p.cu_seqlens = a.cu_seqlens, p.ds_rows = a.ds_rows;
   if constexpr (Cfg::kTmaStore) p.tma_store = make_tma_store_dq<Elem, D>(a);
   auto kernel = diffusion_bwd_dq_from_ds_kernel<Cfg>;
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
@@ -271,18 +277,19 @@ cudaError_t launch_convert_dq(const BwdArgs& a) {
 }
 
 // The backward with dS through HBM (hopper/bwd_dq_from_ds.cuh, csrc/NOTES.md "Session 18"): the
-// dK/dV kernels that also store dS^T (kStartTile: halves on multiples of 128), staging it behind
+// dK/dV kernels that also store dS^T (kStartTile: batched halves on multiples of 128; kStartVarlen:
+// packed samples of any lengths, session 24), staging it behind
 // their dV / dK matmuls (kDsStore = 2; harness `ds`, session 18: the whole backward 1.04-1.05x
 // faster than staging it before them); at D = 128 the persistent one at every length (call 3: the
 // whole backward 1.12-1.21x the shipped one's with it, 1.03-1.06x with one CTA per key tile); at
 // D = 256 the role split, one CTA per key tile (its only dK/dV kernel).
 constexpr int kDsStore = 2;
 constexpr bool ds_backward_supports(int d) { return d == 128 || d == 256; }
-template <class Elem, int D, int STORE = kDsStore>
-using DkDvStoreDs = DkDvConfig<Elem, D, kBwdBlockM, bwd_block_n(D), kBwdStages, kStartTile, false, false,
+template <class Elem, int D, int STORE = kDsStore, int START = kStartTile>
+using DkDvStoreDs = DkDvConfig<Elem, D, kBwdBlockM, bwd_block_n(D), kBwdStages, START, false, false,
                                false, false, STORE>;
-template <class Elem, int D, int STORE = kDsStore>
-using DkDvStoreDsPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, kStartTile, false,
+template <class Elem, int D, int STORE = kDsStore, int START = kStartTile>
+using DkDvStoreDsPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, START, false,
                                          true, true, false, STORE>;
 // The dQ-from-dS kernel persistent (harness `ds-dq`, session 18: the dQ kernel 1.03-1.18x, the whole
 // backward 1.00-1.03x against one CTA per item), walking its items in L2 chunks of (batch, head)
@@ -294,8 +301,8 @@ using DkDvStoreDsPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdSt
 // 1.02x at n = 1K-8K, 1.15x GQA 32/8, the whole backward 1.03 / 1.02 / 1.01 / 0.99x, 1.02x GQA; at
 // D = 256 the dQ kernel 1.17 / 1.15 / 1.04x at n = 1K / 2K / 8K, 1.22x GQA, the whole backward
 // 1.03 / 1.03 / 1.01x, 1.03x GQA.
-template <class Elem, int D>
-using DqFromDsPersistent = DqFromDsConfig<Elem, D, 3, true, true>;
+template <class Elem, int D, int START = kStartTile>
+using DqFromDsPersistent = DqFromDsConfig<Elem, D, 3, true, true, START>;
 constexpr int kDsDqOrderChunk = -1, kDsDqOrderBlock = 0;
 
 // Preprocess, dK/dV writing dS^T, dQ from dS. a.ds_scratch: 1 + B * H * a.ds_visits blocks of
@@ -306,32 +313,37 @@ constexpr int kDsDqOrderChunk = -1, kDsDqOrderBlock = 0;
 // a.dq_order: the query tiles of fwd_tiles(kDsDqBlockM, ds_dq_block_n(D)). a.persistent_dkdv is not
 // read, nor a.order_*: the dK/dV kernel walks a.dkdv_order_chunk / a.dkdv_order_block's order
 // (a.dkdv_schedule's, if given), the dQ kernel kDsDqOrderChunk / kDsDqOrderBlock's (the harness
-// times others through launch_dkdv / launch_dq_from_ds).
-template <class Elem, int D, int STORE = kDsStore>
+// times others through launch_dkdv / launch_dq_from_ds). START: kStartTile (batched halves of
+// multiples of 128) or kStartVarlen (packed samples: a.ds_rows and a.ds_k_tiles say where each
+// sample's rows of the slot table lie; a.dq_sample is then the dQ-from-dS entries' samples).
+template <class Elem, int D, int STORE = kDsStore, int START = kStartTile>
 cudaError_t launch_bwd_ds(const BwdArgs& a) {
   static_assert(ds_backward_supports(D), "the dS store and the dQ-from-dS kernel: D = 128 or 256");
-  using DkDv = std::conditional_t<dkdv_persistent_supports(D), DkDvStoreDsPersistent<Elem, D, STORE>,
-                                  DkDvStoreDs<Elem, D, STORE>>;
+  using DkDv = std::conditional_t<dkdv_persistent_supports(D), DkDvStoreDsPersistent<Elem, D, STORE, START>,
+                                  DkDvStoreDs<Elem, D, STORE, START>>;
   if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
   cudaError_t err = launch_preprocess<Elem, D>(a, a.ds_scratch, ds_block_elems(D) * sizeof(Elem));
   BwdArgs dkdv = a, dq = a;
   dkdv.order_chunk = a.dkdv_order_chunk, dkdv.order_block = a.dkdv_order_block;
   dq.order_chunk = kDsDqOrderChunk, dq.order_block = kDsDqOrderBlock;
   if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDv>(dkdv);
-  if (err == cudaSuccess && a.dq_tiles) err = launch_dq_from_ds<DqFromDsPersistent<Elem, D>>(dq);
+  if (err == cudaSuccess && a.dq_tiles) err = launch_dq_from_ds<DqFromDsPersistent<Elem, D, START>>(dq);
   return err;
 }
 
 // The whole backward: preprocess, dK/dV, dQ (one stream, so each sees the previous one's writes).
 // START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, dkdv_sample,
 // dq_sample and cu_seqlens set). lse2 / delta hold kVarlenScratchPad floats past their B * H * S,
-// zeroed by the preprocess (the kStartAny / kStartVarlen dK/dV kernels read them). Batched calls
-// with a.ds_scratch set (D = 128 or 256, halves on multiples of 128; the binding checks) run
+// zeroed by the preprocess (the kStartAny / kStartVarlen dK/dV kernels read them). Calls with
+// a.ds_scratch set (D = 128 or 256; batched: halves on multiples of 128, the binding checks) run
 // launch_bwd_ds instead.
 template <class Elem, int D, int START = kBatchedStart>
 cudaError_t launch_bwd(const BwdArgs& a) {
   if constexpr (ds_backward_supports(D) && START == kBatchedStart) {
     if (a.ds_scratch) return launch_bwd_ds<Elem, D>(a);
+  }
+  if constexpr (ds_backward_supports(D) && START == kStartVarlen) {
+    if (a.ds_scratch) return launch_bwd_ds<Elem, D, kDsStore, kStartVarlen>(a);
   }
   if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
   cudaError_t err = launch_preprocess<Elem, D>(a);

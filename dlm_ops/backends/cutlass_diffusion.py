@@ -14,9 +14,9 @@ fp16/bf16, no softcap (declared capabilities: such calls select ``triton``) and,
 direction and layout. (Were kBatchedStart flipped back to kStartTile, the extension says so
 through ``batched_any_length`` and batched halves that are not multiples of 128 run Triton's
 again.) The backward (preprocess, dK/dV per key tile, dQ per query tile: three kernels with
-disjoint writes; batched at D = 128 and 256 on the 128 grid the dK/dV kernel also stores dS, which
-the dQ kernel reads instead of recomputing it: DS_* below) is bitwise deterministic, batched and
-varlen, so ``deterministic=True`` takes it too.
+disjoint writes; at D = 128 and 256, batched on the 128 grid and packed at any lengths, the dK/dV
+kernel also stores dS, which the dQ kernel reads instead of recomputing it: DS_* below) is bitwise
+deterministic, batched and varlen, so ``deterministic=True`` takes it too.
 
 Work tables (the CTA schedules, most expensive tile first) are built in C++ from dlm/geometry.h
 and cached here: batched per (halves, block_size[, head dim], device), varlen per (cu_seqlens,
@@ -62,7 +62,8 @@ SOURCES = [
 TILE = 128
 # CUTLASS calls run, and calls handed to Triton, per direction and layout
 STATS = {"fwd": 0, "fwd_fallback": 0, "bwd": 0, "bwd_fallback": 0, "bwd_ds": 0,
-         "varlen_fwd": 0, "varlen_fwd_fallback": 0, "varlen_bwd": 0, "varlen_bwd_fallback": 0}
+         "varlen_fwd": 0, "varlen_fwd_fallback": 0, "varlen_bwd": 0, "varlen_bwd_fallback": 0,
+         "varlen_bwd_ds": 0}
 
 _EXT = None
 _BUILD_ERROR: str | None = None
@@ -120,9 +121,11 @@ PERSISTENT_DKDV_EVERY_LENGTH = (64,)
 # tile pair instead of 7 (6 instead of 8 at D = 256, whose dK/dV kernel computes S^T twice),
 # deterministic (every block written by one CTA, no atomics). Batched calls at the head dims whose
 # extension has it (ext.ds_block(d) > 0: D = 128, 256) with both halves multiples of
-# DS_HALF_MULTIPLE (the dQ kernel's 128-row tiles start at tile multiples), while the scratch,
-# 1 + B * H * visits blocks of ext.ds_block(d) elements, stays within DS_SCRATCH_MAX_BYTES (0 turns
-# the path off).
+# DS_HALF_MULTIPLE (the dQ kernel's 128-row tiles start at tile multiples), and (session 24,
+# kStartVarlen instantiations) packed samples of any lengths, whose slot table lists each sample's
+# rows (ext.varlen_ds_slots), while the scratch, 1 + B * H * visits blocks of ext.ds_block(d)
+# elements, stays within DS_SCRATCH_MAX_BYTES (0 turns the path off). Batched halves off the 128
+# grid (kStartAny) still run the two-kernel backward.
 # Harness `ds` (bf16, D = 128, 16K tokens, H = 16, session 18): the whole backward 1.12-1.17x the
 # two-kernel one's (its faster dK/dV kernel per shape) at n = 1K-8K, block 4 / 16 and GQA 32/8; the
 # scratch is then 0.34 GB at n = 1K and 2.2 GB at n = 8K (about a quarter of S x S x H x 2 bytes).
@@ -233,49 +236,82 @@ def _ds_slots(n_noisy: int, n_clean: int, block_size: int, key_tile: int,
     return slots.flatten().to(device), visits
 
 
+def _ds_block(ext, head_dim: int) -> int:
+    """Elements per dS^T block where the extension has the dS backward for this head dim, else 0."""
+    return ext.ds_block(head_dim) if head_dim in DS_HEAD_DIMS and hasattr(ext, "ds_block") else 0
+
+
+def _ds_scratch(q: torch.Tensor, block: int, slots: int, visits: int) -> torch.Tensor | None:
+    """The dS^T scratch of ``1 + slots * visits`` blocks, or None past DS_SCRATCH_MAX_BYTES or where
+    the kernels' 32-bit row numbers (key_tile rows per block) would overflow."""
+    blocks = 1 + slots * visits
+    if blocks * block * q.element_size() > DS_SCRATCH_MAX_BYTES or blocks * (block // DS_QUERY_TILE) >= 2**31:
+        return None
+    return torch.empty(blocks * block, dtype=q.dtype, device=q.device)
+
+
 def _ds_plan(ext, q: torch.Tensor, mask) -> dict:
     """The dS backward's arguments of ext.bwd (scratch, slot table, visits) for this batched call,
     or none where it does not apply (head dim, halves off the tile grid, the scratch's bound)."""
-    d = q.shape[-1]
-    block = ext.ds_block(d) if d in DS_HEAD_DIMS and hasattr(ext, "ds_block") else 0
+    block = _ds_block(ext, q.shape[-1])
     if not block or mask.n_noisy % DS_HALF_MULTIPLE or mask.n_clean % DS_HALF_MULTIPLE:
         return {}
     b, _, h, _ = q.shape
-    key_tile = block // DS_QUERY_TILE
-    slots, visits = _ds_slots(mask.n_noisy, mask.n_clean, mask.block_size, key_tile, str(q.device))
-    blocks = 1 + b * h * visits
-    # The kernels address the scratch's rows (key_tile per block) with 32-bit integers.
-    if blocks * block * q.element_size() > DS_SCRATCH_MAX_BYTES or blocks * key_tile >= 2**31:
-        return {}
-    return {"ds_scratch": torch.empty(blocks * block, dtype=q.dtype, device=q.device),
-            "ds_slots": slots, "ds_visits": visits}
+    slots, visits = _ds_slots(mask.n_noisy, mask.n_clean, mask.block_size, block // DS_QUERY_TILE,
+                              str(q.device))
+    scratch = _ds_scratch(q, block, b * h, visits)
+    return {} if scratch is None else {"ds_scratch": scratch, "ds_slots": slots, "ds_visits": visits}
 
 
 class VarlenTables(NamedTuple):
-    """Device tables of one packed batch: the offsets and, per kernel, (tile order, tile sample)."""
+    """Device tables of one packed batch: the offsets and, per kernel, (tile order, tile sample);
+    where the head dim has the dS backward, its slot table (varlen_ds_slots: the table, each
+    sample's first row, the visits, the table's width), else None."""
 
     cu_seqlens: torch.Tensor
     longest_half: int  # of any sample: the persistent-grid rules (PERSISTENT_*MAX_HALF)
     fwd: tuple[torch.Tensor, torch.Tensor]
     dkdv: tuple[torch.Tensor, torch.Tensor]
     dq: tuple[torch.Tensor, torch.Tensor]
+    ds_dq: tuple[torch.Tensor, torch.Tensor]  # the dQ-from-dS kernel's entries
+    ds: tuple[torch.Tensor, torch.Tensor, int, int] | None
 
 
 @lru_cache(maxsize=64)
 def _varlen_tables(cu_seqlens: tuple[int, ...], block_size: int, head_dim: int,
                    device: str) -> VarlenTables:
-    """Every kernel's work entries over all samples, most expensive first (built in C++ from
-    dlm/geometry.h), moved to the device in one copy. Keyed by VarlenMask's host tuple, so a
-    training loop that repeats a packing (or a forward followed by its backward) builds once; the
-    bound keeps ever-new packings from growing the cache (each entry is a few KB)."""
+    """Every kernel's work entries over all samples, most expensive first, and the dS backward's
+    slot table (built in C++ from dlm/geometry.h), moved to the device in one copy. Keyed by
+    VarlenMask's host tuple, so a training loop that repeats a packing (or a forward followed by its
+    backward) builds once; the bound keeps ever-new packings from growing the cache (each entry is
+    a few KB, the slot table (tokens / 64) x the widest sample's key tiles entries)."""
     cu = list(cu_seqlens)
     parts = [torch.tensor(cu, dtype=torch.int32),
              *_EXT.varlen_tile_order(cu, block_size, head_dim),
              *_EXT.varlen_bwd_tile_orders(cu, block_size, head_dim)]
+    ds = None
+    if _ds_block(_EXT, head_dim) and hasattr(_EXT, "varlen_ds_slots"):
+        slots, rows, visits, width = _EXT.varlen_ds_slots(cu, block_size, head_dim)
+        parts += [slots, rows]
     flat = torch.cat(parts).to(device)
     cu_d, *tables = flat.split([p.numel() for p in parts])
+    if len(tables) > 8:
+        ds = (tables[8], tables[9], visits, width)
     longest_half = max((b - a for a, b in zip(cu, cu[1:])), default=0) // 2
-    return VarlenTables(cu_d, longest_half, tuple(tables[0:2]), tuple(tables[2:4]), tuple(tables[4:6]))
+    return VarlenTables(cu_d, longest_half, tuple(tables[0:2]), tuple(tables[2:4]), tuple(tables[4:6]),
+                        tuple(tables[6:8]), ds)
+
+
+def _ds_plan_varlen(ext, q: torch.Tensor, tables: VarlenTables) -> dict:
+    """The dS backward's arguments of ext.bwd for packed samples (q: (1, S, H, D)), or none where
+    it does not apply (head dim, the scratch's bound)."""
+    block = _ds_block(ext, q.shape[-1])
+    if not block or tables.ds is None:
+        return {}
+    slots, rows, visits, width = tables.ds
+    scratch = _ds_scratch(q, block, q.shape[2], visits)
+    return {} if scratch is None else {"ds_scratch": scratch, "ds_slots": slots, "ds_visits": visits,
+                                       "ds_rows": rows, "ds_k_tiles": width}
 
 
 def _scratch(ext, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,7 +410,8 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         d, group = q.shape[-1], q.shape[2] // k.shape[2]
         persistent = _persistent_dkdv(longest_half, d, group)
         schedule, ctas = None, _max_ctas(q.device)
-        walk = _walk(longest_half, d, group) if ds else PLAIN_ORDER  # the dS backward's dK/dV kernel
+        # The dS backward's dK/dV kernel, batched (packed samples walk the plain order: not measured).
+        walk = _walk(longest_half, d, group) if ds and mask is not None else PLAIN_ORDER
         # The dS backward runs the persistent dK/dV kernel wherever the head dim has one.
         if (BALANCED_SCHEDULE and mask is not None and d in PERSISTENT_DKDV_HEAD_DIMS
                 and (persistent or ds) and b * k.shape[2] * dkdv[0].numel() > ctas):
@@ -413,10 +450,12 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
                                       deterministic)
         t = _varlen_tables(mask.cu_seqlens, mask.block_size, q.shape[-1], str(q.device))
         q4, k4, v4, dout4, out4 = views
+        ds = _ds_plan_varlen(ext, q4, t)
         grads = self._run_bwd(ext, dout4, q4, k4, v4, out4, lse[None],
                               None if dlse is None else dlse[None], 0, mask.block_size, scale,
-                              t.dkdv, t.dq, t.longest_half, t.cu_seqlens)
+                              t.dkdv, t.ds_dq if ds else t.dq, t.longest_half, t.cu_seqlens, ds=ds)
         STATS["varlen_bwd"] += 1
+        STATS["varlen_bwd_ds"] += bool(ds)
         return tuple(g[0] for g in grads)
 
 
