@@ -434,6 +434,44 @@ def test_varlen_ds_backward_where_it_applies(fake, monkeypatch, halves, d, max_b
     assert call["dkdv_walk"] == cd.PLAIN_ORDER and call["dkdv_schedule"] is None
 
 
+@pytest.mark.parametrize("b,nn,nc,d,takes", [
+    (2, 200, 200, 128, True),    # BD3 halves off the 128 grid: the packed dS backward
+    (3, 77, 77, 256, True),
+    (2, 200, 200, 64, False),    # D = 64: no dS backward
+    (2, 0, 200, 128, False),     # block-causal: not a packing of BD3 samples
+    (2, 100, 120, 128, False),   # unequal halves: the same
+])
+def test_batched_off_grid_runs_the_packed_ds_backward(fake, monkeypatch, b, nn, nc, d, takes):
+    """Batched BD3 halves off the 128 grid take the dS backward as B packed samples of equal
+    length: (1, B S, H, D) views of q, k, v, dout and out, lse / dlse as (1, H, B S) copies, the
+    packed tables of cu_seqlens 0, S, .., B S; gradients back in (B, S, H, D)."""
+    ext = DsExtension()
+    monkeypatch.setattr(cd, "_EXT", ext)
+    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    mask, s = SequenceMask(nn, nc, 16), nn + nc
+    q, k, v = _batched(b, nn, nc, 4, 2, d)
+    lse, dlse = torch.randn(b, 4, s), torch.randn(b, 4, s)
+    grads = cd.CutlassDiffusionBackend().bwd(torch.randn_like(q), q, k, v, torch.randn_like(q), lse,
+                                             dlse, mask, 0.125, 0.0, False)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    call = dict(ext.calls)["bwd"]
+    assert cd.STATS["bwd_ds_packed"] == int(takes) and cd.STATS["bwd_ds"] == int(takes)
+    assert cd.STATS["bwd"] == 1 and cd.STATS["varlen_bwd"] == 0
+    if not takes:
+        assert call["cu_seqlens"] is None and call["ds_scratch"] is None
+        return
+    assert call["cu_seqlens"].tolist() == list(range(0, b * s + 1, s))
+    assert call["q"].shape == (1, b * s, 4, d) and call["q"].data_ptr() == q.data_ptr()
+    assert torch.equal(call["lse"][0], lse.transpose(0, 1).reshape(4, b * s))
+    assert torch.equal(call["dlse"][0], dlse.transpose(0, 1).reshape(4, b * s))
+    cu = list(range(0, b * s + 1, s))
+    key_tile = 64 if d == 256 else 128
+    slots, rows, visits, width = varlen_ds_slots(cu, 16, key_tile)
+    assert torch.equal(call["ds_slots"], slots) and call["ds_visits"] == visits
+    assert (call["dq_order"].tolist(), call["dq_sample"].tolist()) == entries(
+        cu, 16, lambda m: m.fwd_tiles(128, key_tile))
+
+
 @given(st.lists(st.integers(0, 300), max_size=6), st.sampled_from([1, 3, 16, 100, 300]),
        st.sampled_from([64, 128]))
 def test_varlen_ds_slots_cover_every_visible_pair_once_per_visit(halves, bs, key_tile):
@@ -505,7 +543,7 @@ def test_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced
     (8, 1024, 16, 16, 256, True, True),     # D = 256: slot-major up to n = 2K
     (4, 2048, 16, 16, 256, True, True),
     (2, 4096, 16, 16, 256, True, False),
-    (8, 1000, 16, 16, 128, False, True),    # odd halves: no dS path; the forward slot-major
+    (8, 1000, 16, 16, 128, True, True),     # odd halves: the forward slot-major, the packed dS path plain
     (8, 1024, 32, 8, 128, True, False),     # GQA 32/8: plain (its backward lost 3 %)
 ])
 def test_short_halves_walk_slot_major(fake, monkeypatch, b, nn, h, hkv, d, ds, walked):
@@ -524,8 +562,9 @@ def test_short_halves_walk_slot_major(fake, monkeypatch, b, nn, h, hkv, d, ds, w
     assert calls["fwd"]["walk"] == short
     bwd = calls["bwd"]
     assert (bwd["ds_scratch"] is not None) == ds
-    assert bwd["dkdv_walk"] == (short if ds else cd.PLAIN_ORDER)
-    if ds and d == 128:  # the persistent dK/dV kernel on the schedule of its walk
+    packed = nn % 128 != 0  # batched BD3 off the 128 grid: the packed dS backward, the plain order
+    assert bwd["dkdv_walk"] == (short if ds and not packed else cd.PLAIN_ORDER)
+    if ds and d == 128 and not packed:  # the persistent dK/dV kernel on the schedule of its walk
         chunk, block = (None, 1) if not walked else cd.SHORT_HALF_ORDER
         bm, bn = 64, 128
         plans = SequenceMask(nn, nn, 16).bwd_tiles(bm, bn)

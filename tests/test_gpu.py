@@ -593,6 +593,56 @@ def test_cutlass_varlen_ds_backward(monkeypatch, dtype, head_dim, halves, block_
 
 
 @_SM90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("batch,n,block_size,heads", [(3, 300, 16, (4, 2)), (2, 1000, 4, (4, 4)),
+                                                      (4, 37, 1, (2, 2))])
+def test_cutlass_odd_halves_take_the_packed_ds_backward(monkeypatch, dtype, head_dim, batch, n,
+                                                        block_size, heads):
+    """Batched BD3 halves off the 128 grid run the dS backward as B packed samples (session 24):
+    it runs (STATS), meets the accuracy rule with an upstream dlse, is deterministic, gives bitwise
+    the dk, dv of the batched two-kernel backward (the same tiles in the same order) and dq within
+    dS's rounding; a batch that cannot be merged into the rows (a transposed layout) runs the
+    two-kernel backward."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    h, hkv = heads
+    q, k, v = _qkv(batch, 2 * n, h, hkv, head_dim, dtype, seed=n + h)
+
+    def run(q, k, v):
+        return dlm_ops.diffusion_attn_func(q, k, v, block_size, return_lse=True)
+
+    before = cd.STATS["bwd_ds_packed"]
+    check_against_reference(run, lambda q, k, v, **kw: diffusion_attn_ref(q, k, v, block_size, **kw),
+                            (q, k, v), dtype)
+    assert cd.STATS["bwd_ds_packed"] == before + 1, "the packed dS backward did not run"
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    dout = torch.randn(q.shape, device="cuda", generator=gen).to(dtype)
+    dlse = torch.randn((batch, h, 2 * n), device="cuda", generator=gen)
+
+    def grads(layout=lambda t: t):
+        inputs = [layout(t.detach().clone()).requires_grad_() for t in (q, k, v)]
+        out, lse = run(*inputs)
+        loss = (out.float() * dout.float()).sum() + (lse * dlse).sum()
+        return torch.autograd.grad(loss, inputs)
+
+    packed, again = grads(), grads()
+    for name, a, b in zip(("dq", "dk", "dv"), packed, again):
+        assert torch.equal(a, b), f"{name}: not deterministic"
+    before = dict(cd.STATS)
+    transposed = grads(lambda t: t.transpose(1, 2).contiguous().transpose(1, 2))
+    assert cd.STATS["bwd_ds_packed"] == before["bwd_ds_packed"]  # its batch cannot be merged
+    assert cd.STATS["bwd"] == before["bwd"] + 1
+    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", 0)
+    two = grads()
+    assert torch.equal(packed[1], two[1]) and torch.equal(packed[2], two[2])
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for other in (two, transposed):
+        assert (packed[0].float() - other[0].float()).abs().max() <= tol * other[0].float().abs().max()
+
+
+@_SM90
 def test_cutlass_varlen_is_the_default_on_sm90():
     """Unforced, a varlen call selects the cutlass backend (it declares VARLEN) and runs the
     CUTLASS kernels forward and backward at D = 128."""

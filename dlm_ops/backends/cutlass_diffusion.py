@@ -14,9 +14,10 @@ fp16/bf16, no softcap (declared capabilities: such calls select ``triton``) and,
 direction and layout. (Were kBatchedStart flipped back to kStartTile, the extension says so
 through ``batched_any_length`` and batched halves that are not multiples of 128 run Triton's
 again.) The backward (preprocess, dK/dV per key tile, dQ per query tile: three kernels with
-disjoint writes; at D = 128 and 256, batched on the 128 grid and packed at any lengths, the dK/dV
-kernel also stores dS, which the dQ kernel reads instead of recomputing it: DS_* below) is bitwise
-deterministic, batched and varlen, so ``deterministic=True`` takes it too.
+disjoint writes; at D = 128 and 256, batched on the 128 grid and packed at any lengths (batched
+BD3 halves off the grid as packed samples), the dK/dV kernel also stores dS, which the dQ kernel
+reads instead of recomputing it: DS_* below) is bitwise deterministic, batched and varlen, so
+``deterministic=True`` takes it too.
 
 Work tables (the CTA schedules, most expensive tile first) are built in C++ from dlm/geometry.h
 and cached here: batched per (halves, block_size[, head dim], device), varlen per (cu_seqlens,
@@ -63,7 +64,7 @@ TILE = 128
 # CUTLASS calls run, and calls handed to Triton, per direction and layout
 STATS = {"fwd": 0, "fwd_fallback": 0, "bwd": 0, "bwd_fallback": 0, "bwd_ds": 0,
          "varlen_fwd": 0, "varlen_fwd_fallback": 0, "varlen_bwd": 0, "varlen_bwd_fallback": 0,
-         "varlen_bwd_ds": 0}
+         "varlen_bwd_ds": 0, "bwd_ds_packed": 0}
 
 _EXT = None
 _BUILD_ERROR: str | None = None
@@ -124,8 +125,9 @@ PERSISTENT_DKDV_EVERY_LENGTH = (64,)
 # DS_HALF_MULTIPLE (the dQ kernel's 128-row tiles start at tile multiples), and (session 24,
 # kStartVarlen instantiations) packed samples of any lengths, whose slot table lists each sample's
 # rows (ext.varlen_ds_slots), while the scratch, 1 + B * H * visits blocks of ext.ds_block(d)
-# elements, stays within DS_SCRATCH_MAX_BYTES (0 turns the path off). Batched halves off the 128
-# grid (kStartAny) still run the two-kernel backward.
+# elements, stays within DS_SCRATCH_MAX_BYTES (0 turns the path off). Batched BD3 calls with halves
+# off the 128 grid run that packed path over their B equal samples (_bwd_packed); block-causal ones
+# off the grid run the two-kernel backward.
 # Harness `ds` (bf16, D = 128, 16K tokens, H = 16, session 18): the whole backward 1.12-1.17x the
 # two-kernel one's (its faster dK/dV kernel per shape) at n = 1K-8K, block 4 / 16 and GQA 32/8; the
 # scratch is then 0.34 GB at n = 1K and 2.2 GB at n = 8K (about a quarter of S x S x H x 2 bytes).
@@ -428,10 +430,14 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         if ext is None or not self._covers(ext, mask, BACKWARD_HEAD_DIMS, q, k, v, dout, out):
             STATS["bwd_fallback"] += 1
             return super().bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic)
+        ds = _ds_plan(ext, q, mask)
+        if not ds:
+            packed = self._bwd_packed(ext, dout, q, k, v, out, lse, dlse, mask, scale)
+            if packed is not None:
+                return packed
         dkdv_order, dq_order, ds_dq_order = _bwd_tile_orders(mask.n_noisy, mask.n_clean,
                                                              mask.block_size, q.shape[-1],
                                                              str(q.device))
-        ds = _ds_plan(ext, q, mask)
         if ds:
             dq_order = ds_dq_order
         grads = self._run_bwd(ext, dout, q, k, v, out, lse, dlse, mask.n_noisy, mask.block_size,
@@ -440,6 +446,31 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         STATS["bwd"] += 1
         STATS["bwd_ds"] += bool(ds)
         return grads
+
+    def _bwd_packed(self, ext, dout, q, k, v, out, lse, dlse, mask, scale):
+        """The dS backward of a batched BD3 call whose halves are off the 128 grid, run as the
+        packed one over its B samples (equal lengths: the batch viewed as (1, B S, H, D), lse and
+        dlse copied to (H, B S), 4 bytes per row and head), or None where that does not apply
+        (block-causal masks, tensors whose batch cannot be merged into the rows, the head dim or
+        the scratch's bound: the batched two-kernel backward then runs). Session 24: the packed dS
+        backward over 8 halves of 1000 ran 1.13x the batched two-kernel one (H200, bf16, D 128)."""
+        b, s, h, d = q.shape
+        tensors = (dout, q, k, v, out)
+        if (mask.n_noisy != mask.n_clean or not b * s or not _ds_block(ext, d)
+                or any(t.stride(0) != s * t.stride(1) for t in tensors)):
+            return None
+        t = _varlen_tables(tuple(range(0, b * s + 1, s)), mask.block_size, d, str(q.device))
+        q1, k1, v1, dout1, out1 = (x.view(1, b * s, *x.shape[2:]) for x in (q, k, v, dout, out))
+        ds = _ds_plan_varlen(ext, q1, t)
+        if not ds:
+            return None
+        rows = lambda x: None if x is None else x.float().transpose(0, 1).reshape(1, h, b * s)
+        grads = self._run_bwd(ext, dout1, q1, k1, v1, out1, rows(lse), rows(dlse), 0, mask.block_size,
+                              scale, t.dkdv, t.ds_dq, t.longest_half, t.cu_seqlens, ds=ds)
+        STATS["bwd"] += 1
+        STATS["bwd_ds"] += 1
+        STATS["bwd_ds_packed"] += 1
+        return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v)))
 
     def varlen_bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
         ext, dout = self._backward_extension(softcap, dout)
