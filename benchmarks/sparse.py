@@ -179,7 +179,7 @@ def make_column_kernel(case: SparseCase, q, k, v, idx, counts):
     out, lse = torch.empty_like(q), torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     scale = q.shape[-1] ** -0.5
     return lambda: ext.fwd(q, kg, vg, out, lse, shared, blocks, order, cs.BLOCK, cs.BLOCK, scale,
-                           key_len=key_len, **cs._launch_grid(q.device, blocks.numel()))
+                           key_len=key_len, **cs.launch_args(ext, q, blocks.numel()))
 
 
 def make_selections(seqlen: int, q, k) -> dict:

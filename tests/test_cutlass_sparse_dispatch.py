@@ -64,13 +64,23 @@ class FakeExtension:
                 out.copy_(src)
 
     @staticmethod
+    def split_scratch_floats(d, ctas):  # block_sparse_fwd.cuh
+        return ctas * 2 * 128 * (64 * d // 128 + 4)
+
+    @staticmethod
     def supports(block_q, block_k, d):  # block_sparse_fwd_supports in block_sparse_fwd.cuh
         return block_q == 128 and block_k == 128 and d in (64, 128)
 
     def fwd(self, q, k, v, out, lse, kv_block_indices, kv_block_counts, work_order, block_q,
-            block_k, scale, key_len=None, max_ctas=0, split_parts=0):
+            block_k, scale, key_len=None, max_ctas=0, split_parts=0, split_partials=None,
+            split_counters=None):
         assert isinstance(max_ctas, int) and max_ctas >= 0
         assert isinstance(split_parts, int) and split_parts >= 0
+        if split_parts and max_ctas:  # the binding's checks: the caller's scratch, counters zeroed
+            assert split_partials.dtype == torch.float32
+            assert split_partials.numel() >= self.split_scratch_floats(q.shape[-1], max_ctas)
+            assert split_counters.dtype == torch.int32 and split_counters.numel() >= 2 * max_ctas
+            assert not split_counters.any()
         self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, idx=kv_block_indices,
                                counts=kv_block_counts, order=work_order, block_q=block_q,
                                block_k=block_k, scale=scale, key_len=key_len, max_ctas=max_ctas,
@@ -652,3 +662,18 @@ def test_the_grid_rule(monkeypatch):
     monkeypatch.setattr(cs, "PERSISTENT", False)
     assert cs._max_ctas(cpu) == 0
     assert cs._launch_grid(cpu, 4096) == {"max_ctas": 0, "split_parts": 0}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_split_scratch_is_allocated_by_the_backend(d):
+    """launch_args adds the split tail's scratch where the grid splits (the partials the kernel's
+    size, the counters zeroed), and nothing where it does not: the binding allocates nothing, so
+    an out-of-memory error raises in Python (csrc/NOTES.md "Session 23")."""
+    ext, q = FakeExtension(), torch.zeros(1, 4, 2, d)
+    split = cs.launch_args(ext, q, 4096)
+    assert split["split_parts"] == cs.SPLIT_PARTS and split["max_ctas"] == 132
+    assert split["split_partials"].dtype == torch.float32
+    assert split["split_partials"].numel() == ext.split_scratch_floats(d, 132)
+    assert split["split_counters"].dtype == torch.int32 and split["split_counters"].numel() == 2 * 132
+    assert not split["split_counters"].any()
+    assert cs.launch_args(ext, q, 4092) == {"max_ctas": 132, "split_parts": 0}

@@ -37,11 +37,15 @@ bool supports(int64_t block_q, int64_t block_k, int64_t d) {
 // gathered keys, dlm_ops/backends/cutlass_sparse.py); max_ctas: 0 one CTA per item, > 0 a
 // persistent grid of at most that many CTAs; split_parts (with max_ctas > 0): > 0 splits the last
 // round's items into up to that many parts over the grid (block_sparse_fwd.cuh tail_part), with
-// scratch allocated here per call (the partials uninitialised, 2 * max_ctas counters zeroed).
+// the caller's scratch: split_partials (fp32, at least split_scratch_floats(d, max_ctas) floats)
+// and split_counters (int32, at least 2 * max_ctas, zeroed). The Python backend allocates it, so
+// that an out-of-memory error raises there: on one image a c10::Error thrown inside an
+// extension ended the process (csrc/NOTES.md "Session 23").
 void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
          torch::Tensor kv_block_indices, torch::Tensor kv_block_counts,
          std::optional<torch::Tensor> work_order, int64_t block_q, int64_t block_k, double scale,
-         std::optional<torch::Tensor> key_len, int64_t max_ctas, int64_t split_parts) {
+         std::optional<torch::Tensor> key_len, int64_t max_ctas, int64_t split_parts,
+         std::optional<torch::Tensor> split_partials, std::optional<torch::Tensor> split_counters) {
   const auto& idx = kv_block_indices;
   const auto& counts = kv_block_counts;
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
@@ -102,14 +106,18 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   a.max_ctas = static_cast<int>(max_ctas);
   a.stream = c10::cuda::getCurrentCUDAStream();
   TORCH_CHECK(split_parts >= 0 && split_parts <= INT32_MAX, "split_parts must be >= 0");
-  torch::Tensor partials, counters;  // alive until the launch is queued; the allocator orders reuse
   if (split_parts > 0 && max_ctas > 0) {
-    partials = torch::empty({dlm::sm90::split_scratch_floats(static_cast<int>(d), a.max_ctas)},
-                            q.options().dtype(torch::kFloat32));
-    counters = torch::zeros({2 * max_ctas}, q.options().dtype(torch::kInt32));
+    TORCH_CHECK(split_partials && split_partials->device() == q.device() &&
+                    split_partials->scalar_type() == torch::kFloat32 && split_partials->is_contiguous() &&
+                    split_partials->numel() >= dlm::sm90::split_scratch_floats(static_cast<int>(d), a.max_ctas),
+                "split_partials: contiguous fp32 on q's device, split_scratch_floats(d, max_ctas) floats");
+    TORCH_CHECK(split_counters && split_counters->device() == q.device() &&
+                    split_counters->scalar_type() == torch::kInt32 && split_counters->is_contiguous() &&
+                    split_counters->numel() >= 2 * max_ctas,
+                "split_counters: contiguous int32 on q's device, 2 * max_ctas of them (zeroed)");
     a.split_parts = static_cast<int>(split_parts);
-    a.split_partials = partials.data_ptr<float>();
-    a.split_counters = counters.data_ptr<int32_t>();
+    a.split_partials = split_partials->data_ptr<float>();
+    a.split_counters = split_counters->data_ptr<int32_t>();
   }
   const cudaError_t err =
       dlm_bindings::dispatch<64, 128>(q.scalar_type(), static_cast<int>(d), LaunchSparseFwd{a});
@@ -125,6 +133,10 @@ void add_sparse_fwd(pybind11::module_& m) {  // the module: csrc/bindings/sparse
         pybind11::arg("lse"), pybind11::arg("kv_block_indices"), pybind11::arg("kv_block_counts"),
         pybind11::arg("work_order"), pybind11::arg("block_q"), pybind11::arg("block_k"),
         pybind11::arg("scale"), pybind11::arg("key_len") = pybind11::none(),
-        pybind11::arg("max_ctas") = 0, pybind11::arg("split_parts") = 0);
+        pybind11::arg("max_ctas") = 0, pybind11::arg("split_parts") = 0,
+        pybind11::arg("split_partials") = pybind11::none(), pybind11::arg("split_counters") = pybind11::none());
+  m.def("split_scratch_floats", [](int64_t d, int64_t ctas) {
+    return dlm::sm90::split_scratch_floats(static_cast<int>(d), static_cast<int>(ctas));
+  }, pybind11::arg("d"), pybind11::arg("ctas"));
 }
 }  // namespace dlm_bindings

@@ -105,6 +105,20 @@ def _launch_grid(device: torch.device, items: int) -> dict:
     return {"max_ctas": ctas, "split_parts": SPLIT_PARTS if 0 < tail <= ctas // 2 else 0}
 
 
+def launch_args(ext, q: torch.Tensor, items: int) -> dict:
+    """ext.fwd's grid arguments (_launch_grid) with, where it splits the tail, the split's scratch:
+    the partials (uninitialised) and 2 * max_ctas zeroed counters. Allocated here, not in the
+    binding, so that running out of memory raises in Python (csrc/NOTES.md "Session 23": on one
+    image an error raised inside an extension ended the process)."""
+    grid = _launch_grid(q.device, items)
+    if grid["split_parts"]:
+        ctas = grid["max_ctas"]
+        grid["split_partials"] = torch.empty(ext.split_scratch_floats(q.shape[-1], ctas),
+                                             dtype=torch.float32, device=q.device)
+        grid["split_counters"] = torch.zeros(2 * ctas, dtype=torch.int32, device=q.device)
+    return grid
+
+
 def work_order(counts: torch.Tensor, ext=None, max_count: int | None = None) -> torch.Tensor:
     """The kernel's work items, entries (b * H + h) * nQb + qb of the flat counts, longest list
     first (stable: ties keep their natural order, so the schedule is deterministic), int32 on the
@@ -227,7 +241,7 @@ class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
         lse = new_output(q, (b, h, sq), torch.float32)
         order = work_order(counts, ext, idx.shape[-1])
         ext.fwd(q, k, v, out, lse, idx, counts, order, bsq, bsk, scale,
-                **_launch_grid(q.device, counts.numel()))
+                **launch_args(ext, q, counts.numel()))
         STATS["fwd"] += 1
         return out, lse
 
@@ -249,7 +263,7 @@ class CutlassSparseBackend(cutlass.Sm90Backend, TritonSparseBackend):
         out = new_output(q, q.shape)
         lse = new_output(q, (b, h, sq), torch.float32)
         ext.fwd(q, kg, vg, out, lse, shared, blocks, order, BLOCK, BLOCK, scale, key_len=key_len,
-                **_launch_grid(q.device, blocks.numel()))
+                **launch_args(ext, q, blocks.numel()))
         STATS["column_fwd"] += 1
         return out, lse
 
