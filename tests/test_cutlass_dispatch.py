@@ -467,7 +467,8 @@ def test_batched_off_grid_runs_the_packed_ds_backward(fake, monkeypatch, b, nn, 
     cu = list(range(0, b * s + 1, s))
     key_tile = 64 if d == 256 else 128
     slots, rows, visits, width = varlen_ds_slots(cu, 16, key_tile)
-    assert torch.equal(call["ds_slots"], slots) and call["ds_visits"] == visits
+    assert torch.equal(call["ds_slots"], slots) and torch.equal(call["ds_rows"], rows)
+    assert call["ds_visits"] == visits and call["ds_k_tiles"] == width
     assert (call["dq_order"].tolist(), call["dq_sample"].tolist()) == entries(
         cu, 16, lambda m: m.fwd_tiles(128, key_tile))
 

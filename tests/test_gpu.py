@@ -340,6 +340,16 @@ def test_cutlass_odd_lengths(monkeypatch, dtype, batch, n, block_size, d, heads,
 _MANY = [0 if i % 5 == 0 else (37 * i * i + 11) % 150 for i in range(30)]  # zeros and odd halves
 
 
+def _packing(halves, h, hkv, d, dtype, seed):
+    """A packing of samples with these halves: (cu_seqlens as a list, on the device, q, k, v)."""
+    cu_list = [0]
+    for n in halves:
+        cu_list.append(cu_list[-1] + 2 * n)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    q, k, v = (t[0] for t in _qkv(1, cu_list[-1], h, hkv, d, dtype, seed=seed))
+    return cu_list, cu, q, k, v
+
+
 @_SM90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("halves,block_size,d,heads", [
@@ -357,11 +367,7 @@ def test_cutlass_varlen(monkeypatch, dtype, halves, block_size, d, heads):
     """Packed samples (zero-length ones, odd halves, one sample, many) run the kStartVarlen
     kernels forward and backward."""
     h, hkv = heads
-    cu_list = [0]
-    for n in halves:
-        cu_list.append(cu_list[-1] + 2 * n)
-    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
-    q, k, v = (t[0] for t in _qkv(1, cu_list[-1], h, hkv, d, dtype, seed=len(halves) + d))
+    cu_list, cu, q, k, v = _packing(halves, h, hkv, d, dtype, seed=len(halves) + d)
 
     def run(q, k, v, backend="cutlass"):
         return dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 2 * max(halves), block_size,
@@ -394,11 +400,7 @@ def test_cutlass_persistent_dkdv_is_bitwise_the_per_tile_kernel(monkeypatch, d, 
     h, hkv = heads
     halves = [0, 100, 37, 0, 256, 1, 300]
     if layout == "varlen":
-        cu_list = [0]
-        for m in halves:
-            cu_list.append(cu_list[-1] + 2 * m)
-        cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
-        q, k, v = (t[0] for t in _qkv(1, cu_list[-1], h, hkv, d, dtype, seed=7))
+        _, cu, q, k, v = _packing(halves, h, hkv, d, dtype, seed=7)
 
         def attn(q, k, v):
             return dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 2 * max(halves), block_size)
@@ -536,6 +538,39 @@ def test_cutlass_varlen_tables_match_geometry(cu_list, block_size, d):
         assert t.ds is None
 
 
+def _ds_against_two_kernel(monkeypatch, run, inputs, dlse_shape, dtype, seed, layout=None):
+    """Gradients of out * dout + lse * dlse (upstream dout, dlse seeded) through ``run``: twice with
+    the dS backward (asserted bitwise equal: deterministic), then with it off (DS_SCRATCH_MAX_BYTES
+    = 0, for the rest of the test) and, given ``layout``, on inputs copied into it. The dS path
+    must give bitwise the two-kernel dk, dv (the same dK/dV tiles in the same order) and dq within
+    a few units of dS's rounding (dS^T there comes from K Q^T, here from Q K^T). Returns the
+    STATS before the two-kernel run, for the caller's checks of which path ran."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dout = torch.randn(inputs[0].shape, device="cuda", generator=gen).to(dtype)
+    dlse = torch.randn(dlse_shape, device="cuda", generator=gen)
+
+    def grads(copy=lambda t: t):
+        x = [copy(t.detach().clone()).requires_grad_() for t in inputs]
+        out, lse = run(*x)
+        loss = (out.float() * dout.float()).sum() + (lse * dlse).sum()
+        return torch.autograd.grad(loss, x)
+
+    ds_a, ds_b = grads(), grads()
+    for name, a, b in zip(("dq", "dk", "dv"), ds_a, ds_b):
+        assert torch.equal(a, b), f"{name}: not deterministic"
+    others = [grads(layout)] if layout else []
+    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", 0)
+    before = dict(cd.STATS)
+    two = grads()
+    assert torch.equal(ds_a[1], two[1]) and torch.equal(ds_a[2], two[2])
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for other in (two, *others):
+        assert (ds_a[0].float() - other[0].float()).abs().max() <= tol * other[0].float().abs().max()
+    return before
+
+
 @_SM90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [128, 256])
@@ -554,11 +589,7 @@ def test_cutlass_varlen_ds_backward(monkeypatch, dtype, head_dim, halves, block_
     from dlm_ops.backends import cutlass_diffusion as cd
 
     h, hkv = heads
-    cu_list = [0]
-    for n in halves:
-        cu_list.append(cu_list[-1] + 2 * n)
-    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
-    q, k, v = (t[0] for t in _qkv(1, cu_list[-1], h, hkv, head_dim, dtype, seed=len(halves) + h))
+    _, cu, q, k, v = _packing(halves, h, hkv, head_dim, dtype, seed=len(halves) + h)
 
     def run(q, k, v):
         return dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 2 * max(halves), block_size,
@@ -569,27 +600,9 @@ def test_cutlass_varlen_ds_backward(monkeypatch, dtype, head_dim, halves, block_
                             (q, k, v), dtype)
     assert cd.STATS["varlen_bwd_ds"] == before + 1, "the dS backward did not run"
 
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    dout = torch.randn(q.shape, device="cuda", generator=gen).to(dtype)
-    dlse = torch.randn((h, q.shape[0]), device="cuda", generator=gen)
-
-    def grads():
-        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out, lse = run(*inputs)
-        loss = (out.float() * dout.float()).sum() + (lse * dlse).sum()
-        return torch.autograd.grad(loss, inputs)
-
-    ds_a, ds_b = grads(), grads()
-    for name, a, b in zip(("dq", "dk", "dv"), ds_a, ds_b):
-        assert torch.equal(a, b), f"{name}: not deterministic"
-    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", 0)
-    before = dict(cd.STATS)
-    two = grads()
+    before = _ds_against_two_kernel(monkeypatch, run, (q, k, v), (h, q.shape[0]), dtype, 5)
     assert cd.STATS["varlen_bwd_ds"] == before["varlen_bwd_ds"]
     assert cd.STATS["varlen_bwd"] == before["varlen_bwd"] + 1
-    assert torch.equal(ds_a[1], two[1]) and torch.equal(ds_a[2], two[2])
-    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-    assert (ds_a[0].float() - two[0].float()).abs().max() <= tol * two[0].float().abs().max()
 
 
 @_SM90
@@ -617,29 +630,13 @@ def test_cutlass_odd_halves_take_the_packed_ds_backward(monkeypatch, dtype, head
                             (q, k, v), dtype)
     assert cd.STATS["bwd_ds_packed"] == before + 1, "the packed dS backward did not run"
 
-    gen = torch.Generator(device="cuda").manual_seed(9)
-    dout = torch.randn(q.shape, device="cuda", generator=gen).to(dtype)
-    dlse = torch.randn((batch, h, 2 * n), device="cuda", generator=gen)
-
-    def grads(layout=lambda t: t):
-        inputs = [layout(t.detach().clone()).requires_grad_() for t in (q, k, v)]
-        out, lse = run(*inputs)
-        loss = (out.float() * dout.float()).sum() + (lse * dlse).sum()
-        return torch.autograd.grad(loss, inputs)
-
-    packed, again = grads(), grads()
-    for name, a, b in zip(("dq", "dk", "dv"), packed, again):
-        assert torch.equal(a, b), f"{name}: not deterministic"
-    before = dict(cd.STATS)
-    transposed = grads(lambda t: t.transpose(1, 2).contiguous().transpose(1, 2))
-    assert cd.STATS["bwd_ds_packed"] == before["bwd_ds_packed"]  # its batch cannot be merged
-    assert cd.STATS["bwd"] == before["bwd"] + 1
-    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", 0)
-    two = grads()
-    assert torch.equal(packed[1], two[1]) and torch.equal(packed[2], two[2])
-    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-    for other in (two, transposed):
-        assert (packed[0].float() - other[0].float()).abs().max() <= tol * other[0].float().abs().max()
+    start = dict(cd.STATS)
+    before = _ds_against_two_kernel(monkeypatch, run, (q, k, v), (batch, h, 2 * n), dtype, 9,
+                                    layout=lambda t: t.transpose(1, 2).contiguous().transpose(1, 2))
+    # the two dS runs packed; the transposed layout (its batch cannot be merged) and the run with
+    # the dS path off, two-kernel
+    assert cd.STATS["bwd_ds_packed"] == start["bwd_ds_packed"] + 2 == before["bwd_ds_packed"]
+    assert cd.STATS["bwd"] == start["bwd"] + 4
 
 
 @_SM90
@@ -686,23 +683,5 @@ def test_cutlass_ds_backward(monkeypatch, dtype, head_dim, n, block_size, heads,
     check_against_reference(run, lambda q, k, v, **kw: ref(q, k, v, block_size, **kw), (q, k, v), dtype)
     assert cd.STATS["bwd_ds"] == before + 1, "the dS backward did not run"
 
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    dout = torch.randn(q.shape, device="cuda", generator=gen).to(dtype)
-    dlse = torch.randn((q.shape[0], h, q.shape[1]), device="cuda", generator=gen)
-
-    def grads():
-        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out, lse = run(*inputs)
-        loss = (out.float() * dout.float()).sum() + (lse * dlse).sum()
-        return torch.autograd.grad(loss, inputs)
-
-    ds_a, ds_b = grads(), grads()
-    for name, a, b in zip(("dq", "dk", "dv"), ds_a, ds_b):
-        assert torch.equal(a, b), f"{name}: not deterministic"
-    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", 0)
-    before = dict(cd.STATS)
-    two = grads()
+    before = _ds_against_two_kernel(monkeypatch, run, (q, k, v), (q.shape[0], h, q.shape[1]), dtype, 3)
     assert cd.STATS["bwd_ds"] == before["bwd_ds"] and cd.STATS["bwd"] == before["bwd"] + 1
-    assert torch.equal(ds_a[1], two[1]) and torch.equal(ds_a[2], two[2])
-    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-    assert (ds_a[0].float() - two[0].float()).abs().max() <= tol * two[0].float().abs().max()
