@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("knob", choices=sorted(KNOBS))
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--only", default=None, help="keep the knob's cases whose label contains this text")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
     print(f"| case | mode | {first} ms | {second} ms | speed {second} / {first} |")
     print("|---|---|---|---|---|")
     try:
-        for case in knob.cases:
+        for case in (c for c in knob.cases if not a.only or a.only in c.label):
             runs = (sparse_runs(case) if isinstance(case, sparse.SparseCase) else
                     ours_varlen(case) if isinstance(case, VarlenCase) else ours(case))
             iters = {}
