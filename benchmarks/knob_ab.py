@@ -20,9 +20,6 @@ rounds (the main preset's method, benchmarks/__main__.py), medians, bf16, 16K to
     packed-ds    DS_SCRATCH_MAX_BYTES 0 (the two-kernel backward) against 8 GiB (shipped): batched
                  BD3 halves off the 128 grid, whose dS backward runs as packed samples (session
                  24), at D = 128 and 256.
-    packed-schedule  BALANCED_SCHEDULE off against on for packed samples (session 24: their
-                 persistent dK/dV kernel on a schedule built per packing): the varlen preset's
-                 packings and batched halves of 1000 (the packed dS path).
 
 The last column is the second setting's speed over the first's.
 """
@@ -39,8 +36,8 @@ from dlm_ops.backends import cutlass_diffusion as cd
 from dlm_ops.backends import cutlass_sparse as cs
 
 from . import sparse
-from .__main__ import _calls_per_measurement, _preset, _time_once, shuffled_rounds
-from .contenders import Case, VarlenCase, ours, ours_varlen
+from .__main__ import _calls_per_measurement, _time_once, shuffled_rounds
+from .contenders import Case, ours
 
 
 class Knob(NamedTuple):
@@ -83,8 +80,6 @@ KNOBS = {
                       (Case(8, 1000, 16, 16, 128, 16), Case(8, 1000, 16, 16, 128, 4),
                        Case(2, 4000, 16, 16, 128, 16), Case(8, 1000, 32, 8, 128, 16),
                        Case(8, 1000, 16, 16, 256, 16), Case(2, 4000, 16, 16, 256, 16))),
-    "packed-schedule": Knob("BALANCED_SCHEDULE", (False, True), ("bwd", "step"),
-                            (*_preset("varlen"), Case(8, 1000, 16, 16, 128, 16))),
     "split-tail": Knob("SPLIT_PARTS", (0, 4), ("block", "column"),
                        (sparse.SparseCase(16384, 0.1), sparse.SparseCase(16384, 0.3),
                         sparse.SparseCase(32768, 0.1), sparse.SparseCase(65536, 0.1),
@@ -110,8 +105,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     try:
         for case in (c for c in knob.cases if not a.only or a.only in c.label):
-            runs = (sparse_runs(case) if isinstance(case, sparse.SparseCase) else
-                    ours_varlen(case) if isinstance(case, VarlenCase) else ours(case))
+            runs = sparse_runs(case) if isinstance(case, sparse.SparseCase) else ours(case)
             iters = {}
             for mode in knob.modes:
                 _time_once(*runs[mode], 2)
