@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from dlm_ops.backends import cutlass_diffusion as cd
 from dlm_ops.backends.triton_backend import TritonBackend
-from dlm_ops.geometry import (SCHEDULE_ITEM_HALF_TILES, SequenceMask, VarlenMask, balanced_schedule,
-                              most_expensive_first, order_schedule)
+from dlm_ops.geometry import SequenceMask, VarlenMask, most_expensive_first, order_schedule
 
 
 def _order(plans):
@@ -30,20 +29,6 @@ def entries(cu, block_size, plans_of):
 
 def _i32(x):
     return torch.tensor(x, dtype=torch.int32)
-
-
-def varlen_dkdv_schedule(cu, block_size, d, slots, group, ctas):
-    """The balanced schedule of the persistent dK/dV kernel over packed samples, written from
-    dlm_ops.geometry (the mirror of the extension's varlen_dkdv_schedule): the dK/dV entries of
-    every sample (most expensive first) x slots in the plain order, each item costing its tile's
-    area in its sample `group` times plus order_schedule's fixed part."""
-    bm, bn = 128 if d == 64 else 64, 64 if d > 128 else 128  # bwd_block_m / bwd_block_n
-    samples = [m for _, m in VarlenMask(tuple(cu), block_size).samples]
-    tiles, owners = entries(cu, block_size, lambda m: m.bwd_tiles(bm, bn))
-    fixed = SCHEDULE_ITEM_HALF_TILES * bm * bn // 2
-    cost = [group * samples[i].bwd_tiles(bm, bn)[t].area + fixed for t, i in zip(tiles, owners)
-            for _ in range(slots)]
-    return _i32(balanced_schedule(cost, ctas))
 
 
 def varlen_ds_slots(cu, block_size, key_tile):
@@ -96,9 +81,6 @@ class FakeExtension:
         dq = entries(cu, bs, lambda m: m.fwd_tiles(t, t))
         ds_dq = entries(cu, bs, lambda m: m.fwd_tiles(128, t))  # the dQ-from-dS kernel's
         return [_i32(x) for x in (*dkdv, *dq, *ds_dq)]
-
-    def varlen_dkdv_schedule(self, cu, bs, d, slots, group, ctas):
-        return varlen_dkdv_schedule(cu, bs, d, slots, group, ctas)
 
     def dkdv_schedule(self, nn, nc, bs, d, slots, group, ctas, order_chunk=0, order_block=0):
         bm, bn = 128 if d == 64 else 64, 64 if d > 128 else 128
@@ -489,35 +471,6 @@ def test_batched_off_grid_runs_the_packed_ds_backward(fake, monkeypatch, b, nn, 
     assert call["ds_visits"] == visits and call["ds_k_tiles"] == width
     assert (call["dq_order"].tolist(), call["dq_sample"].tolist()) == entries(
         cu, 16, lambda m: m.fwd_tiles(128, key_tile))
-
-
-@pytest.mark.parametrize("balanced", [True, False])
-@pytest.mark.parametrize("halves,hkv,d,ds,built", [
-    ([1000, 1000], 16, 128, True, True),        # 32 entries x 16 slots: more items than CTAs
-    ([700, 0, 333, 901], 4, 128, False, True),  # the two-kernel backward's persistent kernel (GQA)
-    ([1000, 1000], 16, 64, False, True),        # D = 64: persistent at every length
-    ([100, 37], 16, 128, True, False),          # fewer items than CTAs: the snake is the grid
-    ([1000, 1000], 16, 256, True, False),       # D = 256: one CTA per key tile
-])
-def test_packed_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced, halves, hkv, d, ds, built):
-    """Packed calls whose persistent dK/dV kernel has more items than CTAs walk a balanced schedule
-    built for their packing (session 24), the dS backward's and the two-kernel one's alike."""
-    ext = DsExtension() if ds else fake
-    monkeypatch.setattr(cd, "_EXT", ext)
-    monkeypatch.setattr(cd, "_extension", lambda: ext)
-    monkeypatch.setattr(cd, "BALANCED_SCHEDULE", balanced)
-    cd._varlen_dkdv_schedule.cache_clear()
-    q, k, v, mask = _packed(halves, 16, hkv, d)
-    backend = cd.CutlassDiffusionBackend()
-    out, lse = backend.varlen_fwd(q, k, v, mask, 0.125, 0.0, False)
-    backend.varlen_bwd(torch.randn_like(q), q, k, v, out, lse, None, mask, 0.125, 0.0, False)
-    call = dict(ext.calls)["bwd"]
-    assert (call["ds_scratch"] is not None) == ds
-    if not (balanced and built):
-        assert call["dkdv_schedule"] is None
-        return
-    expected = varlen_dkdv_schedule(list(mask.cu_seqlens), 16, d, hkv, 16 // hkv, 132)
-    assert torch.equal(call["dkdv_schedule"], expected)
 
 
 @given(st.lists(st.integers(0, 300), max_size=6), st.sampled_from([1, 3, 16, 100, 300]),

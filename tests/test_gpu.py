@@ -427,31 +427,23 @@ def test_cutlass_persistent_dkdv_is_bitwise_the_per_tile_kernel(monkeypatch, d, 
 @_SM90
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("heads", [(8, 8), (16, 4)])
-@pytest.mark.parametrize("layout", ["batched", "packed"])
-def test_cutlass_balanced_schedule_is_bitwise_the_snake(monkeypatch, d, heads, layout):
+def test_cutlass_balanced_schedule_is_bitwise_the_snake(monkeypatch, d, heads):
     """cutlass_diffusion.BALANCED_SCHEDULE hands each CTA of the persistent dK/dV kernel other
     items, never other arithmetic: the gradients bitwise equal to the snake walk's, at a shape
     where that kernel (D = 128: the dS backward's) has more work items (512 or 256) than SMs, so
-    that the schedule is built and walked; batched, and packed samples of mixed lengths."""
+    that the schedule is built and walked."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
     h, hkv = heads
-    if layout == "batched":
-        q, k, v = _qkv(4, 2048, h, hkv, d, torch.bfloat16, seed=11)
-        attn, cache = (lambda q, k, v: dlm_ops.diffusion_attn_func(q, k, v, 16)), cd._dkdv_schedule
-    else:
-        halves = [1000, 37, 0, 1500, 700, 333]
-        _, cu, q, k, v = _packing(halves, h, hkv, d, torch.bfloat16, seed=11)
-        attn = lambda q, k, v: dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 2 * max(halves), 16)
-        cache = cd._varlen_dkdv_schedule
+    q, k, v = _qkv(4, 2048, h, hkv, d, torch.bfloat16, seed=11)
     dout = torch.randn_like(q)
 
     def grads(balanced):
         monkeypatch.setattr(cd, "BALANCED_SCHEDULE", balanced)
-        cache.cache_clear()
+        cd._dkdv_schedule.cache_clear()
         x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        g = torch.autograd.grad(attn(*x), x, dout)
-        return g, cache.cache_info().currsize
+        g = torch.autograd.grad(dlm_ops.diffusion_attn_func(*x, 16), x, dout)
+        return g, cd._dkdv_schedule.cache_info().currsize
 
     snake, none = grads(False)
     balanced, built = grads(True)
@@ -527,7 +519,7 @@ def test_cutlass_varlen_tables_match_geometry(cu_list, block_size, d):
     the ones written from dlm_ops.geometry (tests/test_cutlass_dispatch.py's mirror)."""
     from dlm_ops.backends import cutlass_diffusion as cd
 
-    from .test_cutlass_dispatch import entries, varlen_dkdv_schedule, varlen_ds_slots
+    from .test_cutlass_dispatch import entries, varlen_ds_slots
 
     cd._extension()
     t = cd._varlen_tables(tuple(cu_list), block_size, d, "cuda")
@@ -538,9 +530,6 @@ def test_cutlass_varlen_tables_match_geometry(cu_list, block_size, d):
     assert tuple(x.tolist() for x in t.dkdv) == entries(cu_list, block_size, lambda m: m.bwd_tiles(bm, bn))
     assert tuple(x.tolist() for x in t.dq) == entries(cu_list, block_size, lambda m: m.fwd_tiles(bn, bn))
     assert tuple(x.tolist() for x in t.ds_dq) == entries(cu_list, block_size, lambda m: m.fwd_tiles(128, bn))
-    if d in cd.PERSISTENT_DKDV_HEAD_DIMS:  # the persistent dK/dV kernel's schedule, as the mirror's
-        got = cd._EXT.varlen_dkdv_schedule(cu_list, block_size, d, 2, 2, 7)
-        assert got.tolist() == varlen_dkdv_schedule(cu_list, block_size, d, 2, 2, 7).tolist()
     if d in cd.DS_HEAD_DIMS:  # the dS backward's slot table, as the mirror writes it
         slots, rows, visits, width = varlen_ds_slots(cu_list, block_size, bn)
         assert t.ds[0].tolist() == slots.tolist() and t.ds[1].tolist() == rows.tolist()

@@ -67,35 +67,6 @@ int64_t ds_block(int64_t head_dim) {
   return ds_backward_supports(d) ? ds_block_elems(d) : 0;
 }
 
-// The balanced schedule of the persistent dK/dV kernel over packed samples: varlen_bwd_tile_orders'
-// dK/dV entries x `slots` = Hkv in the plain order, each item walking `group` query heads, costed
-// as order_schedule costs batched items (its tile's area in its own sample, plus the fixed part),
-// on `ctas` CTAs (fewer than the items), as a CPU int32 tensor.
-torch::Tensor varlen_dkdv_schedule(std::vector<int64_t> cu_seqlens, int64_t block_size, int64_t head_dim,
-                                   int64_t slots, int64_t group, int64_t ctas) {
-  TORCH_CHECK(slots >= 1 && group >= 1 && ctas >= 1, "varlen_dkdv_schedule: slots, group and ctas >= 1");
-  const int d = static_cast<int>(head_dim), bm = bwd_block_m(d), bn = bwd_block_n(d);
-  auto plans_of = [bm, bn](const dlm::SequenceMask& m) { return m.bwd_tiles(bm, bn); };
-  const std::vector<torch::Tensor> entries = dlm_bindings::varlen_entries(cu_seqlens, block_size, plans_of);
-  const int count = static_cast<int>(entries[0].numel());
-  TORCH_CHECK(int64_t{count} * slots < INT32_MAX, "varlen_dkdv_schedule: fewer than 2^31 work items");
-  const std::vector<int32_t> cu(cu_seqlens.begin(), cu_seqlens.end());
-  const dlm::VarlenMask mask{cu.data(), static_cast<int>(cu.size()) - 1, static_cast<int>(block_size)};
-  const int32_t *tile = entries[0].data_ptr<int32_t>(), *sample = entries[1].data_ptr<int32_t>();
-  const dlm::WorkOrder walk = dlm::sm90::work_order(static_cast<int>(slots), 0, 0, 0);
-  const int64_t fixed = int64_t{dlm::kScheduleItemHalfTiles} * bm * bn / 2;
-  std::vector<int64_t> cost(static_cast<size_t>(count) * slots);
-  for (int w = 0; w < static_cast<int>(cost.size()); ++w) {
-    int e, slot;
-    walk.decode(w, count, e, slot);
-    cost[w] = group * plans_of(mask.sample(sample[e])).area(tile[e]) + fixed;
-  }
-  auto out = torch::empty({static_cast<int64_t>(ctas + 1 + cost.size())}, torch::dtype(torch::kInt32));
-  dlm::balanced_schedule(cost.data(), static_cast<int>(cost.size()), static_cast<int>(ctas),
-                         out.data_ptr<int32_t>());
-  return out;
-}
-
 // The work entries of packed samples: {dK/dV key tiles, their samples, dQ query tiles, their
 // samples, dQ-from-dS query tiles, their samples}, each kernel's most expensive first over all
 // samples (CPU int32 tensors).
@@ -175,8 +146,8 @@ struct LaunchBwd {
 // of q's dtype with at least (1 + B * H * ds_visits) * ds_block(D) elements; batched, ds_slots the
 // (S / 64) x (S / key tile) int32 slot table and dq_order the third of bwd_tile_orders; packed
 // samples, ds_slots / ds_rows / ds_visits / ds_k_tiles from varlen_ds_slots and dq_order / dq_sample
-// its fifth and sixth of varlen_bwd_tile_orders. dkdv_schedule: dkdv_schedule's (packed samples:
-// varlen_dkdv_schedule's) for this call's B * Hkv slots on min(SM count, items) CTAs, on the device, walked
+// its fifth and sixth of varlen_bwd_tile_orders. dkdv_schedule (batched):
+// dkdv_schedule's for this call's B * Hkv slots on min(SM count, items) CTAs, on the device, walked
 // where the dK/dV kernel that runs is the persistent one (ignored otherwise); none: the snake.
 // dkdv_order_chunk / dkdv_order_block (the dS backward's dK/dV kernel only; others walk the plain
 // order): its work_order arguments, chunk 0 the plain order; a dkdv_schedule must be built for the
@@ -293,7 +264,7 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     TORCH_CHECK(items < INT32_MAX, "dkdv_schedule: fewer than 2^31 work items");
     int ctas = static_cast<int>(items);  // the persistent launch's grid: min(items, SM count)
     C10_CUDA_CHECK(dlm::sm90::cap_at_sm_count(ctas));
-    TORCH_CHECK(ctas < items, "dkdv_schedule: calls with more work items than SMs");
+    TORCH_CHECK(!varlen && ctas < items, "dkdv_schedule: batched calls with more work items than SMs");
     dlm_bindings::check_schedule(*dkdv_schedule, dev, ctas, items);
     a.dkdv_schedule = dkdv_schedule->data_ptr<int32_t>();
   }
@@ -309,8 +280,6 @@ namespace dlm_bindings {
 void add_bwd(pybind11::module_& m) {
   m.def("bwd_tile_orders", &bwd_tile_orders);
   m.def("varlen_bwd_tile_orders", &varlen_bwd_tile_orders);
-  m.def("varlen_dkdv_schedule", &varlen_dkdv_schedule, pybind11::arg("cu_seqlens"), pybind11::arg("block_size"),
-        pybind11::arg("head_dim"), pybind11::arg("slots"), pybind11::arg("group"), pybind11::arg("ctas"));
   m.def("varlen_ds_slots", &varlen_ds_slots, pybind11::arg("cu_seqlens"), pybind11::arg("block_size"),
         pybind11::arg("head_dim"));
   m.def("dkdv_schedule", &dkdv_schedule, pybind11::arg("n_noisy"), pybind11::arg("n_clean"),

@@ -172,15 +172,6 @@ def _dkdv_schedule(n_noisy: int, n_clean: int, block_size: int, head_dim: int, s
     return _EXT.dkdv_schedule(n_noisy, n_clean, block_size, head_dim, slots, group, ctas, *walk).to(device)
 
 
-# The same for packed samples (session 24; the plain order): the snake's busiest CTA would get 2.4-5.5 %
-# more than the mean at the varlen preset's packings (1.03x at 8 x 1024, 1.055x for the GQA mix),
-# the schedule's 0.3-0.9 % (order_schedule's cost model).
-@lru_cache(maxsize=64)
-def _varlen_dkdv_schedule(cu_seqlens: tuple[int, ...], block_size: int, head_dim: int, slots: int,
-                          group: int, ctas: int, device: str) -> torch.Tensor:
-    return _EXT.varlen_dkdv_schedule(list(cu_seqlens), block_size, head_dim, slots, group, ctas).to(device)
-
-
 # Short halves walk their batched work slot-major: WorkOrder chunk 1, blocks of 4 entries (hopper/
 # common.cuh work_order; (chunk, block), (0, 0) the plain entry-major order), so that the CTAs
 # running side by side work on one (batch, head) slot's 4 dearest tiles and share its K / V (the
@@ -404,11 +395,10 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
 
     @staticmethod
     def _run_bwd(ext, dout, q, k, v, out, lse, dlse, n_noisy, block_size, scale, dkdv, dq_tables,
-                 longest_half, cu_seqlens=None, ds=None, mask=None, packing=None):
+                 longest_half, cu_seqlens=None, ds=None, mask=None):
         """The three backward kernels on (B, S, H, D) views; dkdv / dq_tables: (order, sample or
         None); longest_half: of any sample (the persistent dK/dV rule); ds: _ds_plan's arguments;
-        mask: the batched call's, or packing: the packed call's host cu_seqlens (its persistent
-        dK/dV kernel then walks the balanced schedule)."""
+        mask: the batched call's (its persistent dK/dV kernel then walks the balanced schedule)."""
         b, s, h, _ = q.shape
         if b * s * h == 0:
             # No token (an empty varlen packing; autograd still calls the backward): nothing to
@@ -425,12 +415,10 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         # The dS backward's dK/dV kernel, batched (packed samples walk the plain order: not measured).
         walk = _walk(longest_half, d, group) if ds and mask is not None else PLAIN_ORDER
         # The dS backward runs the persistent dK/dV kernel wherever the head dim has one.
-        if (BALANCED_SCHEDULE and (mask is not None or packing is not None)
-                and d in PERSISTENT_DKDV_HEAD_DIMS and (persistent or ds)
-                and b * k.shape[2] * dkdv[0].numel() > ctas):
-            schedule = (_dkdv_schedule(mask.n_noisy, mask.n_clean, mask.block_size, d, b * k.shape[2],
-                                       group, ctas, walk, str(q.device)) if mask is not None else
-                        _varlen_dkdv_schedule(packing, block_size, d, k.shape[2], group, ctas, str(q.device)))
+        if (BALANCED_SCHEDULE and mask is not None and d in PERSISTENT_DKDV_HEAD_DIMS
+                and (persistent or ds) and b * k.shape[2] * dkdv[0].numel() > ctas):
+            schedule = _dkdv_schedule(mask.n_noisy, mask.n_clean, mask.block_size, d, b * k.shape[2],
+                                      group, ctas, walk, str(q.device))
         ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv[0], dq_tables[0],
                 n_noisy, block_size, scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1],
                 cu_seqlens=cu_seqlens, persistent_dkdv=persistent, dkdv_schedule=schedule,
@@ -471,15 +459,14 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         if (mask.n_noisy != mask.n_clean or not b * s or not _ds_block(ext, d)
                 or any(t.stride(0) != s * t.stride(1) for t in tensors)):
             return None
-        cu = tuple(range(0, b * s + 1, s))
-        t = _varlen_tables(cu, mask.block_size, d, str(q.device))
+        t = _varlen_tables(tuple(range(0, b * s + 1, s)), mask.block_size, d, str(q.device))
         q1, k1, v1, dout1, out1 = (x.view(1, b * s, *x.shape[2:]) for x in (q, k, v, dout, out))
         ds = _ds_plan_varlen(ext, q1, t)
         if not ds:
             return None
         rows = lambda x: None if x is None else x.float().transpose(0, 1).reshape(1, h, b * s)
         grads = self._run_bwd(ext, dout1, q1, k1, v1, out1, rows(lse), rows(dlse), 0, mask.block_size,
-                              scale, t.dkdv, t.ds_dq, t.longest_half, t.cu_seqlens, ds=ds, packing=cu)
+                              scale, t.dkdv, t.ds_dq, t.longest_half, t.cu_seqlens, ds=ds)
         STATS["bwd"] += 1
         STATS["bwd_ds"] += 1
         STATS["bwd_ds_packed"] += 1
@@ -497,8 +484,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         ds = _ds_plan_varlen(ext, q4, t)
         grads = self._run_bwd(ext, dout4, q4, k4, v4, out4, lse[None],
                               None if dlse is None else dlse[None], 0, mask.block_size, scale,
-                              t.dkdv, t.ds_dq if ds else t.dq, t.longest_half, t.cu_seqlens, ds=ds,
-                              packing=mask.cu_seqlens)
+                              t.dkdv, t.ds_dq if ds else t.dq, t.longest_half, t.cu_seqlens, ds=ds)
         STATS["varlen_bwd"] += 1
         STATS["varlen_bwd_ds"] += bool(ds)
         return tuple(g[0] for g in grads)
