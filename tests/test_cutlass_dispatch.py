@@ -123,7 +123,8 @@ def fake(monkeypatch):
     monkeypatch.setattr(cd, "_sm_count", lambda device: 132)  # no GPU to ask
     for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd"):
         monkeypatch.setattr(TritonBackend, name, lambda self, *a, _n=name: ("triton", _n))
-    caches = (cd._tile_order, cd._bwd_tile_orders, cd._varlen_tables, cd._dkdv_schedule)
+    caches = (cd._tile_order, cd._bwd_tile_orders, cd._varlen_tables, cd._varlen_ds_slots,
+              cd._dkdv_schedule)
     for cached in caches:
         cached.cache_clear()
     monkeypatch.setattr(cd, "STATS", dict.fromkeys(cd.STATS, 0))
@@ -359,6 +360,8 @@ def test_ds_backward_where_it_applies(fake, monkeypatch, nn, nc, d, max_bytes, t
     assert cd.STATS["bwd_ds"] == int(takes) and cd.STATS["bwd"] == 1
     if not takes:
         assert call["ds_scratch"] is None and call["ds_slots"] is None
+        # nor the packed route: on the grid, or not BD3 halves (the same bound would decline it)
+        assert cd.STATS["bwd_ds_packed"] == 0 and cd._varlen_ds_slots.cache_info().currsize == 0
         return
     key_tile = 64 if d == 256 else 128
     slots, visits = cd._ds_slots(nn, nc, 16, key_tile, "cpu")
@@ -414,6 +417,7 @@ def test_varlen_ds_backward_where_it_applies(fake, monkeypatch, halves, d, max_b
     q, k, v, mask = _packed(halves, 4, 2, d)
     backend = cd.CutlassDiffusionBackend()
     out, lse = backend.varlen_fwd(q, k, v, mask, 0.125, 0.0, False)
+    assert cd._varlen_ds_slots.cache_info().currsize == 0  # a forward alone builds no slot table
     backend.varlen_bwd(torch.randn_like(q), q, k, v, out, lse, None, mask, 0.125, 0.0, False)
     call = dict(ext.calls)["bwd"]
     assert cd.STATS["varlen_bwd_ds"] == int(takes) and cd.STATS["varlen_bwd"] == 1

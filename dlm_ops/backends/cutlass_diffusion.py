@@ -266,9 +266,7 @@ def _ds_plan(ext, q: torch.Tensor, mask) -> dict:
 
 
 class VarlenTables(NamedTuple):
-    """Device tables of one packed batch: the offsets and, per kernel, (tile order, tile sample);
-    where the head dim has the dS backward, its slot table (varlen_ds_slots: the table, each
-    sample's first row, the visits, the table's width), else None."""
+    """Device tables of one packed batch: the offsets and, per kernel, (tile order, tile sample)."""
 
     cu_seqlens: torch.Tensor
     longest_half: int  # of any sample: the persistent-grid rules (PERSISTENT_*MAX_HALF)
@@ -276,41 +274,45 @@ class VarlenTables(NamedTuple):
     dkdv: tuple[torch.Tensor, torch.Tensor]
     dq: tuple[torch.Tensor, torch.Tensor]
     ds_dq: tuple[torch.Tensor, torch.Tensor]  # the dQ-from-dS kernel's entries
-    ds: tuple[torch.Tensor, torch.Tensor, int, int] | None
 
 
 @lru_cache(maxsize=64)
 def _varlen_tables(cu_seqlens: tuple[int, ...], block_size: int, head_dim: int,
                    device: str) -> VarlenTables:
-    """Every kernel's work entries over all samples, most expensive first, and the dS backward's
-    slot table (built in C++ from dlm/geometry.h), moved to the device in one copy. Keyed by
-    VarlenMask's host tuple, so a training loop that repeats a packing (or a forward followed by its
-    backward) builds once; the bound keeps ever-new packings from growing the cache (each entry is
-    a few KB, the slot table (tokens / 64) x the widest sample's key tiles entries)."""
+    """Every kernel's work entries over all samples, most expensive first (built in C++ from
+    dlm/geometry.h), moved to the device in one copy. Keyed by VarlenMask's host tuple, so a
+    training loop that repeats a packing (or a forward followed by its backward) builds once; the
+    bound keeps ever-new packings from growing the cache (each entry is a few KB)."""
     cu = list(cu_seqlens)
     parts = [torch.tensor(cu, dtype=torch.int32),
              *_EXT.varlen_tile_order(cu, block_size, head_dim),
              *_EXT.varlen_bwd_tile_orders(cu, block_size, head_dim)]
-    ds = None
-    if _ds_block(_EXT, head_dim) and hasattr(_EXT, "varlen_ds_slots"):
-        slots, rows, visits, width = _EXT.varlen_ds_slots(cu, block_size, head_dim)
-        parts += [slots, rows]
     flat = torch.cat(parts).to(device)
     cu_d, *tables = flat.split([p.numel() for p in parts])
-    if len(tables) > 8:
-        ds = (tables[8], tables[9], visits, width)
     longest_half = max((b - a for a, b in zip(cu, cu[1:])), default=0) // 2
     return VarlenTables(cu_d, longest_half, tuple(tables[0:2]), tuple(tables[2:4]), tuple(tables[4:6]),
-                        tuple(tables[6:8]), ds)
+                        tuple(tables[6:8]))
 
 
-def _ds_plan_varlen(ext, q: torch.Tensor, tables: VarlenTables) -> dict:
-    """The dS backward's arguments of ext.bwd for packed samples (q: (1, S, H, D)), or none where
-    it does not apply (head dim, the scratch's bound)."""
+@lru_cache(maxsize=64)
+def _varlen_ds_slots(cu_seqlens: tuple[int, ...], block_size: int, head_dim: int,
+                     device: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The dS backward's slot table of a packing (ext.varlen_ds_slots: the table, each sample's first
+    row, the visits, the table's width), on the device: built by the backward only (a forward-only
+    call never needs it), cached as _varlen_tables ((tokens / 64) x the widest sample's key tiles
+    entries)."""
+    slots, rows, visits, width = _EXT.varlen_ds_slots(list(cu_seqlens), block_size, head_dim)
+    flat = torch.cat([slots, rows]).to(device)
+    return (*flat.split([slots.numel(), rows.numel()]), visits, width)
+
+
+def _ds_plan_varlen(ext, q: torch.Tensor, cu_seqlens: tuple[int, ...], block_size: int) -> dict:
+    """The dS backward's arguments of ext.bwd for packed samples (q: (1, S, H, D); the packing's host
+    cu_seqlens), or none where it does not apply (head dim, the scratch's bound)."""
     block = _ds_block(ext, q.shape[-1])
-    if not block or tables.ds is None:
+    if not block or not hasattr(ext, "varlen_ds_slots"):
         return {}
-    slots, rows, visits, width = tables.ds
+    slots, rows, visits, width = _varlen_ds_slots(cu_seqlens, block_size, q.shape[-1], str(q.device))
     scratch = _ds_scratch(q, block, q.shape[2], visits)
     return {} if scratch is None else {"ds_scratch": scratch, "ds_slots": slots, "ds_visits": visits,
                                        "ds_rows": rows, "ds_k_tiles": width}
@@ -456,14 +458,16 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         backward over 8 halves of 1000 ran 1.13x the batched two-kernel one (H200, bf16, D 128)."""
         b, s, h, d = q.shape
         tensors = (dout, q, k, v, out)
-        if (mask.n_noisy != mask.n_clean or not b * s or not _ds_block(ext, d)
-                or any(t.stride(0) != s * t.stride(1) for t in tensors)):
+        # On the 128 grid the batched dS path declined for a reason the packed one shares (its bound).
+        if (mask.n_noisy != mask.n_clean or not mask.n_noisy % DS_HALF_MULTIPLE or not b * s
+                or not _ds_block(ext, d) or any(t.stride(0) != s * t.stride(1) for t in tensors)):
             return None
-        t = _varlen_tables(tuple(range(0, b * s + 1, s)), mask.block_size, d, str(q.device))
+        cu = tuple(range(0, b * s + 1, s))
         q1, k1, v1, dout1, out1 = (x.view(1, b * s, *x.shape[2:]) for x in (q, k, v, dout, out))
-        ds = _ds_plan_varlen(ext, q1, t)
+        ds = _ds_plan_varlen(ext, q1, cu, mask.block_size)
         if not ds:
             return None
+        t = _varlen_tables(cu, mask.block_size, d, str(q.device))
         rows = lambda x: None if x is None else x.float().transpose(0, 1).reshape(1, h, b * s)
         grads = self._run_bwd(ext, dout1, q1, k1, v1, out1, rows(lse), rows(dlse), 0, mask.block_size,
                               scale, t.dkdv, t.ds_dq, t.longest_half, t.cu_seqlens, ds=ds)
@@ -481,7 +485,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
                                       deterministic)
         t = _varlen_tables(mask.cu_seqlens, mask.block_size, q.shape[-1], str(q.device))
         q4, k4, v4, dout4, out4 = views
-        ds = _ds_plan_varlen(ext, q4, t)
+        ds = _ds_plan_varlen(ext, q4, mask.cu_seqlens, mask.block_size)
         grads = self._run_bwd(ext, dout4, q4, k4, v4, out4, lse[None],
                               None if dlse is None else dlse[None], 0, mask.block_size, scale,
                               t.dkdv, t.ds_dq if ds else t.dq, t.longest_half, t.cu_seqlens, ds=ds)
