@@ -4,6 +4,9 @@ It prints the environment and every backend's eligibility, runs block-diffusion 
 best backend for a workload sized for the device (small on CPU), checks it against the reference
 with the accuracy rule of DESIGN.md section 4, and times it against SDPA with a dense boolean mask
 (what users pay today). The exit status is 1 when the check fails.
+
+``python -m dlm_ops --prebuild`` only compiles the Hopper (cutlass) extensions, also on a machine
+without a GPU, into DLM_OPS_BUILD_DIR; exit status 1 with the reason where it cannot.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ def _parse(argv):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--backend", default=None, help="force a backend by name")
     p.add_argument("--repeats", type=int, default=10 if gpu else 3)
+    p.add_argument("--prebuild", action="store_true",
+                   help="only compile the sm90 (cutlass) extensions into DLM_OPS_BUILD_DIR, with or "
+                        "without a GPU, for GPU machines with the same torch, CUDA and nvcc")
     return p.parse_args(argv)
 
 
@@ -65,6 +71,14 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def main(argv=None) -> int:
     a = _parse(argv)
+    if a.prebuild:
+        try:
+            for path in cutlass.prebuild():
+                print(f"built {path}")
+        except UnsupportedConfig as e:
+            print(f"nothing built: {e}", file=sys.stderr)
+            return 1
+        return 0
     device, dtype = torch.device(a.device), DTYPES[a.dtype]
     kv_heads = a.kv_heads or a.heads
     print(f"dlm_ops {dlm_ops.__version__} | torch {torch.__version__} | python {platform.python_version()}")

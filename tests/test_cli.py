@@ -24,3 +24,18 @@ def test_module_entry_point_exit_code():
                         "--dtype", "bfloat16"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "check: ok" in r.stdout
+
+
+def test_prebuild_says_why_it_cannot_build(capsys, monkeypatch):
+    # CI's torch is a CPU build: --prebuild compiles nothing and names the reason (exit 1); with a
+    # CUDA build of torch and the toolchain, the same call compiles both extensions (the device
+    # sessions' workstation builds run it).
+    from dlm_ops.backends import cutlass
+
+    reason = cutlass.toolchain_reason()
+    if reason is None:
+        monkeypatch.setattr(cutlass, "toolchain_reason", lambda: "no toolchain (test)")
+        reason = "no toolchain (test)"
+    assert main(["--prebuild"]) == 1
+    assert f"nothing built: cannot build the CUTLASS extension 'dlm_diffusion_sm90': {reason}" in (
+        capsys.readouterr().err)

@@ -110,6 +110,14 @@ def unavailable_reason() -> str | None:
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):  # sm_90a code runs on sm90 alone (not on sm100 or later)
         return f"the kernels are sm_90a (H100/H200); this GPU is sm{major}{minor}"
+    return toolchain_reason()
+
+
+def toolchain_reason() -> str | None:
+    """Why the sources cannot be compiled here (GPU or not), or None: a CUDA build of torch, nvcc
+    >= 12.3, the CUTLASS headers, the csrc/ sources and ninja."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
     found = nvcc()
     if found is None:
         return "no CUDA toolkit: nvcc not found (set CUDA_HOME)"
@@ -165,12 +173,12 @@ def build_directory(name: str, flags: Sequence[str]) -> Path:
 
 
 def build(name: str, sources: Sequence[str], extra_cuda_cflags: Sequence[str] = (),
-          verbose: bool = False):
+          verbose: bool = False, without_gpu: bool = False):
     """JIT-build (or load the cached build of) the torch extension ``name`` from ``sources``
     (paths relative to csrc/) for sm_90a, and return the loaded module. Raises UnsupportedConfig
     with the reason where nothing can be built (a CPU-only install, no sm90 GPU, no nvcc, no
-    CUTLASS headers)."""
-    reason = unavailable_reason()
+    CUTLASS headers). ``without_gpu``: compile on a machine with no sm90 GPU (``prebuild``)."""
+    reason = toolchain_reason() if without_gpu else unavailable_reason()
     if reason:
         raise UnsupportedConfig(f"cannot build the CUTLASS extension {name!r}: {reason}")
     from torch.utils import cpp_extension
@@ -220,6 +228,22 @@ def load_built(module_name: str, path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def prebuild(verbose: bool = False) -> list[Path]:
+    """Compile every cutlass extension here, GPU or not (a login node, a CI image), into
+    DLM_OPS_BUILD_DIR: a GPU machine with the same torch, CUDA and nvcc versions and sources then
+    loads them without compiling. Returns the shared libraries; raises UnsupportedConfig with the
+    reason where the toolchain is missing."""
+    from . import cutlass_diffusion, cutlass_sparse
+
+    built = []
+    for name, sources in (("dlm_diffusion_sm90", cutlass_diffusion.SOURCES),
+                          ("dlm_sparse_sm90", cutlass_sparse.SOURCES)):
+        build(name, sources, verbose=verbose, without_gpu=True)
+        directory = build_directory(name, ARCH_FLAGS + CUDA_FLAGS)
+        built.append(directory / f"{name}_{directory.name.rsplit('-', 1)[-1]}.so")
+    return built
 
 
 def build_or_reason(name: str, sources: Sequence[str]):
