@@ -110,13 +110,19 @@ struct QSlot {
   CUTE_HOST_DEVICE explicit QSlot(int item) : buf(item % Cfg::QSTAGES), phase((item / Cfg::QSTAGES) & 1) {}
 };
 
+struct NothingToPublish {
+  CUTE_DEVICE void operator()(int) const {}
+};
+
 // The producer's Q load of a CTA's item-th work item (gQ: the item's BM x D box of Q), once the
-// consumers are done with the buffer's previous item.
-template <class Cfg, class Tma, class TmaSlice, class GQ, class SQ>
+// consumers are done with the buffer's previous item; publish(buffer) runs between that wait and
+// the load (the diffusion forward hands its consumers the decoded item there).
+template <class Cfg, class Tma, class TmaSlice, class GQ, class SQ, class Publish = NothingToPublish>
 CUTE_DEVICE void produce_q(Tma const& tma, TmaSlice const& slice, GQ const& gQ, SQ const& sQ,
-                           typename Cfg::SharedStorage& ss, int item) {
+                           typename Cfg::SharedStorage& ss, int item, Publish&& publish = {}) {
   const QSlot<Cfg> q(item);
   cutlass::arch::ClusterBarrier::wait(&ss.q_empty[q.buf], q.phase ^ 1);
+  publish(q.buf);
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[q.buf], Cfg::kTileBytesQ);
   copy(tma.with(ss.q_full[q.buf]), slice.partition_S(gQ), slice.partition_D(sQ)(_, _, _, q.buf));
 }

@@ -116,6 +116,29 @@ CUTE_DEVICE ItemGeom item_geom(Params const& p, int w) {
   }
 }
 
+// What the consumers need of a work item, decoded once by the producer's thread (which decodes the
+// item anyway for its loads) and handed over in shared memory. Decoding it in every consumer thread
+// put ~240 instructions per item on the critical path between two items: the work order's and the
+// head's integer divisions, then the tile_order load, then the mask's divisions (csrc/NOTES.md
+// "Session 25": 4-5 % of the consumers' warp time at n = 1K). The producer publishes it right after
+// the consumers free the item's Q buffer (q_empty), long before they finish the previous item.
+struct FwdItem {
+  int b, h, row_offset;  // row_offset: the packed row of the item's sample's position 0
+  SequenceMask mask;     // the item's (kStartVarlen: its sample's)
+  Interval q_tile;
+  TileRuns runs;
+  Intervals all_keys;    // keys_seen_by_all(mask, q_tile)
+};
+static_assert(sizeof(FwdItem) == 64, "four 16-byte shared-memory vectors");
+
+// The forward's shared memory: the config's, plus one FwdItem and its "published" barrier per Q
+// buffer (the barrier's phase is the Q buffer's).
+template <class Cfg>
+struct FwdShared : Cfg::SharedStorage {
+  alignas(16) FwdItem item[Cfg::QSTAGES];
+  alignas(8) uint64_t item_full[Cfg::QSTAGES];
+};
+
 // online_softmax_tile with the block-diffusion mask (kMasked: PARTIAL tiles and tiles cut short
 // by their half's end). A visit lies inside one half and each of the row's two key ranges inside
 // another, so one range holds all its visible keys: the mask is one interval of the row's columns.
@@ -172,7 +195,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using Barrier = cutlass::arch::ClusterBarrier;
 
   extern __shared__ __align__(1024) char smem_raw[];
-  auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  auto& ss = *reinterpret_cast<FwdShared<Cfg>*>(smem_raw);
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutKV{});
@@ -183,6 +206,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int num_items = p.num_tiles * p.batch * p.heads;
   const int warp_group = threadIdx.x / 128;
 
+  if (threadIdx.x == 0)  // before init_fwd_barriers' fence and CTA sync
+    for (int i = 0; i < Cfg::QSTAGES; ++i) cutlass::arch::ClusterBarrier::init(&ss.item_full[i], 1);
   init_fwd_barriers<Cfg>(ss);
 
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
@@ -201,41 +226,44 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       int it = 0;  // K/V visits so far, over every work item of this CTA: the ring position
       for (int item = 0, w = walk_item(p.schedule, 0, num_items); w < num_items;
            w = walk_item(p.schedule, ++item, num_items)) {
+        // kStartTile: the kernel's plans and mask; otherwise the item's own (sample-relative rows).
+        const ItemGeom ig = item_geom<Cfg>(p, w);
+        const WorkItem wi = ig.wi;
+        const int kvh = wi.h / (p.heads / p.kv_heads);
+        const SequenceMask& mask = Cfg::kStart == kStartTile ? p.mask : ig.mask;
+        const TilePlans iplans = Cfg::kStart == kStartTile ? plans : mask.fwd_tiles(BM, BN);
+        const Interval q_tile = iplans.tile(wi.qt);
+        const TileRuns runs = iplans.runs(wi.qt);
+        const FwdItem published{wi.b, wi.h, ig.offset, mask, q_tile, runs, keys_seen_by_all(mask, q_tile)};
+        // Published once the consumers are done with the Q buffer's previous item (produce_q's
+        // wait), before the Q load is issued: they decode nothing themselves.
+        auto publish = [&](int buf) {
+          ss.item[buf] = published;
+          cutlass::arch::ClusterBarrier::arrive(&ss.item_full[buf]);
+        };
+        trace_event<Cfg>(item, kTraceProducer + 0);
         if constexpr (Cfg::kStart != kStartTile) {
           // Tiles start anywhere: the TMA boxes are placed by element coordinates (rows past the
           // tensor's end read as zeros; rows past the half or sample are masked by the consumers).
-          const ItemGeom ig = item_geom<Cfg>(p, w);
-          const WorkItem wi = ig.wi;
-          const int kvh = wi.h / (p.heads / p.kv_heads);
-          const TilePlans iplans = ig.mask.fwd_tiles(BM, BN);
-          const TileRuns runs = iplans.runs(wi.qt);
-          Tensor gQ = local_tile(
-              domain_offset(make_coord(ig.offset + iplans.tile(wi.qt).lo, 0), mQ(_, _, wi.h, wi.b)),
-              Shape<Int<BM>, Int<D>>{}, make_coord(0, 0));
-          trace_event<Cfg>(item, kTraceProducer + 0);
-          produce_q<Cfg>(p.tma_q, tma_q, gQ, sQ, ss, item);
+          Tensor gQ = local_tile(domain_offset(make_coord(ig.offset + q_tile.lo, 0), mQ(_, _, wi.h, wi.b)),
+                                 Shape<Int<BM>, Int<D>>{}, make_coord(0, 0));
+          produce_q<Cfg>(p.tma_q, tma_q, gQ, sQ, ss, item, publish);
           trace_event<Cfg>(item, kTraceProducer + 1);
           produce_kv_runs_at<BN, D, STAGES>(iplans, runs, it, ig.offset, Cfg::kTileBytesKV, p.tma_k,
                                             tma_k, mK(_, _, kvh, wi.b), tKsK, ss.k_full, ss.k_empty,
                                             p.tma_v, tma_v, mV(_, _, kvh, wi.b), tVsV, ss.v_full,
                                             ss.v_empty);
-          trace_event<Cfg>(item, kTraceProducer + 2);
-          continue;
+        } else {
+          Tensor gQ = local_tile(mQ(_, _, wi.h, wi.b), Shape<Int<BM>, Int<D>>{}, make_coord(q_tile.lo / BM, 0));
+          produce_q<Cfg>(p.tma_q, tma_q, gQ, sQ, ss, item, publish);
+          trace_event<Cfg>(item, kTraceProducer + 1);
+          Tensor tKgK = tma_k.partition_S(
+              local_tile(mK(_, _, kvh, wi.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
+          Tensor tVgV = tma_v.partition_S(
+              local_tile(mV(_, _, kvh, wi.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
+          produce_kv_runs<BN, STAGES>(plans, runs, it, Cfg::kTileBytesKV, p.tma_k, tKgK, tKsK,
+                                      ss.k_full, ss.k_empty, p.tma_v, tVgV, tVsV, ss.v_full, ss.v_empty);
         }
-        const WorkItem wi = work_item(p, w);
-        const int kvh = wi.h / (p.heads / p.kv_heads);
-        const TileRuns runs = plans.runs(wi.qt);
-        Tensor gQ = local_tile(mQ(_, _, wi.h, wi.b), Shape<Int<BM>, Int<D>>{},
-                               make_coord(plans.tile(wi.qt).lo / BM, 0));
-        trace_event<Cfg>(item, kTraceProducer + 0);
-        produce_q<Cfg>(p.tma_q, tma_q, gQ, sQ, ss, item);
-        trace_event<Cfg>(item, kTraceProducer + 1);
-        Tensor tKgK = tma_k.partition_S(
-            local_tile(mK(_, _, kvh, wi.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
-        Tensor tVgV = tma_v.partition_S(
-            local_tile(mV(_, _, kvh, wi.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
-        produce_kv_runs<BN, STAGES>(plans, runs, it, Cfg::kTileBytesKV, p.tma_k, tKgK, tKsK,
-                                    ss.k_full, ss.k_empty, p.tma_v, tVgV, tVsV, ss.v_full, ss.v_empty);
         trace_event<Cfg>(item, kTraceProducer + 2);
       }
       trace_event<Cfg>(0, kTraceEvents - 2);  // the producer's end
@@ -274,14 +302,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
        w = walk_item(p.schedule, ++item, num_items)) {
     const int ev = consumer * 8;  // trace_event's slots, as in fwd_consumers (harness `trace` only)
     trace_event<Cfg>(item, ev + 0);
-    // kStartTile: the kernel's plans and mask; otherwise the item's own (sample-relative rows).
-    const ItemGeom ig = item_geom<Cfg>(p, w);
-    const WorkItem wi = ig.wi;
-    const SequenceMask& mask = Cfg::kStart == kStartTile ? p.mask : ig.mask;
+    // The item as the producer decoded it (FwdItem); the loop's plans from its mask.
+    const QSlot<Cfg> qs(item);
+    Barrier::wait(&ss.item_full[qs.buf], qs.phase);
+    const FwdItem fi = ss.item[qs.buf];
+    const SequenceMask& mask = Cfg::kStart == kStartVarlen ? fi.mask : p.mask;
     const TilePlans plans = Cfg::kStart == kStartTile ? kernel_plans : mask.fwd_tiles(BM, BN);
-    const int row_offset = Cfg::kStart == kStartVarlen ? ig.offset : 0;  // packed row of position 0
-    const Interval q_tile = plans.tile(wi.qt);
-    const TileRuns runs = plans.runs(wi.qt);
+    const int row_offset = fi.row_offset;  // packed row of position 0 (0 unless kStartVarlen)
+    const Interval q_tile = fi.q_tile;
+    const TileRuns runs = fi.runs;
     const int row_base = q_tile.lo + consumer * Cfg::kConsumerRows;  // this warpgroup's first row
     float row_max[kRows], row_sum[kRows], scale_row[kRows];
     Intervals seen[kRows];
@@ -292,8 +321,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     clear(acc_o);
     const int n_first = runs.end[0] - runs.begin[0], n_tiles = runs.count();
-    const Intervals all_keys = keys_seen_by_all(mask, q_tile);
-    const QSlot<Cfg> qs(item);
+    const Intervals all_keys = fi.all_keys;
     Barrier::wait(&ss.q_full[qs.buf], qs.phase);
     trace_event<Cfg>(item, ev + 1);
     if (consumer == 0) trace_value<Cfg>(item, kTraceTiles, n_tiles);
@@ -373,7 +401,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     trace_event<Cfg>(item, ev + 6);
     // Epilogue; rows of the tile past its half (or sample) are not stored.
-    store_item<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, wi.b, wi.h, row_base, q_tile.hi,
+    store_item<Cfg>(p, ss, acc_o, tOcO_rc, row_sum, row_max, fi.b, fi.h, row_base, q_tile.hi,
                     row_offset, p.seqlen, consumer, tid);
     trace_event<Cfg>(item, ev + 7);
   }
@@ -431,7 +459,7 @@ cudaError_t launch_fwd_cfg(const FwdArgs& a) {
       a.tile_order, a.num_tiles, a.tile_sample, a.cu_seqlens,
       fwd_work_order<Cfg>(a.batch, a.seqlen, a.heads, a.kv_heads, a.order_chunk, a.order_block)});
   auto kernel = diffusion_fwd_kernel<Cfg>;
-  constexpr int smem = sizeof(typename Cfg::SharedStorage);
+  constexpr int smem = sizeof(FwdShared<Cfg>);
   static const cudaError_t configured =  // once per instantiation: the attribute is per function
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (configured != cudaSuccess) return configured;

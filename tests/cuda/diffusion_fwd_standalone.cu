@@ -96,7 +96,7 @@ float run(Run r, bool check, int iters) {
       dlm::sm90::fwd_work_order<Cfg>(r.B, S, r.H, r.Hkv, g_order_chunk, g_order_block)};
   p = dlm::sm90::with_tma_o<Cfg>(p);
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
-  int smem = sizeof(typename Cfg::SharedStorage);
+  int smem = sizeof(dlm::sm90::FwdShared<Cfg>);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int items = r.B * r.H * T;
   dim3 grid(g_max_ctas > 0 && g_max_ctas < items ? g_max_ctas : items);
@@ -211,7 +211,7 @@ float time_on(Run r, const Bufs& b, int iters) {
       nullptr, dlm::sm90::fwd_work_order<Cfg>(r.B, S, r.H, r.Hkv, g_order_chunk, g_order_block)};
   p = dlm::sm90::with_tma_o<Cfg>(p);
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
-  const int smem = sizeof(typename Cfg::SharedStorage);
+  const int smem = sizeof(dlm::sm90::FwdShared<Cfg>);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int items = r.B * r.H * T;
   dim3 grid(g_max_ctas > 0 && g_max_ctas < items ? g_max_ctas : items);
@@ -420,7 +420,7 @@ float run_varlen(const std::vector<int>& halves, int H, int Hkv, int bs, bool ch
       d_sample, d_cu, dlm::sm90::fwd_work_order<Cfg>(1, S, H, Hkv, g_order_chunk, g_order_block)};
   p = dlm::sm90::with_tma_o<Cfg>(p);
   auto kern = dlm::sm90::diffusion_fwd_kernel<Cfg>;
-  int smem = sizeof(typename Cfg::SharedStorage);
+  int smem = sizeof(dlm::sm90::FwdShared<Cfg>);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   dim3 grid(g_max_ctas > 0 && g_max_ctas < H * E ? g_max_ctas : H * E);
   if (E) kern<<<grid, Cfg::kThreads, smem>>>(p);
