@@ -21,11 +21,6 @@ rounds (the main preset's method, benchmarks/__main__.py), medians, bf16, 16K to
                  BD3 halves off the 128 grid, whose dS backward runs as packed samples (session
                  24), at D = 128 and 256.
 
-    build        two builds of the diffusion extension in one process (cutlass_diffusion._EXT):
-                 the one this checkout's sources hash to against ``--other DIR`` (a build
-                 directory, e.g. of the commit before a kernel change); the block-diffusion
-                 forward and step at D = 64 / 128 / 256, GQA 32/8, block sizes 4 and 16.
-
 The last column is the second setting's speed over the first's.
 """
 
@@ -89,23 +84,7 @@ KNOBS = {
                        (sparse.SparseCase(16384, 0.1), sparse.SparseCase(16384, 0.3),
                         sparse.SparseCase(32768, 0.1), sparse.SparseCase(65536, 0.1),
                         sparse.SparseCase(16384, 0.1, heads=33, kv_heads=11)), cs),
-    "build": Knob("_EXT", ("--other", "this build"), ("fwd", "step"),
-                  (Case(8, 1024, 16, 16, 128, 16), Case(8, 1024, 16, 16, 128, 4),
-                   Case(4, 2048, 16, 16, 128, 16), Case(2, 4096, 16, 16, 128, 16),
-                   Case(1, 8192, 16, 16, 128, 16), Case(4, 2048, 32, 8, 128, 16),
-                   Case(4, 2048, 16, 16, 64, 16), Case(4, 2048, 16, 16, 256, 16))),
 }
-
-
-def load_other_build(directory: str):
-    """The diffusion extension built in ``directory`` (a build directory of another source hash)."""
-    from pathlib import Path
-
-    from dlm_ops.backends import cutlass
-
-    path = Path(directory)
-    module_name = f"dlm_diffusion_sm90_{path.name.rsplit('-', 1)[-1]}"
-    return cutlass.load_built(module_name, path / f"{module_name}.so")
 
 
 def main(argv=None) -> int:
@@ -113,19 +92,12 @@ def main(argv=None) -> int:
     p.add_argument("knob", choices=sorted(KNOBS))
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--only", default=None, help="keep the knob's cases whose label contains this text")
-    p.add_argument("--other", default=None, help="knob build: the other build directory")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
     knob = KNOBS[a.knob]
-    if a.knob == "build":  # the settings are the two extension modules, labelled by their hash
-        if not a.other or cd._extension() is None:
-            print("knob build needs --other DIR and this checkout's build")
-            return 1
-        this, other = cd._EXT, load_other_build(a.other)
-        knob = knob._replace(settings=(other, this))
-    first, second = KNOBS[a.knob].settings  # the labels (knob build: not the modules)
+    first, second = knob.settings
     module = knob.module
     saved = getattr(module, knob.attribute)
     print(f"{knob.attribute}: {first} against {second}; medians of {a.rounds} shuffled rounds")
@@ -149,12 +121,6 @@ def main(argv=None) -> int:
             for mode in knob.modes:
                 t0, t1 = (statistics.median(times[s, mode]) for s in knob.settings)
                 print(f"| {case.label} | {mode} | {t0:.3f} | {t1:.3f} | {t0 / t1:.3f} |", flush=True)
-            if a.knob == "build":  # the same inputs through both builds: outputs bitwise equal?
-                outs = []
-                for setting in knob.settings:
-                    setattr(module, knob.attribute, setting)
-                    outs.append(runs["fwd"][1]())
-                print(f"| {case.label} | out bitwise equal | {torch.equal(*outs)} | | |", flush=True)
             torch.cuda.empty_cache()
     finally:
         setattr(module, knob.attribute, saved)

@@ -199,3 +199,17 @@ def test_power_settles_on_the_samples_after_the_first_third():
              "1640, 691.0, 63", "1635, 690.5, 63", "1630, 688.0, 62", "1645, 690.0, 62"]
     assert settled(lines) == (1640.0, 690.0, 62.0)
     assert all(x != x for x in settled([]))  # NaN: nothing sampled
+
+
+def test_build_ab_cases_are_benchmark_cases():
+    """benchmarks.build_ab's shapes build the benchmark's Case (labels distinct) and its build
+    loader derives the module name from the directory's hash, as cutlass.build names it."""
+    from benchmarks import build_ab
+    from benchmarks.contenders import Case
+
+    labels = [Case(*shape).label for shape in build_ab.CASES]
+    assert len(set(labels)) == len(labels)
+    import pytest
+
+    with pytest.raises(ImportError):  # nothing built there: the loader names the file it wanted
+        build_ab.load_build("/nonexistent/dlm_diffusion_sm90-torch2-cu13-nvcc13-0123456789abcdef")

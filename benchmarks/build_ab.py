@@ -1,0 +1,98 @@
+"""Two builds of the diffusion extension, each timed against cuDNN in its own processes:
+``python -m benchmarks.build_ab OTHER_DIR [--repeats 3] [--rounds 6]``.
+
+A kernel change A/B through torch. OTHER_DIR is a build directory of the extension (e.g. the
+build of the commit before the change, under DLM_OPS_BUILD_DIR); this checkout's sources name the
+other. Both cannot share one process: their kernels carry the same symbol names, and a call
+through the second-loaded module launched the first one's kernel with its own shared-memory
+attribute (session 25: "invalid argument"). So the builds alternate, one process each
+(``--repeats`` times), and each process times ours against cuDNN causal on the halves in shuffled
+rounds, the yardstick measured beside it (DESIGN.md section 5); the table compares the builds'
+median ratios to cuDNN: bf16, 16K tokens, forward and step, D = 64 / 128 / 256, GQA 32/8,
+block sizes 4 and 16. Needs an sm90 GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import subprocess
+import sys
+
+CASES = ((8, 1024, 16, 16, 128, 16), (8, 1024, 16, 16, 128, 4), (4, 2048, 16, 16, 128, 16),
+         (1, 8192, 16, 16, 128, 16), (4, 2048, 32, 8, 128, 16), (4, 2048, 16, 16, 64, 16),
+         (4, 2048, 16, 16, 256, 16))
+MODES = ("fwd", "step")
+
+
+def load_build(directory: str):
+    """The diffusion extension built in ``directory`` (any source hash)."""
+    from pathlib import Path
+
+    from dlm_ops.backends import cutlass
+
+    path = Path(directory)
+    module_name = f"dlm_diffusion_sm90_{path.name.rsplit('-', 1)[-1]}"
+    return cutlass.load_built(module_name, path / f"{module_name}.so")
+
+
+def one_process(other: str | None, rounds: int) -> None:
+    """Print 'case|mode|ours ms|cudnn ms' lines for this checkout's build, or ``other``'s."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    from .__main__ import _calls_per_measurement, _time_once, shuffled_rounds
+    from .contenders import Case, causal_halves, ours
+
+    if other:
+        cd._EXT = load_build(other)
+    elif cd._extension() is None:
+        raise SystemExit("this checkout's extension did not build")
+    for shape in CASES:
+        case = Case(*shape)
+        runs = {"ours": ours(case), "cudnn": causal_halves(case, SDPBackend.CUDNN_ATTENTION)}
+        keys = [(c, m) for c in runs for m in MODES]
+        iters = {}
+        for c, m in keys:
+            _time_once(*runs[c][m], 2)
+            iters[c, m] = _calls_per_measurement(*runs[c][m])
+        times = shuffled_rounds(keys, rounds, lambda k: _time_once(*runs[k[0]][k[1]], iters[k]))
+        for m in MODES:
+            t_ours, t_cudnn = (statistics.median(times[c, m]) for c in ("ours", "cudnn"))
+            print(f"{case.label}|{m}|{t_ours:.4f}|{t_cudnn:.4f}", flush=True)
+        del runs
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.build_ab", description=__doc__.splitlines()[0])
+    p.add_argument("other", help="the other build directory")
+    p.add_argument("--repeats", type=int, default=3, help="processes per build, alternating")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--one", choices=("this", "other"), help=argparse.SUPPRESS)  # a child process
+    a = p.parse_args(argv)
+    if a.one:
+        one_process(a.other if a.one == "other" else None, a.rounds)
+        return 0
+    ratios = collections.defaultdict(list)  # (build, case, mode) -> cuDNN time / ours, per process
+    for _ in range(a.repeats):
+        for build in ("other", "this"):
+            out = subprocess.run([sys.executable, "-m", "benchmarks.build_ab", a.other, "--one", build,
+                                  "--rounds", str(a.rounds)], capture_output=True, text=True, check=True)
+            for line in out.stdout.splitlines():
+                label, mode, t_ours, t_cudnn = line.split("|")
+                ratios[build, label, mode].append(float(t_cudnn) / float(t_ours))
+    print(f"other: {a.other}; medians over {a.repeats} processes per build of {a.rounds} rounds each")
+    print("| case | mode | other / cuDNN | this / cuDNN | this / other |\n|---|---|---|---|---|")
+    for (build, label, mode), values in ratios.items():
+        if build == "other":
+            o, t = statistics.median(values), statistics.median(ratios["this", label, mode])
+            print(f"| {label} | {mode} | {o:.3f} | {t:.3f} | {t / o:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
