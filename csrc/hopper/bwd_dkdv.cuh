@@ -7,6 +7,24 @@
 namespace dlm::sm90 {
 
 // ------------------------------------------------------------------------------------- dK / dV
+// A persistent dK/dV CTA's work item as its producer decoded it, handed to the consumers in shared
+// memory per K / V buffer (the forward's FwdItem says why: the work order's and the head's
+// divisions, the tile_order load and the mask's divisions were each consumer thread's per item;
+// here also the dS^T slot's load). Published after the buffer's kv_empty wait, before its loads.
+struct DkDvItem {
+  int b, kvh, kt, offset, ds_slot0;  // ds_slot0: Cfg::kStoreDs, the slot of the tile's first visit
+  SequenceMask mask;
+  Interval k_tile;
+  TileRuns runs;
+  int pad[2];
+};
+static_assert(sizeof(DkDvItem) == 64, "four 16-byte shared-memory vectors");
+template <class Cfg>
+struct DkDvShared : Cfg::SharedStorage {
+  alignas(16) DkDvItem item[Cfg::kKvBufs];
+  alignas(8) uint64_t item_full[Cfg::kKvBufs];
+};
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     diffusion_bwd_dkdv_kernel(__grid_constant__ const DkDvParams<Cfg> p) {
@@ -17,7 +35,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
   extern __shared__ __align__(1024) char smem_raw[];
-  auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  auto& ss = *reinterpret_cast<DkDvShared<Cfg>*>(smem_raw);
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout), typename Cfg::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQt{});
@@ -32,6 +50,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   struct Item {
     int b, kvh, kt, offset;  // offset: the packed row of the sample's position 0 (kStartVarlen)
     int ds_row;              // Cfg::kStoreDs: the sample's first row of the slot table
+    int ds_slot0;            // Cfg::kStoreDs: the slot of the tile's first visit
     SequenceMask mask;
     TilePlans plans;  // own: key tiles; other: query tiles
     Interval k_tile;
@@ -50,6 +69,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     t.plans = t.mask.bwd_tiles(BM, BN);
     t.k_tile = t.plans.tile(t.kt);
     t.runs = t.plans.runs(t.kt);
+    // Cfg::kStoreDs: the dS^T slot of this key tile's first visit. The slot table numbers a key
+    // tile's visits consecutively (run 0, then run 1), so one load per item gives every visit's: a
+    // load per visit (by each warp's storing lane) cost the dK/dV kernel 6 % (stores behind the
+    // matmuls) to 17 % (before them) at n = 8K (harness `ds`, session 18).
+    t.ds_slot0 = 0;
+    if constexpr (Cfg::kStoreDs) {
+      const bool run0 = run_end(t.runs, 0) > run_begin(t.runs, 0);
+      if (run0 || run_end(t.runs, 1) > run_begin(t.runs, 1))
+        t.ds_slot0 = p.ds_slots[(t.ds_row + (run0 ? run_begin(t.runs, 0) : run_begin(t.runs, 1))) *
+                                    p.ds_k_tiles + t.kt];
+    }
+    return t;
+  };
+  // What a consumer of a persistent CTA reads instead of decoding (DkDvItem).
+  auto publish = [&](Item const& t, int buf) {
+    ss.item[buf] = DkDvItem{t.b, t.kvh, t.kt, t.offset, t.ds_slot0, t.mask, t.k_tile, t.runs, {0, 0}};
+    Barrier::arrive(&ss.item_full[buf]);
+  };
+  auto published = [&](int item) {
+    const int buf = item % Cfg::kKvBufs;
+    Barrier::wait(&ss.item_full[buf], (item / Cfg::kKvBufs) & 1);
+    const DkDvItem d = ss.item[buf];
+    Item t;
+    t.b = d.b, t.kvh = d.kvh, t.kt = d.kt, t.offset = d.offset, t.ds_row = 0, t.ds_slot0 = d.ds_slot0;
+    t.mask = Cfg::kStart == kStartVarlen ? d.mask : p.mask;
+    t.plans = t.mask.bwd_tiles(BM, BN);
+    t.k_tile = d.k_tile;
+    t.runs = d.runs;
     return t;
   };
   // Non-persistent: the CTA's one item, decoded once before the warpgroups part (as both read it).
@@ -74,6 +121,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < Cfg::kKvBufs; ++i) {
+      Barrier::init(&ss.item_full[i], 1);
       Barrier::init(&ss.kv_full[i], 1);
       Barrier::init(&ss.kv_empty[i], 128 * Cfg::kConsumers);
     }
@@ -104,7 +152,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const TilePlans& plans = t.plans;
         const TileRuns& runs = t.runs;
         const int buf = item % Cfg::kKvBufs;
-        if constexpr (Cfg::kPersistent) Barrier::wait(&ss.kv_empty[buf], ((item / Cfg::kKvBufs) & 1) ^ 1);
+        if constexpr (Cfg::kPersistent) {
+          Barrier::wait(&ss.kv_empty[buf], ((item / Cfg::kKvBufs) & 1) ^ 1);
+          publish(t, buf);
+        }
         Tensor sK = kv_tile(ss.k, buf), sV = kv_tile(ss.v, buf);
         TxBarrier::arrive_and_expect_tx(&ss.kv_full[buf], 2 * Cfg::kTileBytesKV);
         load_tile_pair<Cfg::kStart, BN, D>(ss.kv_full[buf], offset, t.k_tile.lo, p.tma_k, mK(_, _, kvh, b), sK,
@@ -242,14 +293,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
   };
   for_each_item([&](int w, int item) {
-    const Item t = item_of(w);
-    const int b = t.b, kvh = t.kvh, kt = t.kt, offset = t.offset;
+    const Item t = Cfg::kPersistent ? published(item) : item_of(w);
+    int b = t.b, kvh = t.kvh, offset = t.offset;
+    const int kt = t.kt;
     const SequenceMask& mask = t.mask;
     const TilePlans& plans = t.plans;
     const TileRuns& runs = t.runs;
-    const Interval& k_tile = t.k_tile;
+    Interval k_tile = t.k_tile;
     const int buf = item % Cfg::kKvBufs;
-    const int key_base = k_tile.lo + key_slot * kRowsW;  // this warpgroup's first key
+    int key_base = k_tile.lo + key_slot * kRowsW;  // this warpgroup's first key
     Tensor sKc = local_tile(kv_tile(ss.k, buf), Shape<Int<kRowsW>, Int<D>>{}, make_coord(key_slot, 0));
     Tensor sVc = local_tile(kv_tile(ss.v, buf), Shape<Int<kRowsW>, Int<D>>{}, make_coord(key_slot, 0));
     // Cfg::kRoles: acc_dv is this warpgroup's one gradient (dK for consumer 1) and acc_dk is unused.
@@ -257,16 +309,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kRowsW>, Int<D>>{});
     if constexpr (!Cfg::kRoles) clear(acc_dk);
     clear(acc_dv);
-    // Cfg::kStoreDs: the dS^T slot of this key tile's first visit. The slot table numbers a key
-    // tile's visits consecutively (run 0, then run 1), so one load per item gives every visit's: a
-    // load per visit (by each warp's storing lane) cost the dK/dV kernel 6 % (stores behind the
-    // matmuls) to 17 % (before them) at n = 8K (harness `ds`, session 18).
-    [[maybe_unused]] int ds_slot0 = 0;
-    if constexpr (Cfg::kStoreDs) {
-      const bool run0 = run_end(runs, 0) > run_begin(runs, 0);
-      if (run0 || run_end(runs, 1) > run_begin(runs, 1))
-        ds_slot0 = p.ds_slots[(t.ds_row + (run0 ? run_begin(runs, 0) : run_begin(runs, 1))) * p.ds_k_tiles + kt];
-    }
+    [[maybe_unused]] const int ds_slot0 = t.ds_slot0;
     Barrier::wait(&ss.kv_full[buf], (item / Cfg::kKvBufs) & 1);
     for (int g = 0; g < group; ++g) {
       for (int r = 0; r < 2; ++r) {
@@ -534,6 +577,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // computed here and stay out of the tile loop's live registers.
     auto thr_epi = mma_kv.get_thread_slice(Cfg::kPersistent ? opaque(tid) : tid);
     Tensor tKcK = thr_epi.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));
+    // Persistent: the item's coordinates read again from its published copy (unchanged until this
+    // buffer's kv_empty), not held across the tile loop (held, they spilled: 20-68 bytes).
+    if constexpr (Cfg::kPersistent) {
+      const DkDvItem& again = ss.item[buf];
+      b = again.b, kvh = again.kvh, offset = again.offset, k_tile = again.k_tile;
+      key_base = k_tile.lo + key_slot * kRowsW;
+    }
     // Keys of the tile past its half (or sample) are not stored (row_end = k_tile.hi).
     Elem* dk = p.grad_a + b * p.a_stride_b + kvh * p.a_stride_h + offset * p.a_stride_s;
     Elem* dv = p.grad_b + b * p.b_stride_b + kvh * p.b_stride_h + offset * p.b_stride_s;

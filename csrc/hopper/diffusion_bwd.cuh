@@ -170,7 +170,7 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
         typename Cfg::Fused::SmemLayoutdQ{});
   }
   auto kernel = diffusion_bwd_dkdv_kernel<Cfg>;
-  constexpr int smem = sizeof(typename Cfg::SharedStorage);
+  constexpr int smem = sizeof(DkDvShared<Cfg>);
   static const cudaError_t configured = set_smem(kernel, smem);  // once: the attribute is per function
   if (configured != cudaSuccess) return configured;
   int ctas = a.batch * a.kv_heads * a.dkdv_tiles;
