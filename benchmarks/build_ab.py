@@ -3,13 +3,13 @@
 
 A kernel change A/B through torch. OTHER_DIR is a build directory of the extension (e.g. the
 build of the commit before the change, under DLM_OPS_BUILD_DIR); this checkout's sources name the
-other. Both cannot share one process: their kernels carry the same symbol names, and a call
-through the second-loaded module launched the first one's kernel with its own shared-memory
-attribute (session 25: "invalid argument"). So the builds alternate, one process each
+other. Both cannot share one process: there a call through the second-loaded module failed with
+"invalid argument" (session 25; likely their kernels' identical symbol names, not confirmed, with
+the forward's shared memory 80 bytes larger in one). So the builds alternate, one process each
 (``--repeats`` times), and each process times ours against cuDNN causal on the halves in shuffled
 rounds, the yardstick measured beside it (DESIGN.md section 5); the table compares the builds'
-median ratios to cuDNN: bf16, 16K tokens, forward and step, D = 64 / 128 / 256, GQA 32/8,
-block sizes 4 and 16. Needs an sm90 GPU.
+median ratios to cuDNN: bf16, 16K tokens, D = 64 / 128 / 256, GQA 32/8,
+block sizes 4 and 16; forward, backward and step. Needs an sm90 GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 CASES = ((8, 1024, 16, 16, 128, 16), (8, 1024, 16, 16, 128, 4), (4, 2048, 16, 16, 128, 16),
          (1, 8192, 16, 16, 128, 16), (4, 2048, 32, 8, 128, 16), (4, 2048, 16, 16, 64, 16),
          (4, 2048, 16, 16, 256, 16))
-MODES = ("fwd", "step")
+MODES = ("fwd", "bwd", "step")
 
 
 def load_build(directory: str):
