@@ -1,5 +1,5 @@
 """Where a kernel's warps wait, instruction by instruction, from Nsight Compute's source page.
-``python -m benchmarks.ncu_stalls FILE.csv [--top 30]``
+``python -m benchmarks.ncu_stalls FILE.csv [--top 30] [--executed]``
 
 FILE.csv is what ``ncu --section SourceCounters --section WarpStateStats --page source
 --print-source sass --csv -k regex:NAME --launch-count 1 PROGRAM`` prints (add
@@ -7,6 +7,12 @@ FILE.csv is what ``ncu --section SourceCounters --section WarpStateStats --page 
 samples per opcode, then the most sampled instructions (all samples and not-issued samples, in %
 of all). csrc/NOTES.md session 13 read the fused dK/dV/dQ kernel's register pressure off it: LDL /
 STL 10.8 % of the samples, R2UR 13.9 %.
+
+``--executed`` (session 25) prints what the instructions cost instead: warp instructions executed
+per opcode (ncu's "Instructions Executed" column) and the stall samples grouped by how often each
+instruction ran. In a persistent kernel those counts name the code's place: once per warp and work
+item, per visited tile, per masked tile (csrc/NOTES.md "Session 25" read the forward's item set-up
+off it against cuDNN's kernel).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ class Sampled:
     not_issued: float   # of which the warp was not issued
     address: str
     sass: str
+    executed: float = 0.0  # warp instructions executed (0 where the table lacks the column)
 
     @property
     def opcode(self) -> str:
@@ -46,7 +53,7 @@ def read(lines: list[str]) -> list[Sampled]:
         return next((i for i, h in enumerate(header) if h.startswith(prefix)), None)
 
     src, every = column("Source"), column("Warp Stall Sampling (All")
-    idle = column("Warp Stall Sampling (Not")
+    idle, ran = column("Warp Stall Sampling (Not"), column("Instructions Executed")
     if src is None or every is None:
         raise ValueError(f"the table has no Source / Warp Stall Sampling columns: {header[:6]}")
     out = []
@@ -55,7 +62,8 @@ def read(lines: list[str]) -> list[Sampled]:
             continue
         try:
             out.append(Sampled(_number(row[every]), _number(row[idle]) if idle is not None else 0.0,
-                               row[0], row[src].strip()))
+                               row[0], row[src].strip(),
+                               _number(row[ran]) if ran is not None and ran < len(row) else 0.0))
         except ValueError:  # a section's summary line, not an instruction
             continue
     return out
@@ -74,13 +82,31 @@ def report(instructions: list[Sampled], top: int = 30) -> str:
     return "\n".join(lines)
 
 
+def executed(instructions: list[Sampled], top: int = 12) -> str:
+    """Warp instructions executed per opcode (millions, opcode without modifiers), and the share of
+    stall samples at the instructions that ran a given number of times."""
+    total = sum(i.executed for i in instructions)
+    samples = sum(i.samples for i in instructions) or 1.0
+    by_op, by_count = collections.Counter(), collections.Counter()
+    for i in instructions:
+        by_op[i.opcode.split(".")[0]] += i.executed
+        by_count[int(i.executed)] += i.samples
+    lines = [f"{len(instructions)} instructions, {total / 1e6:.3f} M warp instructions executed",
+             "executed by opcode (M): " + ", ".join(f"{op} {v / 1e6:.3f}" for op, v in by_op.most_common(top)),
+             "stall samples by times run:"]
+    lines += [f"  {count:>10}x: {100 * v / samples:5.1f}%" for count, v in by_count.most_common(top)]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ncu_stalls", description=__doc__.splitlines()[0])
     p.add_argument("csv", help="ncu --page source --print-source sass --csv output")
     p.add_argument("--top", type=int, default=30, help="instructions to list")
+    p.add_argument("--executed", action="store_true", help="instructions executed, not stalls")
     a = p.parse_args(argv)
     with open(a.csv) as f:
-        print(report(read(f.read().splitlines()), a.top))
+        instructions = read(f.read().splitlines())
+    print(executed(instructions, a.top) if a.executed else report(instructions, a.top))
     return 0
 
 

@@ -143,6 +143,22 @@ def test_ncu_stalls_reads_the_source_page():
     assert text.splitlines()[-1].startswith("  0.6%   0.5%     0x10 STL")
 
 
+def test_ncu_stalls_counts_what_ran():
+    """--executed: instructions executed per opcode (modifiers dropped) and the stall samples of
+    the instructions grouped by their execution count."""
+    from benchmarks.ncu_stalls import executed, read
+
+    lines = ['"Address","Source","Warp Stall Sampling (All Samples)",'
+             '"Warp Stall Sampling (Not-issued Samples)","Instructions Executed"',
+             '"0x10","IMAD R1, R2, R3, RZ","30","5","16,384"',
+             '"0x20","@P0 IMAD.HI.U32 R1, R2, R3, RZ","10","1","16,384"',
+             '"0x30","HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24","60","0","81,920"']
+    text = executed(read(lines))
+    assert "0.115 M warp instructions executed" in text
+    assert "executed by opcode (M): HGMMA 0.082, IMAD 0.033" in text
+    assert "       81920x:  60.0%" in text and "       16384x:  40.0%" in text
+
+
 def test_result_rows_name_the_kernel_sources(tmp_path, monkeypatch):
     """The device machine's copy of .git may be stale (session 16's rows named a commit three
     behind): every row and table header also carries the hash of csrc/, which a source edit
