@@ -101,21 +101,6 @@ struct DqFromDsParams {
   const int32_t* ds_rows = nullptr;
 };
 
-// A persistent CTA's work item as its producer decoded it (the forward's FwdItem says why), in one
-// of two shared-memory slots: the consumers read slot i % 2 at item i's start and free it at once.
-struct DqItem {
-  int b, h, offset;
-  Interval q_tile;
-  TileRuns runs;
-  int pad[7];
-};
-static_assert(sizeof(DqItem) == 64, "four 16-byte shared-memory vectors");
-template <class Cfg>
-struct DqFromDsShared : Cfg::SharedStorage {
-  alignas(16) DqItem item[2];
-  alignas(8) uint64_t item_full[2], item_empty[2];
-};
-
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     diffusion_bwd_dq_from_ds_kernel(__grid_constant__ const DqFromDsParams<Cfg> p) {
@@ -124,7 +109,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
   extern __shared__ __align__(1024) char smem_raw[];
-  auto& ss = *reinterpret_cast<DqFromDsShared<Cfg>*>(smem_raw);
+  auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutK{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKt{});
   Tensor sDs = make_tensor(make_smem_ptr(ss.ds), typename Cfg::SmemLayoutDs{});
@@ -150,12 +135,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if constexpr (Cfg::kStart == kStartVarlen) return block_diffusion(t.seqlen, p.mask.block_size).fwd_tiles(BM, BN);
     else return p.mask.fwd_tiles(BM, BN);
   };
-  // f(item, i) for the CTA's items: its one (blockIdx.x), or (Cfg::kPersistent) snake_item's walk.
+  // f(item) for the CTA's items: its one (blockIdx.x), or (Cfg::kPersistent) snake_item's walk.
   auto for_each_item = [&](auto&& f) {
     if constexpr (Cfg::kPersistent) {
-      for (int i = 0, w = snake_item(0); w < num_items; w = snake_item(++i)) f(item_at(w), i);
+      for (int i = 0, w = snake_item(0); w < num_items; w = snake_item(++i)) f(item_at(w));
     } else {
-      f(item_at(blockIdx.x), 0);
+      f(item_at(blockIdx.x));
     }
   };
   const int warp_group = threadIdx.x / 128;
@@ -164,10 +149,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int s = 0; s < STAGES; ++s) {
       Barrier::init(&ss.full[s], 1);
       Barrier::init(&ss.empty[s], 128 * Cfg::kConsumers);
-    }
-    for (int s = 0; s < 2; ++s) {
-      Barrier::init(&ss.item_full[s], 1);
-      Barrier::init(&ss.item_empty[s], 128 * Cfg::kConsumers);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -185,15 +166,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor tDgD = tma_ds.partition_S(mDs);  // (TMA, 1, 1, blocks)
       Tensor tDsD = tma_ds.partition_D(sDs);  // (TMA, 1, 1, consumers * STAGES)
       int it = 0;  // the ring position, continued across items
-      for_each_item([&](const Item t, int i) {
+      for_each_item([&](const Item t) {
         const int kvh = t.h / (p.heads / p.kv_heads);
         const TilePlans plans = plans_of(t);
         const TileRuns runs = plans.runs(t.qt);
-        if constexpr (Cfg::kPersistent) {  // published before the item's loads
-          Barrier::wait(&ss.item_empty[i % 2], ((i / 2) & 1) ^ 1);
-          ss.item[i % 2] = DqItem{t.b, t.h, t.offset, plans.tile(t.qt), runs, {}};
-          Barrier::arrive(&ss.item_full[i % 2]);
-        }
         Tensor tKgK = tma_k.partition_S(
             local_tile(mK(_, _, kvh, t.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
         // kStartTile: consumer c's slot-table row is 2 qt + c. kStartVarlen: the dK/dV kernel's
@@ -251,9 +227,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Tensor acc = partition_fragment_C(mma, Shape<Int<Cfg::kDsRows>, Int<D>>{});
   Tensor tQcQ = thr.partition_C(make_identity_tensor(Shape<Int<Cfg::kDsRows>, Int<D>>{}));
   int it = 0;  // the producer's ring position, kept in step
-  // What a consumer needs of its item: b, h, offset, q_tile and runs (Cfg::kPersistent: as the
-  // producer published them; otherwise the CTA's one item, decoded here).
-  auto consume = [&](int b, int h, int offset, Interval q_tile, TileRuns runs) {
+  for_each_item([&](const Item t) {
+    const TilePlans plans = plans_of(t);
+    const TileRuns runs = plans.runs(t.qt);
+    const Interval q_tile = plans.tile(t.qt);
     clear(acc);
     // Visit j's matmul is issued before visit j - 1's is waited for, whose stage is then released.
     const int first = it;
@@ -289,27 +266,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         tma_store_fence();
         bar_sync(kGradStoreBarrier + consumer, 128);
         if (tid == 0) {
-          store_rows_tma<D>(p.tma_store, sDq, p.seqlen, p.heads, p.batch, offset + row0, h, b);
+          store_rows_tma<D>(p.tma_store, sDq, p.seqlen, p.heads, p.batch, t.offset + row0, t.h, t.b);
           tma_store_arrive();
         }
         return;
       }
     }
-    typename Cfg::Elem* dq = p.dq + b * p.dq_stride_b + h * p.dq_stride_h + offset * p.dq_stride_s;
+    typename Cfg::Elem* dq = p.dq + t.b * p.dq_stride_b + t.h * p.dq_stride_h + t.offset * p.dq_stride_s;
     store_rows(acc, tQcQ, p.scale, dq, p.dq_stride_s, row0, q_tile.hi);
-  };
-  if constexpr (Cfg::kPersistent) {
-    for (int i = 0, w = snake_item(0); w < num_items; w = snake_item(++i)) {
-      Barrier::wait(&ss.item_full[i % 2], (i / 2) & 1);
-      const DqItem t = ss.item[i % 2];
-      Barrier::arrive(&ss.item_empty[i % 2]);
-      consume(t.b, t.h, t.offset, t.q_tile, t.runs);
-    }
-  } else {
-    const Item t = item_at(blockIdx.x);
-    const TilePlans plans = plans_of(t);
-    consume(t.b, t.h, t.offset, plans.tile(t.qt), plans.runs(t.qt));
-  }
+  });
   if constexpr (Cfg::kTmaStore) {
     if (tid == 0) tma_store_wait<0>();  // the last store has read its buffer before the CTA exits
   }

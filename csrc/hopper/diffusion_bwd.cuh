@@ -236,7 +236,7 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
   p.tile_sample = a.dq_sample, p.cu_seqlens = a.cu_seqlens, p.ds_rows = a.ds_rows;
   if constexpr (Cfg::kTmaStore) p.tma_store = make_tma_store_dq<Elem, D>(a);
   auto kernel = diffusion_bwd_dq_from_ds_kernel<Cfg>;
-  constexpr int smem = sizeof(DqFromDsShared<Cfg>);
+  constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);
   if (configured != cudaSuccess) return configured;
   int ctas = a.batch * a.heads * a.dq_tiles;
