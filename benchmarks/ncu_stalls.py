@@ -58,12 +58,14 @@ def read(lines: list[str]) -> list[Sampled]:
         raise ValueError(f"the table has no Source / Warp Stall Sampling columns: {header[:6]}")
     out = []
     for row in rows[1:]:
-        if len(row) <= max(src, every):
+        # Shorter rows: a section's summary line, or the next kernel's name line and header where
+        # the file holds several kernels' tables (they are read as one list).
+        if len(row) <= max(c for c in (src, every, idle, ran) if c is not None):
             continue
         try:
             out.append(Sampled(_number(row[every]), _number(row[idle]) if idle is not None else 0.0,
                                row[0], row[src].strip(),
-                               _number(row[ran]) if ran is not None and ran < len(row) else 0.0))
+                               _number(row[ran]) if ran is not None else 0.0))
         except ValueError:  # a section's summary line, not an instruction
             continue
     return out

@@ -153,7 +153,7 @@ def test_ncu_stalls_counts_what_ran():
              '"0x10","IMAD R1, R2, R3, RZ","30","5","16,384"',
              '"0x20","@P0 IMAD.HI.U32 R1, R2, R3, RZ","10","1","16,384"',
              '"0x30","HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24","60","0","81,920"']
-    text = executed(read(lines))
+    text = executed(read(lines + ['"Kernel Name","another kernel"', lines[0]]))  # a second table
     assert "0.115 M warp instructions executed" in text
     assert "executed by opcode (M): HGMMA 0.082, IMAD 0.033" in text
     assert "       81920x:  60.0%" in text and "       16384x:  40.0%" in text
