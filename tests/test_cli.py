@@ -39,3 +39,13 @@ def test_prebuild_says_why_it_cannot_build(capsys, monkeypatch):
     assert main(["--prebuild"]) == 1
     assert f"nothing built: cannot build the CUTLASS extension 'dlm_diffusion_sm90': {reason}" in (
         capsys.readouterr().err)
+
+
+def test_prebuild_leaves_the_libraries_only(tmp_path):
+    # What a prebuilt directory keeps for copying: the library and ninja's file, not the objects.
+    from dlm_ops.backends import cutlass
+
+    for name in ("a.cuda.o", "a.cuda.o.d", "b.o", "ext_0123.so", "build.ninja"):
+        (tmp_path / name).write_text("x")
+    assert cutlass.prune_objects(tmp_path) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build.ninja", "ext_0123.so"]

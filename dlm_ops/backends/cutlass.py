@@ -233,8 +233,9 @@ def load_built(module_name: str, path: Path):
 def prebuild(verbose: bool = False) -> list[Path]:
     """Compile every cutlass extension here, GPU or not (a login node, a CI image), into
     DLM_OPS_BUILD_DIR: a GPU machine with the same torch, CUDA and nvcc versions and sources then
-    loads them without compiling. Returns the shared libraries; raises UnsupportedConfig with the
-    reason where the toolchain is missing."""
+    loads them without compiling. The object files are removed (``prune_objects``): what is left to
+    copy is the two libraries, ~20 MB at 2.11 / CUDA 13. Returns the shared libraries; raises
+    UnsupportedConfig with the reason where the toolchain is missing."""
     from . import cutlass_diffusion, cutlass_sparse
 
     built = []
@@ -242,8 +243,18 @@ def prebuild(verbose: bool = False) -> list[Path]:
                           ("dlm_sparse_sm90", cutlass_sparse.SOURCES)):
         build(name, sources, verbose=verbose, without_gpu=True)
         directory = build_directory(name, ARCH_FLAGS + CUDA_FLAGS)
+        prune_objects(directory)
         built.append(directory / f"{name}_{directory.name.rsplit('-', 1)[-1]}.so")
     return built
+
+
+def prune_objects(directory: Path) -> int:
+    """Delete a finished build's object files (*.o, *.o.d) and return how many: a finished build
+    loads its library without ninja (``build``), and a source edit builds a new directory anyway."""
+    objects = [p for pattern in ("*.o", "*.o.d") for p in directory.glob(pattern)]
+    for p in objects:
+        p.unlink()
+    return len(objects)
 
 
 def build_or_reason(name: str, sources: Sequence[str]):
