@@ -32,9 +32,7 @@ def load_build(directory: str):
 
     from dlm_ops.backends import cutlass
 
-    path = Path(directory)
-    module_name = f"dlm_diffusion_sm90_{path.name.rsplit('-', 1)[-1]}"
-    return cutlass.load_built(module_name, path / f"{module_name}.so")
+    return cutlass.load_built(*cutlass.built_library("dlm_diffusion_sm90", Path(directory)))
 
 
 def one_process(other: str | None, rounds: int) -> None:

@@ -186,9 +186,7 @@ def build(name: str, sources: Sequence[str], extra_cuda_cflags: Sequence[str] = 
     flags = ARCH_FLAGS + CUDA_FLAGS + list(extra_cuda_cflags)
     directory = build_directory(name, flags)
     directory.mkdir(parents=True, exist_ok=True)
-    # The module name carries the hash too: two source versions never share a Python module name.
-    module_name = f"{name}_{directory.name.rsplit('-', 1)[-1]}"
-    built = directory / f"{module_name}.so"
+    module_name, built = built_library(name, directory)
     cached = built.exists()
     if cached and not (directory / "lock").exists():
         # The directory's name already says what was built (versions, flags, every source's
@@ -244,8 +242,15 @@ def prebuild(verbose: bool = False) -> list[Path]:
         build(name, sources, verbose=verbose, without_gpu=True)
         directory = build_directory(name, ARCH_FLAGS + CUDA_FLAGS)
         prune_objects(directory)
-        built.append(directory / f"{name}_{directory.name.rsplit('-', 1)[-1]}.so")
+        built.append(built_library(name, directory)[1])
     return built
+
+
+def built_library(name: str, directory: Path) -> tuple[str, Path]:
+    """(module name, shared library) of extension ``name`` in its build directory. The module name
+    carries the directory's hash too: two source versions never share a Python module name."""
+    module_name = f"{name}_{directory.name.rsplit('-', 1)[-1]}"
+    return module_name, directory / f"{module_name}.so"
 
 
 def prune_objects(directory: Path) -> int:
