@@ -597,7 +597,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       row_sum[i] = 0.f;
     }
     const int n_tiles = wi.n_tiles;
-    if (n_tiles == 0) clear(acc_o);  // otherwise the first P V overwrites it
+    clear_if(n_tiles == 0, acc_o);  // otherwise the first P V overwrites it
     const QSlot<Cfg> qs(item);
     Barrier::wait(&ss.q_full[qs.buf], qs.phase);
     trace_event<Cfg>(item, ev + 1);

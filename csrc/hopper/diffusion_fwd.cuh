@@ -322,7 +322,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       seen[i] = mask.row_intervals(row_base + get<0>(tScS_rc(i, 0)));
     }
     const int n_first = runs.end[0] - runs.begin[0], n_tiles = runs.count();
-    if (n_tiles == 0) clear(acc_o);  // otherwise the first P V overwrites it
+    clear_if(n_tiles == 0, acc_o);  // otherwise the first P V overwrites it
     const Intervals all_keys = fi.all_keys;
     Barrier::wait(&ss.q_full[qs.buf], qs.phase);
     trace_event<Cfg>(item, ev + 1);
