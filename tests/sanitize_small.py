@@ -1,5 +1,5 @@
 """Small calls of the sm90 CUTLASS kernels, each checked against the reference, for
-compute-sanitizer: ``compute-sanitizer --tool racecheck python3 tests/sanitize_small.py [fwd|step]``.
+compute-sanitizer: ``compute-sanitizer --tool racecheck python3 -m tests.sanitize_small [fwd|step]``.
 
 ``fwd``: the diffusion forward at D = 64 / 128 / 256 (halves on and off the 128 grid, GQA, a
 persistent grid's several items per CTA, block-causal), packed samples with a zero-length one, and
@@ -97,7 +97,7 @@ def sparse_cases() -> bool:
 def main(argv: list[str]) -> int:
     mode = argv[0] if argv else "fwd"
     if mode not in ("fwd", "step"):
-        raise SystemExit("usage: tests/sanitize_small.py [fwd|step]")
+        raise SystemExit("usage: python3 -m tests.sanitize_small [fwd|step]")
     torch.manual_seed(0)
     ok = diffusion_cases(mode == "step")
     if mode == "fwd":

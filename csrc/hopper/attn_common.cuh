@@ -596,8 +596,8 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       row_max[i] = -INFINITY;
       row_sum[i] = 0.f;
     }
+    clear(acc_o);
     const int n_tiles = wi.n_tiles;
-    clear_if(n_tiles == 0, acc_o);  // otherwise the first P V overwrites it
     const QSlot<Cfg> qs(item);
     Barrier::wait(&ss.q_full[qs.buf], qs.phase);
     trace_event<Cfg>(item, ev + 1);
@@ -615,8 +615,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
       gemm_fresh(mma_s, tSrQ(_, _, _, qs.buf), tSrK(_, _, _, stage), acc_s);
-      // The item's first P V (j == 1) writes O instead of adding to it: O was never cleared.
-      if (j > 0) gemm_batch(mma_o, tOrP, tOrV(_, _, _, prev), acc_o, j == 1);
+      if (j > 0) gemm_batch(mma_o, tOrP, tOrV(_, _, _, prev), acc_o, false);
       if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
       if (j == 0) trace_event<Cfg>(item, ev + 3);
       // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
@@ -645,7 +644,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       warpgroup_fence_operand(acc_o);
       if (j > 0) Barrier::arrive(&ss.v_empty[prev]);
       Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-      // O holds nothing before the first P V (j == 0): no rescale. kStaleMax: a warp-uniform branch.
+      // O is still zero at the first visit (j == 0): no rescale. kStaleMax: a warp-uniform branch.
       if (j > 0 && (!Cfg::kStaleMax || rescale)) {
         CUTE_UNROLL
         for (int i = 0; i < kRows; ++i)
@@ -663,7 +662,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
     if (n_tiles > 0) {  // the last tile's O += P V
       const int last = (it - 1) % STAGES;
       Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
-      gemm_batch(mma_o, tOrP, tOrV(_, _, _, last), acc_o, n_tiles == 1);
+      gemm_batch(mma_o, tOrP, tOrV(_, _, _, last), acc_o, false);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       Barrier::arrive(&ss.v_empty[last]);

@@ -197,19 +197,6 @@ CUTE_DEVICE void gemm_fresh(Mma& mma, FragA const& a, FragB const& b, Acc& acc) 
   gemm_batch(mma, a, b, acc, true);
 }
 
-// clear(acc) if `cond`, behind a branch the compiler keeps: for an accumulator that only a rare case
-// must zero (a work item with no key tile; otherwise its first P V overwrites O). A plain
-// `if (cond) clear(acc)` was if-converted into one FSEL per register that every item paid (nvcc
-// 13.0: 64 per item at D = 128, 128 at D = 256, where the clear it replaced was 32 / 64 CS2R); the
-// moves below, volatile, cannot be speculated.
-template <class Acc>
-CUTE_DEVICE void clear_if(bool cond, Acc& acc) {
-  if (cond) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); ++i) asm volatile("mov.b32 %0, 0;" : "=f"(acc(i)));
-  }
-}
-
 // 1 / x as the SFU's approximate reciprocal (rcp.approx.ftz, ~1 ulp), for the epilogues' row sums:
 // x >= 1 wherever a row saw a key (its largest term is exp2(s_max - m) with the max m it was taken
 // against <= s_max, stale or not), far from where the approximation or the flush would matter.

@@ -23,8 +23,8 @@
 // run past a half's end are masked by column, so the next half's rows they load get probability 0.
 //
 // Versions, predictions and measurements: csrc/NOTES.md (this is v8: v6's TMA-store epilogue, v7's
-// work items decoded once by the producer (FwdItem), v8's item start and end trimmed: O is not
-// cleared (the first P V overwrites it), not rescaled before it, and staged with one XOR per chunk).
+// work items decoded once by the producer (FwdItem), v8's item trimmed: no O rescale at its first
+// visit, O staged with one XOR per 16-byte chunk, 1 / l on the SFU).
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2 (s2 = q.k * scale * log2 e), lse
 // stored in natural log, (B, H, S) fp32.
@@ -321,8 +321,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       row_sum[i] = 0.f;
       seen[i] = mask.row_intervals(row_base + get<0>(tScS_rc(i, 0)));
     }
+    clear(acc_o);
     const int n_first = runs.end[0] - runs.begin[0], n_tiles = runs.count();
-    clear_if(n_tiles == 0, acc_o);  // otherwise the first P V overwrites it
     const Intervals all_keys = fi.all_keys;
     Barrier::wait(&ss.q_full[qs.buf], qs.phase);
     trace_event<Cfg>(item, ev + 1);
@@ -340,8 +340,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
       gemm_fresh(mma_s, tSrQ(_, _, _, qs.buf), tSrK(_, _, _, stage), acc_s);
-      // The item's first P V (j == 1) writes O instead of adding to it: O was never cleared.
-      if (j > 0) gemm_batch(mma_o, tOrP, tOrV(_, _, _, prev), acc_o, j == 1);
+      if (j > 0) gemm_batch(mma_o, tOrP, tOrV(_, _, _, prev), acc_o, false);
       if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
       if (j == 0) trace_event<Cfg>(item, ev + 3);
       // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
@@ -369,7 +368,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       warpgroup_fence_operand(acc_o);
       if (j > 0) Barrier::arrive(&ss.v_empty[prev]);
       Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-      // O holds nothing before the first P V (j == 0): no rescale. kStaleMax: a warp-uniform branch.
+      // O is still zero at the first visit (j == 0): no rescale. kStaleMax: a warp-uniform branch.
       if (j > 0 && (!Cfg::kStaleMax || rescale)) {
         CUTE_UNROLL
         for (int i = 0; i < kRows; ++i)
@@ -387,7 +386,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (n_tiles > 0) {  // the last tile's O += P V
       const int last = (it - 1) % STAGES;
       Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
-      gemm_batch(mma_o, tOrP, tOrV(_, _, _, last), acc_o, n_tiles == 1);
+      gemm_batch(mma_o, tOrP, tOrV(_, _, _, last), acc_o, false);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       Barrier::arrive(&ss.v_empty[last]);
