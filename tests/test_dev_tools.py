@@ -1,0 +1,34 @@
+"""The developer tools beside the tests: ptxas's advisories (tests/ptxas_advisories.py)."""
+
+from tests import ptxas_advisories as pa
+
+# ptxas -v output of session 26's serialized forward (abridged names), and of a clean kernel.
+SERIALIZED = """ptxas info    : Compiling entry function '_ZN3dlm4sm9020diffusion_fwd_kernel' for 'sm_90a'
+ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline stage in the function '_ZN3dlm4sm9020diffusion_fwd_kernel'
+ptxas info    : Function properties for _ZN3dlm4sm9020diffusion_fwd_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Function properties for _ZN3dlm4sm9016dkdv_kernel
+    24 bytes stack frame, 20 bytes spill stores, 16 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers
+"""
+
+
+def test_parse_finds_the_serialization_advisory_and_the_spills():
+    advisories, spills = pa.parse(SERIALIZED)
+    assert len(advisories) == 1 and advisories[0].startswith("ptxas info    : (C7515)")
+    assert spills == ["24 bytes stack frame, 20 bytes spill stores, 16 bytes spill loads"]
+
+
+def test_parse_of_a_clean_build_is_empty():
+    clean = "\n".join(l for l in SERIALIZED.splitlines() if "C7515" not in l and "dkdv" not in l
+                      and "20 bytes" not in l)
+    assert pa.parse(clean) == ([], [])
+
+
+def test_refuses_without_a_toolchain(capsys, monkeypatch):
+    # CI has no nvcc: the tool names the reason and exits 2 instead of reporting a clean build.
+    from dlm_ops.backends import cutlass
+
+    monkeypatch.setattr(cutlass, "toolchain_reason", lambda: "no nvcc (test)")
+    assert pa.main([]) == 2
+    assert "cannot compile: no nvcc (test)" in capsys.readouterr().out
