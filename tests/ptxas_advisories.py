@@ -4,10 +4,10 @@
 Why: one of them, C7515 ("wgmma.mma_async instructions are serialized due to non wgmma
 instructions defining accumulator registers ..."), cost the forward 22-40 % in session 26 (an O
 zeroing between two wgmmas; csrc/NOTES.md) and showed nowhere but under -v. Run it on a
-workstation before a device call: it needs nvcc >= 12.3 and the CUTLASS headers, no GPU and no
-torch extension build (about 40 s per forward unit, minutes per backward one). TU: paths under
+workstation before a device call: it needs nvcc >= 12.3 and the CUTLASS headers, no GPU, no CUDA
+build of torch and no extension build (about 40 s per forward unit, minutes per backward one). TU: paths under
 csrc/ (default: the shipped bf16 forwards and the block-sparse forward). Also lists the kernels
-that spill (the dS backward's do, by a few bytes: csrc/NOTES.md session 25). Exit status 1 when an
+that spill (two of the D = 128 backward's do, by 8 and 20 bytes: csrc/NOTES.md session 25). Exit status 1 when an
 advisory shows, 2 when nothing could be compiled.
 """
 
@@ -22,6 +22,19 @@ from dlm_ops.backends import cutlass
 
 DEFAULT_UNITS = ("hopper/diffusion_fwd_bf16_d64.cu", "hopper/diffusion_fwd_bf16_d128.cu",
                  "hopper/diffusion_fwd_bf16_d256.cu", "hopper/block_sparse_fwd_bf16_d128.cu")
+
+
+def toolchain_reason() -> str | None:
+    """Why the units cannot be compiled here, or None (what a prebuild needs besides: a CUDA build
+    of torch and ninja, neither of which this needs)."""
+    found = cutlass.nvcc()
+    if found is None:
+        return "no CUDA toolkit: nvcc not found (set CUDA_HOME)"
+    if found[1] < cutlass.MIN_NVCC:
+        return f"nvcc {found[1][0]}.{found[1][1]} at {found[0]} is older than 12.3 (sm90a)"
+    if cutlass.cutlass_include() is None:
+        return "the CUTLASS headers are missing (pip install nvidia-cutlass, or set DLM_OPS_CUTLASS_INCLUDE)"
+    return None
 
 
 def check(unit: str) -> tuple[list[str], list[str]]:
@@ -48,7 +61,7 @@ def parse(ptxas_output: str) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    reason = cutlass.toolchain_reason()
+    reason = toolchain_reason()
     if reason:
         print(f"cannot compile: {reason}")
         return 2

@@ -25,10 +25,20 @@ def test_parse_of_a_clean_build_is_empty():
     assert pa.parse(clean) == ([], [])
 
 
-def test_refuses_without_a_toolchain(capsys, monkeypatch):
-    # CI has no nvcc: the tool names the reason and exits 2 instead of reporting a clean build.
+def test_toolchain_reason_names_what_is_missing(monkeypatch):
     from dlm_ops.backends import cutlass
 
-    monkeypatch.setattr(cutlass, "toolchain_reason", lambda: "no nvcc (test)")
+    monkeypatch.setattr(cutlass, "nvcc", lambda: None)
+    assert pa.toolchain_reason().startswith("no CUDA toolkit")
+    monkeypatch.setattr(cutlass, "nvcc", lambda: ("/x/nvcc", (12, 0)))
+    assert "older than 12.3" in pa.toolchain_reason()
+    monkeypatch.setattr(cutlass, "nvcc", lambda: ("/x/nvcc", (13, 0)))
+    monkeypatch.setattr(cutlass, "cutlass_include", lambda: None)
+    assert "CUTLASS headers are missing" in pa.toolchain_reason()
+
+
+def test_refuses_without_a_toolchain(capsys, monkeypatch):
+    # CI has no nvcc: the tool names the reason and exits 2 instead of reporting a clean build.
+    monkeypatch.setattr(pa, "toolchain_reason", lambda: "no nvcc (test)")
     assert pa.main([]) == 2
     assert "cannot compile: no nvcc (test)" in capsys.readouterr().out
