@@ -24,19 +24,6 @@ DEFAULT_UNITS = ("hopper/diffusion_fwd_bf16_d64.cu", "hopper/diffusion_fwd_bf16_
                  "hopper/diffusion_fwd_bf16_d256.cu", "hopper/block_sparse_fwd_bf16_d128.cu")
 
 
-def toolchain_reason() -> str | None:
-    """Why the units cannot be compiled here, or None (what a prebuild needs besides: a CUDA build
-    of torch and ninja, neither of which this needs)."""
-    found = cutlass.nvcc()
-    if found is None:
-        return "no CUDA toolkit: nvcc not found (set CUDA_HOME)"
-    if found[1] < cutlass.MIN_NVCC:
-        return f"nvcc {found[1][0]}.{found[1][1]} at {found[0]} is older than 12.3 (sm90a)"
-    if cutlass.cutlass_include() is None:
-        return "the CUTLASS headers are missing (pip install nvidia-cutlass, or set DLM_OPS_CUTLASS_INCLUDE)"
-    return None
-
-
 def check(unit: str) -> tuple[list[str], list[str]]:
     """(advisory lines, spill lines) of ptxas -v for csrc/``unit``."""
     found, include = cutlass.nvcc(), cutlass.cutlass_include()
@@ -61,7 +48,7 @@ def parse(ptxas_output: str) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    reason = toolchain_reason()
+    reason = cutlass.compiler_reason()
     if reason:
         print(f"cannot compile: {reason}")
         return 2

@@ -34,6 +34,18 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor) -> bool:
     return ok
 
 
+def _grads_close(label: str, out: torch.Tensor, inputs: tuple, reference) -> bool:
+    """dq, dk, dv of ``out`` against ``reference(q, k, v)`` on fp32 copies, for one random dout."""
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, dout)
+    ref_inputs = tuple(t.detach().float().requires_grad_() for t in inputs)
+    want = torch.autograd.grad(reference(*ref_inputs), ref_inputs, dout.float())
+    ok = True
+    for g, w, name in zip(grads, want, ("dq", "dk", "dv")):
+        ok &= _close(f"{name} {label}", g, w)
+    return ok
+
+
 def diffusion_cases(step: bool) -> bool:
     ok = True
     # (B, n, H, Hkv, D, block_size): on the grid, off it, GQA, and B * H * tiles > SMs (persistent)
@@ -46,13 +58,7 @@ def diffusion_cases(step: bool) -> bool:
         label = f"B={b} n={n} H={h}/{hkv} D={d} bs={bs}"
         ok &= _close(f"fwd {label}", out, want)
         if step:
-            dout = torch.randn_like(out)
-            grads = torch.autograd.grad(out, (q, k, v), dout)
-            qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
-            want_grads = torch.autograd.grad(ref.diffusion_attn_ref(qr, kr, vr, bs)[0], (qr, kr, vr),
-                                             dout.float())
-            for g, w, nm in zip(grads, want_grads, ("dq", "dk", "dv")):
-                ok &= _close(f"{nm} {label}", g, w)
+            ok &= _grads_close(label, out, (q, k, v), lambda *x: ref.diffusion_attn_ref(*x, bs)[0])
     q, k = _rand(1, 256, 2, 128), _rand(1, 256, 2, 128)
     v = _rand(1, 256, 2, 128)
     out = dlm_ops.block_causal_attn_func(q, k, v, 16, backend="cutlass")
@@ -64,13 +70,8 @@ def diffusion_cases(step: bool) -> bool:
     ok &= _close("fwd packed 300 + 0 + 256", out,
                  ref.diffusion_attn_varlen_ref(qp.detach(), kp.detach(), vp.detach(), cu, 16)[0])
     if step:
-        dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (qp, kp, vp), dout)
-        qr, kr, vr = (t.detach().float().requires_grad_() for t in (qp, kp, vp))
-        want_grads = torch.autograd.grad(ref.diffusion_attn_varlen_ref(qr, kr, vr, cu, 16)[0],
-                                         (qr, kr, vr), dout.float())
-        for g, w, nm in zip(grads, want_grads, ("dq", "dk", "dv")):
-            ok &= _close(f"{nm} packed", g, w)
+        ok &= _grads_close("packed", out, (qp, kp, vp),
+                           lambda *x: ref.diffusion_attn_varlen_ref(*x, cu, 16)[0])
     return ok
 
 

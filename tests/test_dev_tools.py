@@ -25,20 +25,23 @@ def test_parse_of_a_clean_build_is_empty():
     assert pa.parse(clean) == ([], [])
 
 
-def test_toolchain_reason_names_what_is_missing(monkeypatch):
+def test_compiler_reason_names_what_is_missing(monkeypatch):
+    # What the tool needs, without the CUDA build of torch and ninja that an extension build needs.
     from dlm_ops.backends import cutlass
 
     monkeypatch.setattr(cutlass, "nvcc", lambda: None)
-    assert pa.toolchain_reason().startswith("no CUDA toolkit")
+    assert cutlass.compiler_reason().startswith("no CUDA toolkit")
     monkeypatch.setattr(cutlass, "nvcc", lambda: ("/x/nvcc", (12, 0)))
-    assert "older than 12.3" in pa.toolchain_reason()
+    assert "older than 12.3" in cutlass.compiler_reason()
     monkeypatch.setattr(cutlass, "nvcc", lambda: ("/x/nvcc", (13, 0)))
     monkeypatch.setattr(cutlass, "cutlass_include", lambda: None)
-    assert "CUTLASS headers are missing" in pa.toolchain_reason()
+    assert "CUTLASS headers are missing" in cutlass.compiler_reason()
 
 
 def test_refuses_without_a_toolchain(capsys, monkeypatch):
     # CI has no nvcc: the tool names the reason and exits 2 instead of reporting a clean build.
-    monkeypatch.setattr(pa, "toolchain_reason", lambda: "no nvcc (test)")
+    from dlm_ops.backends import cutlass
+
+    monkeypatch.setattr(cutlass, "compiler_reason", lambda: "no nvcc (test)")
     assert pa.main([]) == 2
     assert "cannot compile: no nvcc (test)" in capsys.readouterr().out

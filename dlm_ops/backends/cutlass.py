@@ -118,6 +118,20 @@ def toolchain_reason() -> str | None:
     >= 12.3, the CUTLASS headers, the csrc/ sources and ninja."""
     if torch.version.cuda is None:
         return f"torch {torch.__version__} is a CPU build"
+    reason = compiler_reason()
+    if reason:
+        return reason
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "ninja is missing (pip install ninja): torch.utils.cpp_extension builds with it"
+    return None
+
+
+def compiler_reason() -> str | None:
+    """Why nvcc cannot compile the csrc/ units here, or None: nvcc >= 12.3, the CUTLASS headers and
+    the sources (what tests/ptxas_advisories.py needs; an extension build also needs a CUDA build of
+    torch and ninja: toolchain_reason)."""
     found = nvcc()
     if found is None:
         return "no CUDA toolkit: nvcc not found (set CUDA_HOME)"
@@ -128,10 +142,6 @@ def toolchain_reason() -> str | None:
                 "DLM_OPS_CUTLASS_INCLUDE to a directory holding cute/tensor.hpp)")
     if not (csrc_dir() / "include" / "dlm" / "geometry.h").is_file():
         return f"the csrc/ sources are missing from this install ({csrc_dir()})"
-    from torch.utils.cpp_extension import is_ninja_available
-
-    if not is_ninja_available():
-        return "ninja is missing (pip install ninja): torch.utils.cpp_extension builds with it"
     return None
 
 
