@@ -299,7 +299,7 @@ CUTE_DEVICE void store_o_lse(Params const& p, AccO& acc_o, Coords const& tOcO_rc
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
     const float l = quad_sum(row_sum[i]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l > 0.f ? rcp_approx(l) : 0.f;
     const int row = row_base + get<0>(tOcO_rc(i, 0));
     if (row < row_end) {
       // Columns 2c and 2c + 1 are neighbours in this thread's registers: one 4-byte store each
@@ -315,6 +315,20 @@ CUTE_DEVICE void store_o_lse(Params const& p, AccO& acc_o, Coords const& tOcO_rc
             l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     }
   }
+}
+
+// Whether Layout (a consumer's O staging tile, kRows x D) is what store_o_lse_tma's hand-made
+// addresses assume: the 128-byte swizzle (16-byte chunks XORed with the row mod 8) over column
+// blocks of 64 elements, each kRows rows of 128 bytes, stacked along D.
+template <class Layout, class Elem, int kRows, int D>
+constexpr bool o_staging_is_sw128_row_blocks() {
+  static_assert(sizeof(Elem) == 2, "64 elements per 128-byte row");
+  if (!std::is_same_v<std::decay_t<decltype(get_swizzle_portion(Layout{}))>, Swizzle<3, 4, 3>>) return false;
+  constexpr auto inner = get_nonswizzle_portion(Layout{});
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < D; ++c)
+      if (int(inner(r, c)) != (c / 64) * (kRows * 64) + r * 64 + c % 64) return false;
+  return true;
 }
 
 // The TMA-store epilogue (Cfg::kSmemO), for a consumer warpgroup whose kConsumerRows rows all
@@ -335,23 +349,33 @@ CUTE_DEVICE void store_o_lse_tma(Params const& p, typename Cfg::SharedStorage& s
                                  int row_offset, int o_rows, int consumer, int tid) {
   using Elem = typename Cfg::Elem;
   using SmemLayoutO = typename Cfg::SmemLayoutO;
-  constexpr int D = Cfg::D;
-  Tensor sO = make_tensor(make_smem_ptr(ss.o + consumer * cosize_v<SmemLayoutO>), SmemLayoutO{});
-  typename Cfg::MmaO mma_o;
-  Tensor tOsO = mma_o.get_thread_slice(tid).partition_C(sO);
-  Tensor s_rc = make_tensor(tOsO.data(), acc_rowcol(tOsO.layout()));
+  constexpr int D = Cfg::D, kConsumerRows = Cfg::kConsumerRows;
+  static_assert(o_staging_is_sw128_row_blocks<SmemLayoutO, Elem, kConsumerRows, D>(),
+                "the staging addresses below assume SmemLayoutO's layout");
+  Elem* const staging = ss.o + consumer * cosize_v<SmemLayoutO>;  // 1024-byte aligned (OStaging)
+  Tensor sO = make_tensor(make_smem_ptr(staging), SmemLayoutO{});
   Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+  // The 128-byte swizzle by hand, as the dS^T store of bwd_dkdv.cuh: this thread's pair (i, c)
+  // lies in row 16 warp + lane / 4 + 8 i, column 8 g + 2 (lane % 4) with g = c / 2, i.e. in
+  // 16-byte chunk g % 8 of its 128-byte row of column block g / 8, which the swizzle moves to
+  // chunk (g % 8) ^ (row % 8) = (g % 8) ^ (lane / 4). So one XOR per chunk and immediate offsets
+  // for the rest, where CuTe's element addresses took ~150 instructions per item (csrc/NOTES.md
+  // "Session 25").
+  const int lane = tid % 32, x = lane / 4;
+  const uint32_t t0 = smem_addr(staging) + (16 * (tid / 32) + x) * 128 + (x << 4) + (lane % 4) * 4;
   // The buffer is free once this warpgroup's previous store has read it (long done, as a rule).
   if (tid == 0) tma_store_wait<0>();
   bar_sync(kOStoreBarrier + consumer, 128);
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
     const float l = quad_sum(row_sum[i]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l > 0.f ? rcp_approx(l) : 0.f;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(o_rc); c += 2) {
+      const int g = c / 2;
       const Elem pair[2] = {Elem(o_rc(i, c) * inv), Elem(o_rc(i, c + 1) * inv)};
-      st_shared_b32(smem_addr(&s_rc(i, c)), *reinterpret_cast<const uint32_t*>(pair));
+      st_shared_b32((t0 ^ ((g % 8) << 4)) + i * 8 * 128 + (g / 8) * (kConsumerRows * 128),
+                    *reinterpret_cast<const uint32_t*>(pair));
     }
     if (tid % 4 == 0)
       p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row_offset + row_base + get<0>(tOcO_rc(i, 0))] =
@@ -591,13 +615,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
       gemm_fresh(mma_s, tSrQ(_, _, _, qs.buf), tSrK(_, _, _, stage), acc_s);
-      if (j > 0) {
-        warpgroup_fence_operand(acc_o);
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
-        warpgroup_commit_batch();
-      }
+      if (j > 0) gemm_batch(mma_o, tOrP, tOrV(_, _, _, prev), acc_o, false);
       if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
       if (j == 0) trace_event<Cfg>(item, ev + 3);
       // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
@@ -626,7 +644,8 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       warpgroup_fence_operand(acc_o);
       if (j > 0) Barrier::arrive(&ss.v_empty[prev]);
       Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-      if (!Cfg::kStaleMax || rescale) {  // kStaleMax: a warp-uniform branch
+      // O is still zero at the first visit (j == 0): no rescale. kStaleMax: a warp-uniform branch.
+      if (j > 0 && (!Cfg::kStaleMax || rescale)) {
         CUTE_UNROLL
         for (int i = 0; i < kRows; ++i)
           CUTE_UNROLL
@@ -643,11 +662,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
     if (n_tiles > 0) {  // the last tile's O += P V
       const int last = (it - 1) % STAGES;
       Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
-      warpgroup_fence_operand(acc_o);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
-      warpgroup_commit_batch();
+      gemm_batch(mma_o, tOrP, tOrV(_, _, _, last), acc_o, false);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       Barrier::arrive(&ss.v_empty[last]);

@@ -175,19 +175,37 @@ CUTE_DEVICE auto acc_as_operand_a(Layout l) {  // ((2, 2, V), M, N) -> ((2, 2, 2
                      make_layout(get<2, 1>(v), get<2>(l)));
 }
 
-// acc = A B as one committed wgmma batch over the operands' k blocks (the first instruction
-// overwrites acc, the rest accumulate). A and B: (MMA, M or N, K) fragments. The caller waits.
+// acc (+)= A B as one committed wgmma batch over the operands' k blocks. A and B: (MMA, M or N, K)
+// fragments. With `overwrite` the first instruction writes acc instead of adding to it (the wgmma's
+// scale-d predicate) and the rest accumulate: an accumulator that holds nothing yet needs no clear.
+// The caller waits.
 template <class Mma, class FragA, class FragB, class Acc>
-CUTE_DEVICE void gemm_fresh(Mma& mma, FragA const& a, FragB const& b, Acc& acc) {
+CUTE_DEVICE void gemm_batch(Mma& mma, FragA const& a, FragB const& b, Acc& acc, bool overwrite) {
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
-  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  mma.accumulate_ = overwrite ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
   CUTE_UNROLL
   for (int kb = 0; kb < size<2>(a); ++kb) {
     gemm(mma, a(_, _, kb), b(_, _, kb), acc);
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
+}
+// acc = A B (gemm_batch overwriting acc).
+template <class Mma, class FragA, class FragB, class Acc>
+CUTE_DEVICE void gemm_fresh(Mma& mma, FragA const& a, FragB const& b, Acc& acc) {
+  gemm_batch(mma, a, b, acc, true);
+}
+
+// 1 / x as the SFU's approximate reciprocal (rcp.approx.ftz, ~1 ulp), for the epilogues' row sums:
+// x >= 1 wherever a row saw a key (its largest term is exp2(s_max - m) with the max m it was taken
+// against <= s_max, stale or not), far from where the approximation or the flush would matter.
+// The IEEE division 1.f / x compiled to a checked sequence with a slow-path call, ~10 instructions
+// per row in every work item's epilogue; in bf16 / fp16 outputs the difference does not show.
+CUTE_DEVICE float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // exp2 as the SFU's approximate instruction (what --use_fast_math makes of exp2f): the kernels

@@ -22,7 +22,9 @@
 // mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy 0). Tiles that
 // run past a half's end are masked by column, so the next half's rows they load get probability 0.
 //
-// Versions, predictions and measurements: csrc/NOTES.md (this is v6).
+// Versions, predictions and measurements: csrc/NOTES.md (this is v8: v6's TMA-store epilogue, v7's
+// work items decoded once by the producer (FwdItem), v8's item trimmed: no O rescale at its first
+// visit, O staged with one XOR per 16-byte chunk, 1 / l on the SFU).
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2 (s2 = q.k * scale * log2 e), lse
 // stored in natural log, (B, H, S) fp32.
@@ -338,13 +340,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
       gemm_fresh(mma_s, tSrQ(_, _, _, qs.buf), tSrK(_, _, _, stage), acc_s);
-      if (j > 0) {
-        warpgroup_fence_operand(acc_o);
-        warpgroup_arrive();
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, prev), acc_o);
-        warpgroup_commit_batch();
-      }
+      if (j > 0) gemm_batch(mma_o, tOrP, tOrV(_, _, _, prev), acc_o, false);
       if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
       if (j == 0) trace_event<Cfg>(item, ev + 3);
       // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
@@ -372,7 +368,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       warpgroup_fence_operand(acc_o);
       if (j > 0) Barrier::arrive(&ss.v_empty[prev]);
       Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-      if (!Cfg::kStaleMax || rescale) {  // kStaleMax: a warp-uniform branch
+      // O is still zero at the first visit (j == 0): no rescale. kStaleMax: a warp-uniform branch.
+      if (j > 0 && (!Cfg::kStaleMax || rescale)) {
         CUTE_UNROLL
         for (int i = 0; i < kRows; ++i)
           CUTE_UNROLL
@@ -389,11 +386,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (n_tiles > 0) {  // the last tile's O += P V
       const int last = (it - 1) % STAGES;
       Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
-      warpgroup_fence_operand(acc_o);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tOrP); ++kb) gemm(mma_o, tOrP(_, _, kb), tOrV(_, _, kb, last), acc_o);
-      warpgroup_commit_batch();
+      gemm_batch(mma_o, tOrP, tOrV(_, _, _, last), acc_o, false);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       Barrier::arrive(&ss.v_empty[last]);
