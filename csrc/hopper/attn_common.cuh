@@ -317,20 +317,6 @@ CUTE_DEVICE void store_o_lse(Params const& p, AccO& acc_o, Coords const& tOcO_rc
   }
 }
 
-// Whether Layout (a consumer's O staging tile, kRows x D) is what store_o_lse_tma's hand-made
-// addresses assume: the 128-byte swizzle (16-byte chunks XORed with the row mod 8) over column
-// blocks of 64 elements, each kRows rows of 128 bytes, stacked along D.
-template <class Layout, class Elem, int kRows, int D>
-constexpr bool o_staging_is_sw128_row_blocks() {
-  static_assert(sizeof(Elem) == 2, "64 elements per 128-byte row");
-  if (!std::is_same_v<std::decay_t<decltype(get_swizzle_portion(Layout{}))>, Swizzle<3, 4, 3>>) return false;
-  constexpr auto inner = get_nonswizzle_portion(Layout{});
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < D; ++c)
-      if (int(inner(r, c)) != (c / 64) * (kRows * 64) + r * 64 + c % 64) return false;
-  return true;
-}
-
 // The TMA-store epilogue (Cfg::kSmemO), for a consumer warpgroup whose kConsumerRows rows all
 // lie before the tile's end (a box would otherwise write rows of the next half or sample:
 // callers take store_o_lse there): O = acc / l into the warpgroup's staging buffer, then one
@@ -350,19 +336,12 @@ CUTE_DEVICE void store_o_lse_tma(Params const& p, typename Cfg::SharedStorage& s
   using Elem = typename Cfg::Elem;
   using SmemLayoutO = typename Cfg::SmemLayoutO;
   constexpr int D = Cfg::D, kConsumerRows = Cfg::kConsumerRows;
-  static_assert(o_staging_is_sw128_row_blocks<SmemLayoutO, Elem, kConsumerRows, D>(),
-                "the staging addresses below assume SmemLayoutO's layout");
+  static_assert(is_sw128_k_tile<SmemLayoutO, Elem, kConsumerRows, D>(),
+                "Sw128Stage's addresses assume SmemLayoutO's layout");
   Elem* const staging = ss.o + consumer * cosize_v<SmemLayoutO>;  // 1024-byte aligned (OStaging)
   Tensor sO = make_tensor(make_smem_ptr(staging), SmemLayoutO{});
   Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-  // The 128-byte swizzle by hand, as the dS^T store of bwd_dkdv.cuh: this thread's pair (i, c)
-  // lies in row 16 warp + lane / 4 + 8 i, column 8 g + 2 (lane % 4) with g = c / 2, i.e. in
-  // 16-byte chunk g % 8 of its 128-byte row of column block g / 8, which the swizzle moves to
-  // chunk (g % 8) ^ (row % 8) = (g % 8) ^ (lane / 4). So one XOR per chunk and immediate offsets
-  // for the rest, where CuTe's element addresses took ~150 instructions per item (csrc/NOTES.md
-  // "Session 25").
-  const int lane = tid % 32, x = lane / 4;
-  const uint32_t t0 = smem_addr(staging) + (16 * (tid / 32) + x) * 128 + (x << 4) + (lane % 4) * 4;
+  const Sw128Stage<kConsumerRows> stage(smem_addr(staging), tid);
   // The buffer is free once this warpgroup's previous store has read it (long done, as a rule).
   if (tid == 0) tma_store_wait<0>();
   bar_sync(kOStoreBarrier + consumer, 128);
@@ -372,10 +351,8 @@ CUTE_DEVICE void store_o_lse_tma(Params const& p, typename Cfg::SharedStorage& s
     const float inv = l > 0.f ? rcp_approx(l) : 0.f;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(o_rc); c += 2) {
-      const int g = c / 2;
       const Elem pair[2] = {Elem(o_rc(i, c) * inv), Elem(o_rc(i, c + 1) * inv)};
-      st_shared_b32((t0 ^ ((g % 8) << 4)) + i * 8 * 128 + (g / 8) * (kConsumerRows * 128),
-                    *reinterpret_cast<const uint32_t*>(pair));
+      st_shared_b32(stage.pair(i, c / 2), *reinterpret_cast<const uint32_t*>(pair));
     }
     if (tid % 4 == 0)
       p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row_offset + row_base + get<0>(tOcO_rc(i, 0))] =

@@ -575,7 +575,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // warpgroups whose 64 keys are all in the tile) or straight from registers; rows are keys.
     // Persistent: the thread's epilogue addresses derive from an opaque copy of tid, so they are
     // computed here and stay out of the tile loop's live registers.
-    auto thr_epi = mma_kv.get_thread_slice(Cfg::kPersistent ? opaque(tid) : tid);
+    const int tid_epi = Cfg::kPersistent ? opaque(tid) : tid;
+    auto thr_epi = mma_kv.get_thread_slice(tid_epi);
     Tensor tKcK = thr_epi.partition_C(make_identity_tensor(Shape<Int<kRowsW>, Int<D>>{}));
     // Persistent: the item's coordinates read again from its published copy (unchanged until this
     // buffer's kv_empty), not held across the tile loop (held, they spilled: 20-68 bytes).
@@ -594,8 +595,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     if constexpr (Cfg::kTmaStore) {
       if (key_base + kRowsW <= k_tile.hi) {  // all 64 keys of this warpgroup stored: through TMA
-        stage_rows<Elem>(acc_dk, p.scale, sKc, thr_epi);
-        stage_rows<Elem>(acc_dv, 1.f, sVc, thr_epi);
+        using Tile = typename Cfg::SmemLayoutKV;  // this warpgroup's keys: rows key_slot * 64 on
+        const uint32_t slot_bytes = key_slot * kRowsW * 128;
+        stage_rows<Elem, Tile>(acc_dk, p.scale, smem_addr(ss.k[buf]) + slot_bytes, tid_epi);
+        stage_rows<Elem, Tile>(acc_dv, 1.f, smem_addr(ss.v[buf]) + slot_bytes, tid_epi);
         tma_store_fence();
         bar_sync(kGradStoreBarrier + consumer, 128);
         if (tid == 0) {

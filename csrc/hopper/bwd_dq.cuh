@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Elem* dq = p.grad_a + b * p.a_stride_b + h * p.a_stride_h + offset * p.a_stride_s;
   if constexpr (Cfg::kTmaStore) {
     if (row_base + kRowsW <= q_tile.hi) {  // all 64 rows of this warpgroup stored: through TMA
-      stage_rows<Elem>(acc_dq, p.scale, sQc, thr_dq);
+      stage_rows<Elem, typename Cfg::SmemLayoutQ>(acc_dq, p.scale, smem_addr(ss.q) + row_slot * kRowsW * 128, tid);
       tma_store_fence();
       bar_sync(kGradStoreBarrier + consumer, 128);
       if (tid == 0) {

@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         Tensor sDq = make_tensor(make_smem_ptr(ss.dq_store.dq[consumer]), typename Cfg::SmemLayoutDq{});
         if (tid == 0) tma_store_wait<0>();
         bar_sync(kGradStoreBarrier + consumer, 128);
-        stage_rows<typename Cfg::Elem>(acc, p.scale, sDq, thr);
+        stage_rows<typename Cfg::Elem, typename Cfg::SmemLayoutDq>(acc, p.scale, smem_addr(ss.dq_store.dq[consumer]), tid);
         tma_store_fence();
         bar_sync(kGradStoreBarrier + consumer, 128);
         if (tid == 0) {

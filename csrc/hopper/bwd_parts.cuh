@@ -437,25 +437,29 @@ CUTE_DEVICE void store_rows(Acc const& acc, Coords const& coords, float mul, Ele
 }
 
 // The TMA-store epilogue of a consumer warpgroup (Cfg::kTmaStore): stage_rows writes its 64 x D
-// accumulator (times `mul`) as Elem into `stage`, its own 64-row slice of a K-major swizzled tile
-// that no wgmma reads any more (partitioned like the accumulator: conflict-free 32-bit stores);
-// after tma_store_fence and a warpgroup barrier, one thread issues store_rows_tma: the slice's
-// 64 x 64 atom columns to rows [row, row + 64) of head h, batch b of the (rows, D, heads, batch)
-// tensor `tma` stores. The caller takes this path only for warpgroups whose 64 rows all lie
-// before the tile's end (a box would write rows of the next half or sample). Why: the forward's
-// register stores of O cost it up to 19 % (csrc/NOTES.md, forward v6); the gradient kernels
-// store the same way.
-template <class Elem, class Acc, class Stage, class ThrMma>
-CUTE_DEVICE void stage_rows(Acc const& acc, float mul, Stage const& stage, ThrMma const& thr) {
-  Tensor st = thr.partition_C(stage);
-  Tensor s_rc = make_tensor(st.data(), acc_rowcol(st.layout()));
+// accumulator (times `mul`) as Elem into its own 64-row slice of a tile laid out as TileLayout
+// (K-major, 128-byte swizzled: is_sw128_k_tile) that no wgmma reads any more, starting at the
+// shared address row0 (conflict-free 32-bit stores, the addresses by Sw128Stage); after
+// tma_store_fence and a warpgroup barrier, one thread issues store_rows_tma: the slice's 64 x 64
+// atom columns to rows [row, row + 64) of head h, batch b of the (rows, D, heads, batch) tensor
+// `tma` stores. The caller takes this path only for warpgroups whose 64 rows all lie before the
+// tile's end (a box would write rows of the next half or sample). Why: the forward's register
+// stores of O cost it up to 19 % (csrc/NOTES.md, forward v6); the gradient kernels store the same
+// way. tid: the thread's index in its warpgroup.
+template <class Elem, class TileLayout, class Acc>
+CUTE_DEVICE void stage_rows(Acc const& acc, float mul, uint32_t row0, int tid) {
+  constexpr int kTileRows = size<0>(TileLayout{}), D = size<1>(TileLayout{});
+  static_assert(is_sw128_k_tile<TileLayout, Elem, kTileRows, D>(),
+                "Sw128Stage's addresses assume the staging tile's layout");
   Tensor a_rc = make_tensor(acc.data(), acc_rowcol(acc.layout()));
+  static_assert(size<0>(a_rc) == 2 && size<1>(a_rc) == D / 4, "a 64 x D accumulator per warpgroup");
+  const Sw128Stage<kTileRows> stage(row0, tid);
   CUTE_UNROLL
   for (int i = 0; i < size<0>(a_rc); ++i)
     CUTE_UNROLL
     for (int j = 0; j < size<1>(a_rc); j += 2) {
       alignas(4) Elem pair[2] = {Elem(a_rc(i, j) * mul), Elem(a_rc(i, j + 1) * mul)};
-      st_shared_b32(smem_addr(&s_rc(i, j)), *reinterpret_cast<uint32_t*>(pair));
+      st_shared_b32(stage.pair(i, j / 2), *reinterpret_cast<uint32_t*>(pair));
     }
 }
 template <int D, class Tma, class Stage>

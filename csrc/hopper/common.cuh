@@ -165,6 +165,42 @@ CUTE_DEVICE auto acc_rowcol(Layout l) {  // ((2, 2, V), M, N) -> ((2, M), (2, V,
                      make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
 }
 
+// Hand-made shared addresses for staging a 64 x D wgmma accumulator (the epilogues' O, dK, dV,
+// dQ) as 16-bit elements in a 128-byte-swizzled, K-major tile: CuTe's Layout_K_SW128_Atom (8 rows
+// of 64 elements, the 16-byte chunks of row r XORed with r % 8) tiled to (kTileRows, D), down the
+// rows first (is_sw128_k_tile checks a layout against this). The thread's pair (i, g) of the
+// accumulator's row-column view lies in row 16 warp + lane / 4 + 8 i, columns 8 g + 2 (lane % 4)
+// + {0, 1}: in 16-byte chunk g % 8 of its 128-byte row of column block g / 8, which the swizzle
+// moves to chunk (g % 8) ^ (lane / 4). So one XOR per chunk on a per-thread base plus immediate
+// offsets, where CuTe's per-element swizzle math took ~150 instructions per staged tile
+// (csrc/NOTES.md, "Session 25"). row0: the shared address of the staged 64 rows' first, a multiple
+// of 8 rows into a 1024-byte aligned tile; tid: the thread's index in its warpgroup.
+template <int kTileRows>
+struct Sw128Stage {
+  uint32_t t0;
+  CUTE_DEVICE Sw128Stage(uint32_t row0, int tid) {
+    const int lane = tid % 32, x = lane / 4;
+    t0 = row0 + (16 * (tid / 32) + x) * 128 + (x << 4) + (lane % 4) * 4;
+  }
+  CUTE_DEVICE uint32_t pair(int i, int g) const {
+    return (t0 ^ ((g % 8) << 4)) + i * (8 * 128) + (g / 8) * (kTileRows * 128);
+  }
+};
+template <class Layout, class Elem, int kTileRows, int D>
+constexpr bool is_sw128_k_tile() {
+  static_assert(sizeof(Elem) == 2, "64 elements per 128-byte row");
+  if (!std::is_same_v<std::decay_t<decltype(get_swizzle_portion(Layout{}))>, Swizzle<3, 4, 3>>) return false;
+  // A rank-2 CuTe layout is the sum of its modes' functions, inner(r, c) = inner(r, 0) + inner(0, c):
+  // each mode checked alone covers every (r, c) (all pairs took nvcc past its constexpr limits).
+  constexpr auto inner = get_nonswizzle_portion(Layout{});
+  static_assert(rank_v<decltype(inner)> == 2 && size<0>(inner) == kTileRows && size<1>(inner) == D);
+  for (int r = 0; r < kTileRows; ++r)
+    if (int(inner(r, 0)) != r * 64) return false;
+  for (int c = 0; c < D; ++c)
+    if (int(inner(0, c)) != (c / 64) * (kTileRows * 64) + c % 64) return false;
+  return true;
+}
+
 // ... and the same registers as the A operand of the next wgmma (K = 16 per instruction): column
 // blocks 2j and 2j+1 of 8 form k-block j, so a score tile becomes an operand without moving
 // between threads.
