@@ -1,12 +1,16 @@
 """Small calls of the sm90 CUTLASS kernels, each checked against the reference, for
-compute-sanitizer: ``compute-sanitizer --tool racecheck python3 -m tests.sanitize_small [fwd|step]``.
+compute-sanitizer: ``compute-sanitizer --tool racecheck python3 -m tests.sanitize_small [fwd|step]
+[--persistent]``.
 
 ``fwd``: the diffusion forward at D = 64 / 128 / 256 (halves on and off the 128 grid, GQA, a
 persistent grid's several items per CTA, block-causal), packed samples with a zero-length one, and
 the block- and column-sparse forwards with empty and full rows. ``step``: the diffusion forward and
 backward (dS and two-kernel paths, batched and packed). Shapes are small so that the sanitizers
-(10-100x slower) finish in minutes. Exits 1 if a result is off or a call ran another backend
-(the backends' STATS counters).
+(10-100x slower) finish in minutes, except the persistent case's training step: under racecheck
+on the H200 the step's first four batched cases and that case's forward took 230 s and its
+backward did not finish within them (session 27), so ``step`` leaves it out unless
+``--persistent`` is given. Exits 1 if a result is off or a call ran another backend (the
+backends' STATS counters).
 """
 
 from __future__ import annotations
@@ -46,11 +50,14 @@ def _grads_close(label: str, out: torch.Tensor, inputs: tuple, reference) -> boo
     return ok
 
 
-def diffusion_cases(step: bool) -> bool:
+# (B, n, H, Hkv, D, block_size): on the grid, off it, GQA; then B * H * tiles > SMs (persistent)
+SMALL = ((1, 128, 2, 2, 128, 16), (2, 200, 2, 1, 64, 4), (1, 96, 2, 2, 256, 16), (2, 256, 4, 2, 128, 1))
+PERSISTENT = (3, 640, 16, 16, 128, 16)
+
+
+def diffusion_cases(step: bool, persistent: bool) -> bool:
     ok = True
-    # (B, n, H, Hkv, D, block_size): on the grid, off it, GQA, and B * H * tiles > SMs (persistent)
-    for b, n, h, hkv, d, bs in ((1, 128, 2, 2, 128, 16), (2, 200, 2, 1, 64, 4), (1, 96, 2, 2, 256, 16),
-                                (2, 256, 4, 2, 128, 1), (3, 640, 16, 16, 128, 16)):
+    for b, n, h, hkv, d, bs in SMALL + ((PERSISTENT,) if persistent else ()):
         q, k, v = _rand(b, 2 * n, h, d, grad=step), _rand(b, 2 * n, hkv, d, grad=step), \
             _rand(b, 2 * n, hkv, d, grad=step)
         out = dlm_ops.diffusion_attn_func(q, k, v, bs, backend="cutlass")
@@ -96,11 +103,14 @@ def sparse_cases() -> bool:
 
 
 def main(argv: list[str]) -> int:
-    mode = argv[0] if argv else "fwd"
-    if mode not in ("fwd", "step"):
-        raise SystemExit("usage: python3 -m tests.sanitize_small [fwd|step]")
+    flags = [a for a in argv if a.startswith("--")]
+    modes = [a for a in argv if not a.startswith("--")] or ["fwd"]
+    if len(modes) > 1 or modes[0] not in ("fwd", "step") or set(flags) - {"--persistent"}:
+        raise SystemExit("usage: python3 -m tests.sanitize_small [fwd|step] [--persistent]")
+    mode = modes[0]
     torch.manual_seed(0)
-    ok = diffusion_cases(mode == "step")
+    # The forward's persistent case is cheap under the sanitizers; the step's is not (docstring).
+    ok = diffusion_cases(mode == "step", persistent=mode == "fwd" or "--persistent" in flags)
     if mode == "fwd":
         ok &= sparse_cases()
     torch.cuda.synchronize()

@@ -1,4 +1,7 @@
-"""The developer tools beside the tests: ptxas's advisories (tests/ptxas_advisories.py)."""
+"""The developer tools beside the tests: ptxas's advisories (tests/ptxas_advisories.py) and the
+small checked calls for compute-sanitizer (tests/sanitize_small.py)."""
+
+import pytest
 
 from tests import ptxas_advisories as pa
 
@@ -45,3 +48,11 @@ def test_refuses_without_a_toolchain(capsys, monkeypatch):
     monkeypatch.setattr(cutlass, "compiler_reason", lambda: "no nvcc (test)")
     assert pa.main([]) == 2
     assert "cannot compile: no nvcc (test)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["bwd"], ["fwd", "step"], ["step", "--persistant"]])
+def test_sanitize_small_refuses_unknown_arguments(argv):
+    # Before any CUDA call: a mistyped mode or flag must not run a different set of cases.
+    from tests import sanitize_small
+    with pytest.raises(SystemExit, match=r"usage: .*\[fwd\|step\] \[--persistent\]"):
+        sanitize_small.main(argv)
