@@ -1,5 +1,6 @@
-"""The developer tools beside the tests: ptxas's advisories (tests/ptxas_advisories.py) and the
-small checked calls for compute-sanitizer (tests/sanitize_small.py)."""
+"""The developer tools beside the tests: ptxas's advisories (tests/ptxas_advisories.py), the small
+checked calls for compute-sanitizer (tests/sanitize_small.py) and the SASS comparison of two
+builds (tests/sass_diff.py)."""
 
 import pytest
 
@@ -56,3 +57,68 @@ def test_sanitize_small_refuses_unknown_arguments(argv):
     from tests import sanitize_small
     with pytest.raises(SystemExit, match=r"usage: .*\[fwd\|step\] \[--persistent\]"):
         sanitize_small.main(argv)
+
+
+# cuobjdump -sass and -res-usage output (abridged) of two builds of one kernel.
+SASS = """
+Fatbin elf code:
+================
+arch = sm_90a
+	code for sm_90
+		Function : _Z6kernelv
+	.headerflags	@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                  /* 0x00000a00ff017b82 */
+                                                                           /* 0x000fe20000000800 */
+        /*0010*/                   IMAD.SHL.U32 R3, R2, 0x40, RZ ;         /* 0x0000000000027919 */
+        /*0020*/               @P0 BRA 0x60 ;                              /* 0x0000000000203947 */
+        /*0030*/                   IADD3 R4, R3, R1, RZ ;                  /* 0x0000000000203947 */
+"""
+RES = """
+Resource usage:
+ Function _Z6kernelv:
+  REG:168 STACK:96 SHARED:0 LOCAL:0 CONSTANT[0]:696 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+
+def _kernel(text):
+    from tests import sass_diff as sd
+    return sd.Kernel(sd.parse_sass(text)["_Z6kernelv"])
+
+
+def test_sass_diff_parses_instructions_and_resources():
+    from tests import sass_diff as sd
+    assert sd.parse_sass(SASS) == {"_Z6kernelv": ["LDC R1, c[0x0][0x28]", "IMAD.SHL.U32 R3, R2, 0x40, RZ",
+                                                  "@P0 BRA 0x60", "IADD3 R4, R3, R1, RZ"]}
+    assert sd.parse_resources(RES) == {"_Z6kernelv": (168, 96)}
+
+
+def test_sass_diff_classes():
+    from tests import sass_diff as sd
+    a = _kernel(SASS)
+    # R3 -> R7 throughout: the same code.
+    assert sd.classify(a, _kernel(SASS.replace("R3", "R7"))) == "renamed"
+    # Two registers merged into one is not a renaming (other dataflow), though the blanked text matches.
+    assert sd.classify(a, _kernel(SASS.replace("R4, R3", "R4, R4"))) == "same-ops"
+    swapped = SASS.replace("LDC R1, c[0x0][0x28]", "TMP").replace(
+        "IMAD.SHL.U32 R3, R2, 0x40, RZ", "LDC R1, c[0x0][0x28]").replace("TMP", "IMAD.SHL.U32 R3, R2, 0x40, RZ")
+    assert sd.classify(a, _kernel(swapped)) == "same-ops"
+    assert sd.classify(a, _kernel(SASS.replace("0x40", "0x80"))) == "differs"
+    assert sd.classify(a, _kernel(SASS)) == "identical"
+
+
+def test_sass_diff_exit_status(monkeypatch, tmp_path, capsys):
+    from tests import sass_diff as sd
+    for name in ("a.so", "b.so"):
+        (tmp_path / name).write_bytes(b"")
+    builds = {"a.so": {"k": _kernel(SASS)}, "b.so": {"k": _kernel(SASS.replace("R3", "R7"))}}
+    monkeypatch.setattr(sd, "cuobjdump", lambda: "cuobjdump")
+    monkeypatch.setattr(sd, "kernels_of", lambda path, tool: builds[path.name])
+    monkeypatch.setattr(sd, "demangle", lambda names: names)
+    assert sd.main([str(tmp_path / "a.so"), str(tmp_path / "b.so")]) == 0
+    builds["b.so"] = {"k": _kernel(SASS.replace("0x40", "0x80"))}
+    assert sd.main([str(tmp_path / "a.so"), str(tmp_path / "b.so")]) == 1
+    assert "0 identical, 0 renamed, 0 same-ops, 1 differs" in capsys.readouterr().out
+    monkeypatch.setattr(sd, "cuobjdump", lambda: None)
+    assert sd.main([str(tmp_path / "a.so"), str(tmp_path / "b.so")]) == 2
+    with pytest.raises(SystemExit, match="usage"):
+        sd.main([str(tmp_path / "a.so")])
