@@ -1,6 +1,6 @@
 """The developer tools beside the tests: ptxas's advisories (tests/ptxas_advisories.py), the small
-checked calls for compute-sanitizer (tests/sanitize_small.py) and the SASS comparison of two
-builds (tests/sass_diff.py)."""
+checked calls for compute-sanitizer (tests/sanitize_small.py), the SASS comparison of two
+builds (tests/sass_diff.py) and a kernel's basic-block map (tests/sass_blocks.py)."""
 
 import pytest
 
@@ -122,3 +122,27 @@ def test_sass_diff_exit_status(monkeypatch, tmp_path, capsys):
     assert sd.main([str(tmp_path / "a.so"), str(tmp_path / "b.so")]) == 2
     with pytest.raises(SystemExit, match="usage"):
         sd.main([str(tmp_path / "a.so")])
+
+
+LOOP = """
+		Function : _Z4loopv
+        /*0000*/                   MOV R1, RZ ;                            /* 0x0 */
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;  /* 0x0 */
+        /*0020*/                   MUFU.EX2 R2, R2 ;                       /* 0x0 */
+        /*0030*/               @!P0 BRA 0x10 ;                             /* 0x0 */
+        /*0040*/                   STS [R3], R2 ;                          /* 0x0 */
+        /*0050*/                   EXIT ;                                  /* 0x0 */
+"""
+
+
+def test_sass_blocks_splits_at_targets_and_branches():
+    from tests import sass_blocks as sb
+    name, lines = sb.kernel_lines(LOOP, "loop")
+    assert name == "_Z4loopv" and [a for a, _ in lines] == [0, 0x10, 0x20, 0x30, 0x40, 0x50]
+    blocks = sb.basic_blocks(lines)
+    # 0x10 is a branch target (a new block), the BRA ends one, EXIT ends the last.
+    assert [[a for a, _ in b] for b in blocks] == [[0], [0x10, 0x20, 0x30], [0x40, 0x50]]
+    assert sb.summary(blocks[1]) == {"HGMMA": 1, "MUFU.EX2": 1}
+    assert sb.opcode("@!P0 BRA 0x10") == "BRA"
+    with pytest.raises(SystemExit, match="no kernel matches"):
+        sb.kernel_lines(LOOP, "nothing")
