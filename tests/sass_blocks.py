@@ -89,4 +89,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    import signal
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly
     raise SystemExit(main(sys.argv[1:]))
