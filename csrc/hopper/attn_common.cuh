@@ -168,46 +168,16 @@ constexpr bool one_atom_accumulator() {
          size<0, 1>(Layout{}) == 2 && size<2>(Layout{}) == 1;
 }
 
-// A row's visible columns as the softmax tests them, score by score (j: the thread's score index,
-// at column 8 (j / 2) + j % 2 past its first). kBits: one bit per score (dlm/score_mask.h; ptxas
-// makes an R2P per seven scores and an FSEL each, where two compares took two ISETP per score:
-// the D = 128 forward's masked softmax 299 -> 217 instructions per thread); the diffusion
-// forward's masked visits take it. Otherwise the interval [lo, hi) and two compares per score: the block-sparse forward's
-// (its only masked visit is the sequence's last, partial key block), where the bit mask made
-// ptxas shuttle the predicates through a register (+70 instructions per masked visit).
-template <bool kBits, int kCols>
-struct ColumnMask;
-template <int kCols>
-struct ColumnMask<true, kCols> {
-  uint32_t bits = 0;
-  CUTE_DEVICE bool keeps(int j) const { return bits & (1u << j); }
-};
-template <int kCols>
-struct ColumnMask<false, kCols> {
-  int lo = 0, hi = 0;
-  CUTE_DEVICE bool keeps(int j) const {
-    const int k = 8 * (j / 2) + j % 2;
-    return k >= lo && k < hi;
-  }
-};
-template <bool kBits, int kCols, class Bounds>
-CUTE_DEVICE ColumnMask<kBits, kCols> row_mask(Bounds const& bounds, int i) {
-  int lo, hi;
-  bounds(i, lo, hi);
-  if constexpr (kBits) return {visible_columns<kCols>(lo, hi)};
-  else return {lo, hi};
-}
-
 // One tile of the online softmax, in base 2, on the scores this thread holds (two rows): scales
 // by scale_log2, masks (kMasked) as selects, updates the running max and the quad-partial row
 // sums, leaves exp2(s - max) in s and the factor that rescales the accumulator in scale_row.
 // kMasked: `bounds(i, lo, hi)` gives row i's visible keys as the interval [lo, hi) of this
-// thread's columns, relative to its first one (ColumnMask: a bit per score, or two compares).
+// thread's columns, relative to its first one (dlm/score_mask.h: a bit test per score).
 // The mask is decided per tile, as a template argument: v4 tested a runtime `masked` flag inside
 // the element loop, and ptxas kept a BSSY / ISETP / BRA / BSYNC group around every score's mask
 // (64 per tile and thread), FULL tiles included; taking it out of the loop measured 1.46-1.72x
 // faster (csrc/NOTES.md, v5).
-template <bool kMasked, bool kBitMask = true, class Scores, class Bounds, int kRows>
+template <bool kMasked, class Scores, class Bounds, int kRows>
 CUTE_DEVICE void online_softmax_tile(Scores& acc_s, Bounds const& bounds,
                                      float scale_log2, float (&row_max)[kRows],
                                      float (&row_sum)[kRows], float (&scale_row)[kRows]) {
@@ -216,12 +186,16 @@ CUTE_DEVICE void online_softmax_tile(Scores& acc_s, Bounds const& bounds,
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
     float mx = row_max[i];
-    [[maybe_unused]] ColumnMask<kBitMask, size<1>(decltype(s){})> visible{};
-    if constexpr (kMasked) visible = row_mask<kBitMask, size<1>(decltype(s){})>(bounds, i);
+    [[maybe_unused]] uint32_t visible = 0;
+    if constexpr (kMasked) {
+      int lo, hi;
+      bounds(i, lo, hi);
+      visible = visible_columns<size<1>(decltype(s){})>(lo, hi);
+    }
     CUTE_UNROLL
     for (int j = 0; j < size<1>(s); ++j) {
       float x = s(i, j) * scale_log2;
-      if constexpr (kMasked) x = visible.keeps(j) ? x : -INFINITY;
+      if constexpr (kMasked) x = visible & (1u << j) ? x : -INFINITY;
       s(i, j) = x;
       mx = fmaxf(mx, x);
     }
@@ -266,7 +240,7 @@ constexpr float kStaleMaxBound = 8.f;
 // the A/A column read 0.975 there); the sparse forward at D = 64 (its harness, S 16K-64K): four
 // chains 1.011-1.057x, with the stale max 0.962-1.005x.
 constexpr bool fwd_stale_max(int d) { return d >= 128; }
-template <bool kMasked, bool kStale = false, bool kBitMask = true, class Scores, class Bounds, int kRows>
+template <bool kMasked, bool kStale = false, class Scores, class Bounds, int kRows>
 CUTE_DEVICE bool online_softmax_tile_ilp(Scores& acc_s, Bounds const& bounds,
                                          float scale_log2, float (&row_max)[kRows],
                                          float (&row_sum)[kRows], float (&scale_row)[kRows]) {
@@ -278,15 +252,19 @@ CUTE_DEVICE bool online_softmax_tile_ilp(Scores& acc_s, Bounds const& bounds,
   bool keep = kStale;
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
-    [[maybe_unused]] ColumnMask<kBitMask, size<1>(decltype(s){})> visible{};
-    if constexpr (kMasked) visible = row_mask<kBitMask, size<1>(decltype(s){})>(bounds, i);
+    [[maybe_unused]] uint32_t visible = 0;
+    if constexpr (kMasked) {
+      int lo, hi;
+      bounds(i, lo, hi);
+      visible = visible_columns<size<1>(decltype(s){})>(lo, hi);
+    }
     float part[kChains];
     CUTE_UNROLL
     for (int c = 0; c < kChains; ++c) part[c] = -INFINITY;
     CUTE_UNROLL
     for (int j = 0; j < size<1>(s); ++j) {
       if constexpr (kMasked) {
-        if (!visible.keeps(j)) s(i, j) = -INFINITY;
+        if (!(visible & (1u << j))) s(i, j) = -INFINITY;
       }
       part[j % kChains] = fmaxf(part[j % kChains], s(i, j));
     }
@@ -644,12 +622,12 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       if constexpr (Cfg::kSoftmaxIlp) {
         constexpr bool kStale = Cfg::kStaleMax;
         if (masked)
-          rescale = online_softmax_tile_ilp<true, kStale, false>(acc_s, bounds, p.scale_log2, row_max, row_sum, scale_row);
+          rescale = online_softmax_tile_ilp<true, kStale>(acc_s, bounds, p.scale_log2, row_max, row_sum, scale_row);
         else
           rescale = online_softmax_tile_ilp<false, kStale>(acc_s, bounds, p.scale_log2, row_max, row_sum, scale_row);
       } else {
         if (masked)
-          online_softmax_tile<true, false>(acc_s, bounds, p.scale_log2, row_max, row_sum, scale_row);
+          online_softmax_tile<true>(acc_s, bounds, p.scale_log2, row_max, row_sum, scale_row);
         else
           online_softmax_tile<false>(acc_s, bounds, p.scale_log2, row_max, row_sum, scale_row);
       }
