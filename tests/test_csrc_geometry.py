@@ -31,7 +31,6 @@ SIGNATURES = {
     "dlm_part_runs": [_INT, _INT, _INT, _INT, _INT, _INT, _INT, ctypes.POINTER(ctypes.c_int), I32],
     "dlm_balanced_schedule": [I64, _INT, _INT, I32],
     "dlm_order_schedule": [_INT, _INT, _INT, _INT, _INT, _INT, I32, _INT, _INT, _INT, _INT, _INT, _INT, I32],
-    "dlm_visible_columns": [_INT, _INT, I32, I32, ctypes.POINTER(ctypes.c_uint32)],
 }
 
 
@@ -336,22 +335,3 @@ def test_balanced_schedule_beats_the_snake_at_short_halves(lib, kind, n, batch):
     walks = _walks(order_schedule(plans, order, slots, 1, ctas, bm, bn), ctas)
     balanced = max(sum(cost[w] for w in walk) for walk in walks)
     assert snake / mean > 1.025 and balanced / mean < 1.013
-
-
-@pytest.mark.parametrize("cols", [16, 32])
-def test_visible_columns_is_the_interval_test(lib, cols):
-    # dlm/score_mask.h: the masked softmax's per-row bit mask over a thread's scores (score j at
-    # column 8 (j / 2) + j % 2 past the thread's first) against the interval test it replaces, for
-    # every interval with ends in [-20, 4 cols + 20): empty, inverted and overhanging ones included.
-    ends = torch.arange(-20, 4 * cols + 20, dtype=torch.int32)
-    lo, hi = (t.reshape(-1).contiguous() for t in torch.meshgrid(ends, ends, indexing="ij"))
-    got = torch.zeros(lo.numel(), dtype=torch.int32)  # the uint32 masks' bits
-    _call(lib.dlm_visible_columns, cols, lo.numel(), _p(lo), _p(hi),
-          ctypes.cast(got.data_ptr(), ctypes.POINTER(ctypes.c_uint32)))
-    out = got.to(torch.int64) & 0xFFFFFFFF
-    j = torch.arange(cols)
-    k = 8 * (j // 2) + j % 2
-    want_bits = (k[None, :] >= lo[:, None]) & (k[None, :] < hi[:, None])
-    want = (want_bits.to(torch.int64) << j[None, :]).sum(dim=1)
-    assert torch.equal(out, want)
-    assert lib.dlm_visible_columns(24, 1, _p(lo), _p(hi), ctypes.cast(got.data_ptr(), ctypes.POINTER(ctypes.c_uint32))) == -1

@@ -1,5 +1,4 @@
-// A C ABI over csrc/include/dlm/geometry.h (and dlm/score_mask.h), for tests/test_csrc_geometry.py
-// (through ctypes).
+// A C ABI over csrc/include/dlm/geometry.h, for tests/test_csrc_geometry.py (through ctypes).
 //
 // Plain g++ builds it in 0.4 s on 2 cores, where torch.utils.cpp_extension.load took 42 s for one
 // of these functions (torch's headers, 22 s of CPU), so the CPU suite proves cheaply that the
@@ -9,7 +8,6 @@
 #include <vector>
 
 #include "dlm/geometry.h"
-#include "dlm/score_mask.h"
 
 namespace {
 
@@ -179,18 +177,6 @@ int dlm_order_schedule(int nn, int nc, int bs, int block_m, int block_n, int tra
   const std::vector<int32_t> sched =
       dlm::order_schedule(plans, order, entries, dlm::WorkOrder{slots, chunk, block}, weight, ctas);
   std::copy(sched.begin(), sched.end(), out);
-  return 0;
-}
-
-// out[i] = visible_columns<cols>(lo[i], hi[i]) for the thread column counts the kernels use.
-int dlm_visible_columns(int cols, int count, const int32_t* lo, const int32_t* hi, uint32_t* out) {
-  for (int i = 0; i < count; ++i) {
-    switch (cols) {
-      case 16: out[i] = dlm::visible_columns<16>(lo[i], hi[i]); break;
-      case 32: out[i] = dlm::visible_columns<32>(lo[i], hi[i]); break;
-      default: return -1;
-    }
-  }
   return 0;
 }
 

@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "dlm/score_mask.h"
 #include "hopper/common.cuh"
 
 namespace dlm::sm90 {
@@ -160,42 +159,32 @@ constexpr int kTurnBarrier = 1;
 CUTE_DEVICE void named_barrier_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id)); }
 CUTE_DEVICE void named_barrier_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id)); }
 
-// Whether Scores' row-column view is one wgmma atom's accumulator: ((2, 2, V), M, 1), so that its
-// column j is (j % 2, j / 2) of the atom (what dlm/score_mask.h assumes).
-template <class Layout>
-constexpr bool one_atom_accumulator() {
-  return rank_v<decltype(get<0>(Layout{}))> == 3 && size<0, 0>(Layout{}) == 2 &&
-         size<0, 1>(Layout{}) == 2 && size<2>(Layout{}) == 1;
-}
-
 // One tile of the online softmax, in base 2, on the scores this thread holds (two rows): scales
 // by scale_log2, masks (kMasked) as selects, updates the running max and the quad-partial row
 // sums, leaves exp2(s - max) in s and the factor that rescales the accumulator in scale_row.
 // kMasked: `bounds(i, lo, hi)` gives row i's visible keys as the interval [lo, hi) of this
-// thread's columns, relative to its first one (dlm/score_mask.h: a bit test per score).
+// thread's columns, relative to its first one (a compare with a constant per bound and score).
 // The mask is decided per tile, as a template argument: v4 tested a runtime `masked` flag inside
 // the element loop, and ptxas kept a BSSY / ISETP / BRA / BSYNC group around every score's mask
 // (64 per tile and thread), FULL tiles included; taking it out of the loop measured 1.46-1.72x
 // faster (csrc/NOTES.md, v5).
-template <bool kMasked, class Scores, class Bounds, int kRows>
-CUTE_DEVICE void online_softmax_tile(Scores& acc_s, Bounds const& bounds,
+template <bool kMasked, class Scores, class Coords, class Bounds, int kRows>
+CUTE_DEVICE void online_softmax_tile(Scores& acc_s, Coords const& tScS_rc, Bounds const& bounds,
                                      float scale_log2, float (&row_max)[kRows],
                                      float (&row_sum)[kRows], float (&scale_row)[kRows]) {
   Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
-  static_assert(!kMasked || one_atom_accumulator<decltype(acc_s.layout())>());
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
     float mx = row_max[i];
-    [[maybe_unused]] uint32_t visible = 0;
-    if constexpr (kMasked) {
-      int lo, hi;
-      bounds(i, lo, hi);
-      visible = visible_columns<size<1>(decltype(s){})>(lo, hi);
-    }
+    [[maybe_unused]] int lo = 0, hi = 0;
+    if constexpr (kMasked) bounds(i, lo, hi);
     CUTE_UNROLL
     for (int j = 0; j < size<1>(s); ++j) {
       float x = s(i, j) * scale_log2;
-      if constexpr (kMasked) x = visible & (1u << j) ? x : -INFINITY;
+      if constexpr (kMasked) {
+        const int k = get<1>(tScS_rc(i, j)) - get<1>(tScS_rc(i, 0));
+        x = k < lo || k >= hi ? -INFINITY : x;
+      }
       s(i, j) = x;
       mx = fmaxf(mx, x);
     }
@@ -240,31 +229,27 @@ constexpr float kStaleMaxBound = 8.f;
 // the A/A column read 0.975 there); the sparse forward at D = 64 (its harness, S 16K-64K): four
 // chains 1.011-1.057x, with the stale max 0.962-1.005x.
 constexpr bool fwd_stale_max(int d) { return d >= 128; }
-template <bool kMasked, bool kStale = false, class Scores, class Bounds, int kRows>
-CUTE_DEVICE bool online_softmax_tile_ilp(Scores& acc_s, Bounds const& bounds,
+template <bool kMasked, bool kStale = false, class Scores, class Coords, class Bounds, int kRows>
+CUTE_DEVICE bool online_softmax_tile_ilp(Scores& acc_s, Coords const& tScS_rc, Bounds const& bounds,
                                          float scale_log2, float (&row_max)[kRows],
                                          float (&row_sum)[kRows], float (&scale_row)[kRows]) {
   constexpr int kChains = 4;
   Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
   static_assert(size<1>(decltype(s){}) % kChains == 0, "columns per thread: a multiple of the chains");
-  static_assert(!kMasked || one_atom_accumulator<decltype(acc_s.layout())>());
   float new_max[kRows];
   bool keep = kStale;
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
-    [[maybe_unused]] uint32_t visible = 0;
-    if constexpr (kMasked) {
-      int lo, hi;
-      bounds(i, lo, hi);
-      visible = visible_columns<size<1>(decltype(s){})>(lo, hi);
-    }
+    [[maybe_unused]] int lo = 0, hi = 0;
+    if constexpr (kMasked) bounds(i, lo, hi);
     float part[kChains];
     CUTE_UNROLL
     for (int c = 0; c < kChains; ++c) part[c] = -INFINITY;
     CUTE_UNROLL
     for (int j = 0; j < size<1>(s); ++j) {
       if constexpr (kMasked) {
-        if (!(visible & (1u << j))) s(i, j) = -INFINITY;
+        const int k = get<1>(tScS_rc(i, j)) - get<1>(tScS_rc(i, 0));
+        if (k < lo || k >= hi) s(i, j) = -INFINITY;
       }
       part[j % kChains] = fmaxf(part[j % kChains], s(i, j));
     }
@@ -622,14 +607,14 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       if constexpr (Cfg::kSoftmaxIlp) {
         constexpr bool kStale = Cfg::kStaleMax;
         if (masked)
-          rescale = online_softmax_tile_ilp<true, kStale>(acc_s, bounds, p.scale_log2, row_max, row_sum, scale_row);
+          rescale = online_softmax_tile_ilp<true, kStale>(acc_s, tScS_rc, bounds, p.scale_log2, row_max, row_sum, scale_row);
         else
-          rescale = online_softmax_tile_ilp<false, kStale>(acc_s, bounds, p.scale_log2, row_max, row_sum, scale_row);
+          rescale = online_softmax_tile_ilp<false, kStale>(acc_s, tScS_rc, bounds, p.scale_log2, row_max, row_sum, scale_row);
       } else {
         if (masked)
-          online_softmax_tile<true>(acc_s, bounds, p.scale_log2, row_max, row_sum, scale_row);
+          online_softmax_tile<true>(acc_s, tScS_rc, bounds, p.scale_log2, row_max, row_sum, scale_row);
         else
-          online_softmax_tile<false>(acc_s, bounds, p.scale_log2, row_max, row_sum, scale_row);
+          online_softmax_tile<false>(acc_s, tScS_rc, bounds, p.scale_log2, row_max, row_sum, scale_row);
       }
 
       warpgroup_wait<0>();  // P_{j-1} V_{j-1} is in acc_o, and p_elem is free again

@@ -158,10 +158,10 @@ CUTE_DEVICE bool online_softmax(Scores& acc_s, Coords const& tScS_rc, Visit cons
     hi = imin(first ? seen[i].first.hi : seen[i].second.hi, visit.end) - base;
   };
   if constexpr (!std::is_void_v<Cfg>) {
-    return online_softmax_tile_ilp<kMasked, Cfg::kStaleMax>(acc_s, bounds, scale_log2, row_max,
+    return online_softmax_tile_ilp<kMasked, Cfg::kStaleMax>(acc_s, tScS_rc, bounds, scale_log2, row_max,
                                                             row_sum, scale_row);
   } else {
-    online_softmax_tile<kMasked>(acc_s, bounds, scale_log2, row_max, row_sum, scale_row);
+    online_softmax_tile<kMasked>(acc_s, tScS_rc, bounds, scale_log2, row_max, row_sum, scale_row);
     return true;
   }
 }
