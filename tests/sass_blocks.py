@@ -14,23 +14,20 @@ from __future__ import annotations
 
 import collections
 import re
-import subprocess
 import sys
 
-from tests.sass_diff import cuobjdump, library
+from tests.sass_diff import cuobjdump, library, parse_sass_lines, run_cuobjdump
 
 OPCODES = ("HGMMA", "MUFU.EX2", "MUFU.RCP", "FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "F2FP", "SHFL",
            "LDS", "STS", "LDG", "STG", "SYNCS", "BAR")
-_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;")
 _TARGET = re.compile(r"\bBRA(?:\.[A-Z.]+)?\s.*?(0x[0-9a-f]+)\s*$")
 
 
 def kernel_lines(sass: str, pattern: str) -> tuple[str, list[tuple[int, str]]]:
     """(mangled name, [(address, instruction)]) of the first kernel whose name matches pattern."""
-    for part in re.split(r"\n\s*Function : ", sass)[1:]:
-        name, body = part.split("\n", 1)
+    for name, lines in parse_sass_lines(sass).items():
         if re.search(pattern, name):
-            return name.strip(), [(int(m.group(1), 16), m.group(2)) for m in map(_LINE.match, body.splitlines()) if m]
+            return name, lines
     raise SystemExit(f"no kernel matches {pattern!r}")
 
 
@@ -75,10 +72,7 @@ def main(argv: list[str]) -> int:
     if tool is None:
         print("cuobjdump not found: set CUDA_HOME, or install triton (its wheel carries one)")
         return 2
-    out = subprocess.run([tool, "-sass", str(library(argv[0]))], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"cuobjdump failed: {out.stderr.strip()[-500:]}")
-    name, lines = kernel_lines(out.stdout, argv[1])
+    name, lines = kernel_lines(run_cuobjdump(tool, "-sass", library(argv[0])), argv[1])
     blocks = basic_blocks(lines)
     print(f"{name}: {len(lines)} instructions, {len(blocks)} blocks")
     for block in blocks:

@@ -77,20 +77,33 @@ def cuobjdump() -> str | None:
         return None
 
 
-def parse_sass(text: str) -> dict[str, list[str]]:
-    """cuobjdump -sass output -> {mangled kernel name: instruction texts in order}."""
-    kernels: dict[str, list[str]] = {}
+def parse_sass_lines(text: str) -> dict[str, list[tuple[int, str]]]:
+    """cuobjdump -sass output -> {mangled kernel name: [(address, instruction text)] in order}."""
+    kernels: dict[str, list[tuple[int, str]]] = {}
     current = None
     for line in text.splitlines():
         header = re.match(r"\s*Function : (\S+)", line)
         if header:
             current = kernels.setdefault(header.group(1), [])
             continue
-        if current is not None and _ADDRESS.search(line):
+        address = _ADDRESS.search(line)
+        if current is not None and address:
             ins = _ADDRESS.sub("", line).split(";")[0].strip()
             if ins:
-                current.append(ins)
+                current.append((int(address.group(0)[2:-2], 16), ins))
     return kernels
+
+
+def parse_sass(text: str) -> dict[str, list[str]]:
+    """cuobjdump -sass output -> {mangled kernel name: instruction texts in order}."""
+    return {name: [ins for _, ins in lines] for name, lines in parse_sass_lines(text).items()}
+
+
+def run_cuobjdump(tool: str, flag: str, path: Path) -> str:
+    out = subprocess.run([tool, flag, str(path)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{path}: cuobjdump {flag} failed: {out.stderr.strip()[-500:]}")
+    return out.stdout
 
 
 def parse_resources(text: str) -> dict[str, tuple[int, int]]:
@@ -114,13 +127,9 @@ def library(path: str) -> Path:
 
 
 def kernels_of(path: Path, tool: str) -> dict[str, Kernel]:
-    def run(flag: str) -> str:
-        out = subprocess.run([tool, flag, str(path)], capture_output=True, text=True)
-        if out.returncode != 0:
-            raise SystemExit(f"{path}: cuobjdump {flag} failed: {out.stderr.strip()[-500:]}")
-        return out.stdout
-    res = parse_resources(run("-res-usage"))
-    return {name: Kernel(ins, *res.get(name, (None, None))) for name, ins in parse_sass(run("-sass")).items()}
+    res = parse_resources(run_cuobjdump(tool, "-res-usage", path))
+    sass = parse_sass(run_cuobjdump(tool, "-sass", path))
+    return {name: Kernel(ins, *res.get(name, (None, None))) for name, ins in sass.items()}
 
 
 CLASSES = ("identical", "renamed", "same-ops", "differs")
