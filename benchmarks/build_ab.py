@@ -1,5 +1,5 @@
 """Two builds of the diffusion extension, each timed against cuDNN in its own processes:
-``python -m benchmarks.build_ab OTHER_DIR [--repeats 3] [--rounds 6]``.
+``python -m benchmarks.build_ab OTHER_DIR [--repeats 3] [--rounds 6] [--modes fwd,...] [--cases 0,5]``.
 
 A kernel change A/B through torch. OTHER_DIR is a build directory of the extension (e.g. the
 build of the commit before the change, under DLM_OPS_BUILD_DIR); this checkout's sources name the
@@ -9,7 +9,9 @@ the forward's shared memory 80 bytes larger in one). So the builds alternate, on
 (``--repeats`` times), and each process times ours against cuDNN causal on the halves in shuffled
 rounds, the yardstick measured beside it (DESIGN.md section 5); the table compares the builds'
 median ratios to cuDNN: bf16, 16K tokens, D = 64 / 128 / 256, GQA 32/8,
-block sizes 4 and 16; forward, backward and step. Needs an sm90 GPU.
+block sizes 4 and 16; forward, backward and step. ``--modes`` and ``--cases`` (indices into
+CASES) time a subset, so a second look at a few rows costs a fraction of the full table. Needs an
+sm90 GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +37,16 @@ def load_build(directory: str):
     return cutlass.load_built(*cutlass.built_library("dlm_diffusion_sm90", Path(directory)))
 
 
-def one_process(other: str | None, rounds: int) -> None:
+def selected(cases: str | None, modes: str | None) -> tuple[tuple, tuple]:
+    """The CASES and MODES named by the comma lists ``cases`` (indices) and ``modes``; all if None."""
+    shapes = CASES if cases is None else tuple(CASES[int(i)] for i in cases.split(","))
+    chosen = MODES if modes is None else tuple(modes.split(","))
+    if bad := [m for m in chosen if m not in MODES]:
+        raise SystemExit(f"--modes: {bad} not among {MODES}")
+    return shapes, chosen
+
+
+def one_process(other: str | None, rounds: int, shapes=CASES, modes=MODES) -> None:
     """Print 'case|mode|ours ms|cudnn ms' lines for this checkout's build, or ``other``'s."""
     import torch
     from torch.nn.attention import SDPBackend
@@ -49,16 +60,16 @@ def one_process(other: str | None, rounds: int) -> None:
         cd._EXT = load_build(other)
     elif cd._extension() is None:
         raise SystemExit("this checkout's extension did not build")
-    for shape in CASES:
+    for shape in shapes:
         case = Case(*shape)
         runs = {"ours": ours(case), "cudnn": causal_halves(case, SDPBackend.CUDNN_ATTENTION)}
-        keys = [(c, m) for c in runs for m in MODES]
+        keys = [(c, m) for c in runs for m in modes]
         iters = {}
         for c, m in keys:
             _time_once(*runs[c][m], 2)
             iters[c, m] = _calls_per_measurement(*runs[c][m])
         times = shuffled_rounds(keys, rounds, lambda k: _time_once(*runs[k[0]][k[1]], iters[k]))
-        for m in MODES:
+        for m in modes:
             t_ours, t_cudnn = (statistics.median(times[c, m]) for c in ("ours", "cudnn"))
             print(f"{case.label}|{m}|{t_ours:.4f}|{t_cudnn:.4f}", flush=True)
         del runs
@@ -70,16 +81,23 @@ def main(argv=None) -> int:
     p.add_argument("other", help="the other build directory")
     p.add_argument("--repeats", type=int, default=3, help="processes per build, alternating")
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--cases", help="comma list of indices into CASES (default: all)")
+    p.add_argument("--modes", help="comma list of fwd, bwd, step (default: all)")
     p.add_argument("--one", choices=("this", "other"), help=argparse.SUPPRESS)  # a child process
     a = p.parse_args(argv)
+    try:
+        shapes, modes = selected(a.cases, a.modes)
+    except (IndexError, ValueError):
+        raise SystemExit(f"--cases: indices into the {len(CASES)} CASES, got {a.cases!r}") from None
     if a.one:
-        one_process(a.other if a.one == "other" else None, a.rounds)
+        one_process(a.other if a.one == "other" else None, a.rounds, shapes, modes)
         return 0
     ratios = collections.defaultdict(list)  # (build, case, mode) -> cuDNN time / ours, per process
     for _ in range(a.repeats):
         for build in ("other", "this"):
             out = subprocess.run([sys.executable, "-m", "benchmarks.build_ab", a.other, "--one", build,
-                                  "--rounds", str(a.rounds)], capture_output=True, text=True, check=True)
+                                  "--rounds", str(a.rounds), *(["--cases", a.cases] if a.cases else []),
+                                  *(["--modes", a.modes] if a.modes else [])], capture_output=True, text=True, check=True)
             for line in out.stdout.splitlines():
                 label, mode, t_ours, t_cudnn = line.split("|")
                 ratios[build, label, mode].append(float(t_cudnn) / float(t_ours))

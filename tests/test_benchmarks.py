@@ -229,3 +229,20 @@ def test_build_ab_cases_are_benchmark_cases():
 
     with pytest.raises(ImportError):  # nothing built there: the loader names the file it wanted
         build_ab.load_build("/nonexistent/dlm_diffusion_sm90-torch2-cu13-nvcc13-0123456789abcdef")
+
+
+def test_build_ab_selects_cases_and_modes():
+    """--cases / --modes pick rows of the table by index and name, and reject what is not there
+    before any process starts."""
+    import pytest
+
+    from benchmarks import build_ab
+
+    assert build_ab.selected(None, None) == (build_ab.CASES, build_ab.MODES)
+    shapes, modes = build_ab.selected("0,5", "fwd")
+    assert shapes == (build_ab.CASES[0], build_ab.CASES[5]) and modes == ("fwd",)
+    with pytest.raises(SystemExit, match="--modes"):
+        build_ab.selected(None, "fwd,forward")
+    for bad in ("99", "x"):
+        with pytest.raises(SystemExit, match="--cases"):
+            build_ab.main(["/nowhere", "--cases", bad])
