@@ -216,6 +216,22 @@ def test_softcap_head_dims_alignment_and_failed_builds_fall_back(fake, monkeypat
     assert cd.STATS["fwd_fallback"] == 4 and cd.STATS["bwd_fallback"] == 4
 
 
+@given(st.lists(st.integers(1, 5), min_size=4, max_size=4), st.permutations(range(4)),
+       st.integers(0, 9), st.sampled_from([torch.bfloat16, torch.float32]))
+def test_tma_ready_is_its_definition(shape, order, offset, dtype):
+    """tma_ready: unit stride in D, a 16-byte aligned start and every other stride a multiple of 16
+    bytes, on permuted and offset views of one storage."""
+    from dlm_ops.backends import cutlass
+
+    base = torch.empty(offset + 2 * 8 * 125 * 16, dtype=dtype)  # room for any shape below
+    dims = [shape[i] * (8 if i == order[-1] else 1) for i in range(4)]
+    t = base[offset:offset + torch.Size(dims).numel()].view(dims).permute(*order)
+    size = t.element_size()
+    expected = (t.stride(3) == 1 and t.data_ptr() % 16 == 0
+                and all(t.stride(i) * size % 16 == 0 for i in range(3)))
+    assert cutlass.tma_ready(t) == expected
+
+
 def test_backward_scratch_is_padded_and_aligned(fake):
     """lse2 / delta: B * H * S floats plus the pad the odd-length dK/dV kernel reads (the
     preprocess kernel zeroes it: no fill launch here), each 16-byte aligned; dout in a layout TMA

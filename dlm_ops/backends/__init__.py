@@ -31,8 +31,9 @@ from . import cutlass_diffusion  # noqa: E402,F401  registers "cutlass" (needs r
 
 def _auto_reasons(b: Backend, problem: Problem) -> list[str]:
     reasons = b.not_supported_reasons(problem)
-    if not reasons and b.auto_device_types is not None and problem.device_type not in b.auto_device_types:
-        where = (f"only on {sorted(b.auto_device_types)}" if b.auto_device_types
+    auto = b.auto_device_types  # read once: a property that may read the environment
+    if not reasons and auto is not None and problem.device_type not in auto:
+        where = (f"only on {sorted(auto)}" if auto
                  else f"only when {b.opt_in}" if b.opt_in else "never")
         reasons.append(f"chosen automatically {where} (force it with backend={b.name!r})")
     return reasons

