@@ -112,13 +112,6 @@ TRITON_DEVICES = frozenset({"cuda", "cpu"} if INTERPRET else {"cuda"})
 TRITON_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
 
-@lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    """A GPU's compute capability, read once: dispatch asks on every call (twice per training
-    step), and torch reads the device's properties each time."""
-    return torch.cuda.get_device_capability(device_index)
-
-
 class TritonEligibility:
     """What every Triton backend refuses, whatever its family: CPU tensors unless the interpreter
     is on (and then only when forced: ``auto_device_types``), GPUs older than sm75, bf16 before
@@ -135,7 +128,7 @@ class TritonEligibility:
         if problem.device_type == "cpu" and not INTERPRET:
             reasons.append("TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests")
         if problem.device_type == "cuda" and torch.cuda.is_available():
-            major, minor = _capability(torch.cuda.current_device())
+            major, minor = torch.cuda.get_device_capability()
             if (major, minor) < (7, 5):
                 reasons.append(f"Triton needs compute capability >= 7.5, this GPU has {major}.{minor}")
             elif problem.dtype == torch.bfloat16 and major < 8:
