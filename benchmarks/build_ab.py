@@ -1,5 +1,5 @@
 """Two builds of the diffusion extension, each timed against cuDNN in its own processes:
-``python -m benchmarks.build_ab OTHER_DIR [--repeats 3] [--rounds 6] [--modes fwd,...] [--cases 0,5]``.
+``python -m benchmarks.build_ab OTHER_DIR [--repeats 3] [--rounds 6] [--cases 0,5] [--modes fwd]``.
 
 A kernel change A/B through torch. OTHER_DIR is a build directory of the extension (e.g. the
 build of the commit before the change, under DLM_OPS_BUILD_DIR); this checkout's sources name the
@@ -38,7 +38,7 @@ def load_build(directory: str):
 
 
 def selected(cases: str | None, modes: str | None) -> tuple[tuple, tuple]:
-    """The CASES and MODES named by the comma lists ``cases`` (indices) and ``modes``; all if None."""
+    """The CASES and MODES named by the comma lists ``cases`` (indices) and ``modes`` (None: all)."""
     shapes = CASES if cases is None else tuple(CASES[int(i)] for i in cases.split(","))
     chosen = MODES if modes is None else tuple(modes.split(","))
     if bad := [m for m in chosen if m not in MODES]:
@@ -95,9 +95,11 @@ def main(argv=None) -> int:
     ratios = collections.defaultdict(list)  # (build, case, mode) -> cuDNN time / ours, per process
     for _ in range(a.repeats):
         for build in ("other", "this"):
+            subset = [*(["--cases", a.cases] if a.cases else []),
+                      *(["--modes", a.modes] if a.modes else [])]
             out = subprocess.run([sys.executable, "-m", "benchmarks.build_ab", a.other, "--one", build,
-                                  "--rounds", str(a.rounds), *(["--cases", a.cases] if a.cases else []),
-                                  *(["--modes", a.modes] if a.modes else [])], capture_output=True, text=True, check=True)
+                                  "--rounds", str(a.rounds), *subset],
+                                 capture_output=True, text=True, check=True)
             for line in out.stdout.splitlines():
                 label, mode, t_ours, t_cudnn = line.split("|")
                 ratios[build, label, mode].append(float(t_cudnn) / float(t_ours))
