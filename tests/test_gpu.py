@@ -110,7 +110,7 @@ def test_backward_is_bitwise_reproducible(deterministic):
 @pytest.mark.parametrize("n,heads", [(1024, (4, 4)), (1000, (8, 2))])
 def test_training_step_replays_from_a_cuda_graph(n, heads):
     """The README's remedy for a host-bound step at short n: forward and backward captured in one
-    CUDA graph (after warm-up on a side stream) and replayed on new inputs, copied into the
+    CUDA graph (benchmarks.step_gap's capture) and replayed on new inputs, copied into the
     captured tensors, equal an eager step on those inputs bitwise (the backward is deterministic
     by default). n = 1024: halves on the 128 grid (the dS backward); 1000: off it, GQA."""
     q, k, v = (t.requires_grad_() for t in _qkv(2, 2 * n, *heads, 128, torch.bfloat16))
@@ -121,20 +121,14 @@ def test_training_step_replays_from_a_cuda_graph(n, heads):
         out = dlm_ops.diffusion_attn_func(q, k, v, 16)
         result["out"], result["grads"] = out, torch.autograd.grad(out, (q, k, v), dout)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    from benchmarks.step_gap import graphed  # warm-up on a side stream, then one capture
+
+    replay = graphed(step)
     fresh = _qkv(2, 2 * n, *heads, 128, torch.bfloat16, seed=1)
     with torch.no_grad():
         for static, new in zip((q, k, v), fresh):
             static.copy_(new)
-    graph.replay()
+    replay()
     torch.cuda.synchronize()
     inputs = [t.clone().requires_grad_() for t in fresh]
     out = dlm_ops.diffusion_attn_func(*inputs, 16)
