@@ -181,6 +181,8 @@ def test_torch_compile_on_cuda():
     (256, 16, 128, (4, 4), "bd3"), (512, 1, 128, (8, 2), "bd3"), (384, 5, 64, (4, 1), "bd3"),
     (1024, 300, 128, (2, 2), "bd3"), (256, 4, 64, (4, 2), "packed"), (256, 16, 128, (4, 2), "causal"),
     (256, 16, 256, (4, 2), "bd3"),  # 128 x 64 tiles
+    # block sizes dividing 64 up to 64: the noisy diagonal's narrow visit (diffusion_fwd.cuh)
+    (256, 64, 128, (4, 4), "bd3"), (384, 32, 64, (4, 2), "bd3"),
 ])
 def test_cutlass_forward(monkeypatch, dtype, n, block_size, d, heads, layout):
     """The sm90 CUTLASS forward (csrc/hopper/diffusion_fwd.cuh), forced for every head dim it

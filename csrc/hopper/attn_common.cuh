@@ -43,9 +43,11 @@ struct OStaging<Elem, 0> {};
 // SOFTMAX_ILP_: online_softmax_tile_ilp, the tile's softmax with its row max and row sum in four
 // independent chains and the scale folded into the exponent's FFMA. STALE_MAX_ (with it): a warp
 // keeps its rows' maxima while none grows by more than kStaleMaxBound, and then skips the O rescale.
+// NARROW_DIAG_ (the diffusion forward only; BM = BN = 128): where block_size divides 64, each consumer
+// visits a noisy tile's diagonal noisy tile at the 64 keys its 64 rows can see (diffusion_fwd.cuh).
 template <class Elem_, int D_, int BM_ = 128, int BN_ = 128, int STAGES_ = 2, bool PINGPONG_ = true,
           int START_ = kStartTile, int QSTAGES_ = 1, bool SMEM_O_ = false, bool SOFTMAX_ILP_ = false,
-          bool STALE_MAX_ = false>
+          bool STALE_MAX_ = false, bool NARROW_DIAG_ = false>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int D = D_, BM = BM_, BN = BN_, STAGES = STAGES_, QSTAGES = QSTAGES_;
@@ -58,6 +60,8 @@ struct FwdConfig {
   static constexpr int kConsumers = BM / kConsumerRows;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static_assert(kConsumers == 2, "the register split below assumes two consumer warpgroups");
+  static constexpr bool kNarrowDiag = NARROW_DIAG_;
+  static_assert(!kNarrowDiag || (BM == 128 && BN == 128), "a narrow visit is one consumer's half of a 128-key tile");
 
   // 128-byte swizzled, K-major (head dim contiguous), the layout TMA writes and wgmma reads.
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
@@ -72,6 +76,12 @@ struct FwdConfig {
       SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<BN>, Int<D>>>()));
   using MmaO = decltype(make_tiled_mma(
       SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<D>, Int<BN>>,
+                                 GMMA::Major::K, GMMA::Major::MN>()));
+  // The narrow visit's S = Q K^T over kConsumerRows keys and its O += P V over them.
+  using MmaSNarrow = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<kConsumerRows>, Int<D>>>()));
+  using MmaONarrow = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<Int<kConsumerRows>, Int<D>, Int<kConsumerRows>>,
                                  GMMA::Major::K, GMMA::Major::MN>()));
 
   // Each consumer's kConsumerRows x D tile of O, staged for the TMA store (kSmemO).

@@ -22,9 +22,10 @@
 // mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy 0). Tiles that
 // run past a half's end are masked by column, so the next half's rows they load get probability 0.
 //
-// Versions, predictions and measurements: csrc/NOTES.md (this is v8: v6's TMA-store epilogue, v7's
+// Versions, predictions and measurements: csrc/NOTES.md (this is v9: v6's TMA-store epilogue, v7's
 // work items decoded once by the producer (FwdItem), v8's item trimmed: no O rescale at its first
-// visit, O staged with one XOR per 16-byte chunk, 1 / l on the SFU).
+// visit, O staged with one XOR per 16-byte chunk, 1 / l on the SFU; v9's noisy diagonal visited at
+// 64 keys per consumer where block_size divides 64, narrow_visit).
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2 (s2 = q.k * scale * log2 e), lse
 // stored in natural log, (B, H, S) fp32.
@@ -189,6 +190,67 @@ CUTE_DEVICE Visit step_visit(TilePlans const& plans, int kt, bool run0, Interval
   return {t.lo, t.hi, visit_full<Cfg::BN>(all, t.lo, t.hi)};
 }
 
+// Whether an item's first visit runs narrow (Cfg::kNarrowDiag): a noisy query tile's run 0 is its own
+// diagonal noisy tile, whose rows see only their own block. Where block_size divides 64, the 64 rows
+// of consumer c (rows [64c, 64c + 64) of the tile) see only keys [64c, 64c + 64) of it, so each
+// consumer computes S over those 64 keys alone (m64n64) and O += P V over them (k = 64): half the
+// matmuls and half the softmax of a full visit. At n = 1K these are 8 of a (batch, head)'s 80 visits
+// (block 16: 1/8 of the tile visible), the 8 the causal halves do not have (csrc/NOTES.md "Session 29").
+template <class Cfg>
+CUTE_DEVICE bool narrow_first_visit(SequenceMask const& mask, Interval q_tile, TileRuns const& runs) {
+  if constexpr (!Cfg::kNarrowDiag) {
+    return false;
+  } else {
+    return q_tile.lo < mask.n_noisy && runs.end[0] - runs.begin[0] == 1 &&
+           Cfg::kConsumerRows % mask.block_size == 0;
+  }
+}
+
+// The narrow visit of ring position (stage, phase), whole: S over this consumer's 64 keys, the
+// masked softmax (the item's first visit: O holds nothing yet), O = P V, the stage released. Its
+// P V is waited for here, not overlapped with the next visit's softmax as a full visit's is: left
+// in flight across the branch that calls this, it made ptxas serialize every wgmma of the kernel
+// (C7518, nvcc 13.0). The other consumer's turn keeps the tensor cores busy meanwhile.
+template <class Cfg, class SQc, class SK, class SVt, class AccO, int kRows>
+CUTE_DEVICE void narrow_visit(typename Cfg::SharedStorage& ss, SQc const& sQc, SK const& sK, SVt const& sVt,
+                              int qbuf, int stage, int phase, AccO& acc_o, Visit const& tile,
+                              Intervals const (&seen)[kRows], float scale_log2, float (&row_max)[kRows],
+                              float (&row_sum)[kRows], float (&scale_row)[kRows], int consumer, int tid) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using Elem = typename Cfg::Elem;
+  constexpr int W = Cfg::kConsumerRows, D = Cfg::D;
+  typename Cfg::MmaSNarrow mma_s;
+  typename Cfg::MmaONarrow mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQc);  // (MMA, M, K, QSTAGES)
+  Tensor tSrK = thr_s.partition_fragment_B(local_tile(sK, Shape<Int<W>, Int<D>>{}, make_coord(consumer, 0)));
+  Tensor tOrV = thr_o.partition_fragment_B(local_tile(sVt, Shape<Int<D>, Int<W>>{}, make_coord(0, consumer)));
+  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<W>, Int<W>>{});
+  Tensor p_elem = make_fragment_like<Elem>(acc_s);
+  Tensor tOrP = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
+  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<W>, Int<W>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+
+  Barrier::wait(&ss.k_full[stage], phase);
+  if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
+  gemm_fresh(mma_s, tSrQ(_, _, _, qbuf), tSrK(_, _, _, stage), acc_s);
+  warpgroup_wait<0>();
+  if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
+  warpgroup_fence_operand(acc_s);
+  Barrier::arrive(&ss.k_empty[stage]);
+  // Keys past a short tile's end (its half's) stay masked, as in a full visit.
+  const Visit mine{tile.start + consumer * W, imin(tile.start + (consumer + 1) * W, tile.end), false};
+  online_softmax<true, Cfg>(acc_s, tScS_rc, mine, seen, scale_log2, row_max, row_sum, scale_row);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
+  Barrier::wait(&ss.v_full[stage], phase);
+  gemm_fresh(mma_o, tOrP, tOrV(_, _, _, stage), acc_o);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc_o);
+  Barrier::arrive(&ss.v_empty[stage]);
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     diffusion_fwd_kernel(__grid_constant__ const FwdParams<Cfg> p) {
@@ -327,22 +389,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     Barrier::wait(&ss.q_full[qs.buf], qs.phase);
     trace_event<Cfg>(item, ev + 1);
     if (consumer == 0) trace_value<Cfg>(item, kTraceTiles, n_tiles);
+    // j0: the loop's first visit (1 after a narrow one).
+    int j0 = 0;
+    if (narrow_first_visit<Cfg>(mask, q_tile, runs)) {
+      narrow_visit<Cfg>(ss, sQc, sK, sVt, qs.buf, it % STAGES, (it / STAGES) & 1, acc_o,
+                        step_visit<Cfg>(plans, runs.begin[0], true, all_keys), seen, p.scale_log2,
+                        row_max, row_sum, scale_row, consumer, tid);
+      j0 = 1;
+      ++it;
+    }
 
-    for (int j = 0; j < n_tiles; ++j, ++it) {
+    for (int j = j0; j < n_tiles; ++j, ++it) {
       const int stage = it % STAGES, phase = (it / STAGES) & 1;
       const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it - 1) / STAGES) & 1;
       const int kt = j < n_first ? runs.begin[0] + j : runs.begin[1] + (j - n_first);
       const Visit visit = step_visit<Cfg>(plans, kt, j < n_first, all_keys);
       Barrier::wait(&ss.k_full[stage], phase);
-      if (j > 0) Barrier::wait(&ss.v_full[prev], prev_phase);
+      if (j > j0) Barrier::wait(&ss.v_full[prev], prev_phase);
       if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
-      if (j == 0) trace_event<Cfg>(item, ev + 2);
+      if (j == j0) trace_event<Cfg>(item, ev + 2);
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
       gemm_fresh(mma_s, tSrQ(_, _, _, qs.buf), tSrK(_, _, _, stage), acc_s);
-      if (j > 0) gemm_batch(mma_o, tOrP, tOrV(_, _, _, prev), acc_o, false);
-      if (j > 0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
-      if (j == 0) trace_event<Cfg>(item, ev + 3);
+      if (j > j0) gemm_batch(mma_o, tOrP, tOrV(_, _, _, prev), acc_o, false);
+      if (j > j0) warpgroup_wait<1>(); else warpgroup_wait<0>();  // S_j is ready
+      if (j == j0) trace_event<Cfg>(item, ev + 3);
       // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
       // serialize the wgmmas (warning C7514; nvcc 13.0). The other consumer's S then queues behind
       // our P V, which keeps the tensor cores busy all the same.
@@ -366,7 +437,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
       warpgroup_wait<0>();  // P_{j-1} V_{j-1} is in acc_o, and p_elem is free again
       warpgroup_fence_operand(acc_o);
-      if (j > 0) Barrier::arrive(&ss.v_empty[prev]);
+      if (j > j0) Barrier::arrive(&ss.v_empty[prev]);
       Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
       // O is still zero at the first visit (j == 0): no rescale. kStaleMax: a warp-uniform branch.
       if (j > 0 && (!Cfg::kStaleMax || rescale)) {
@@ -377,13 +448,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
-      if (j == 0) trace_event<Cfg>(item, ev + 4);
+      if (j == j0) trace_event<Cfg>(item, ev + 4);
     }
     trace_event<Cfg>(item, ev + 5);
     // The consumers' last S of this item has read Q: the producer may load the next item's (one
     // arrival after the loop, not a test in every step).
     Barrier::arrive(&ss.q_empty[qs.buf]);
-    if (n_tiles > 0) {  // the last tile's O += P V
+    if (n_tiles > j0) {  // the last tile's O += P V (none after a lone narrow visit: done whole)
       const int last = (it - 1) % STAGES;
       Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
       gemm_batch(mma_o, tOrP, tOrV(_, _, _, last), acc_o, false);
@@ -474,7 +545,7 @@ cudaError_t launch_fwd_cfg(const FwdArgs& a) {
 constexpr bool fwd_smem_o(int d) { return d <= 128; }
 template <class Elem, int D, int START>
 using FwdShipped = FwdConfig<Elem, D, kFwdBlockM, fwd_block_n(D), kFwdStages, true, START, 1,
-                             fwd_smem_o(D), true, fwd_stale_max(D)>;
+                             fwd_smem_o(D), true, fwd_stale_max(D), fwd_block_n(D) == kFwdBlockM>;
 
 // START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, tile_sample and
 // cu_seqlens set).

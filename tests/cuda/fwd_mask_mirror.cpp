@@ -6,10 +6,11 @@
 // logic must be made here too.
 //
 //   fwd_mask_mirror MODE N BS BN   one shape: prints the first wrong rows, then "bad <rows>"
-//   fwd_mask_mirror MODE NMAX      n in 1..NMAX x bs in {1, 5, 16, 64, 100, 128, 200, 256, 300,
-//                                  500, 700} x BN in {128, 64}: "failing <shapes>"
+//   fwd_mask_mirror MODE NMAX      n in 1..NMAX x bs in {1, 4, 5, 16, 32, 64, 100, 128, 200, 256,
+//                                  300, 500, 700} x BN in {128, 64}: "failing <shapes>"
 // MODE 0: the shipped loop (v5, e151295: FULL from hoisted bounds, which needs the full width,
-// and online_softmax<masked>'s one interval per row). MODE 1: the loop before v5 (f2a2bfb, TRIM_
+// and online_softmax<masked>'s one interval per row; v9: with BN = 128 and block sizes dividing
+// 64, a noisy tile's first visit, its diagonal, narrow: each consumer's 64 keys). MODE 1: the loop before v5 (f2a2bfb, TRIM_
 // 0), whose online_softmax took a visit as unmasked when FULL and not shorter than its `BN`, which
 // was its thread's column count (BN / 4), not the tile's: a FULL short key tile (the last of a
 // half, 116 keys at n = 500) let its keys past the half through, which failed on the H200.
@@ -47,8 +48,29 @@ static int mirror(int mode, int n, int bs, int BN, bool verbose) {
     const Intervals all_keys{{last_row.first.lo, first_row.first.hi}, {last_row.second.lo, first_row.second.hi}};
     for (int row = q_tile.lo; row < q_tile.lo + BM; ++row) {  // both consumers' 64 rows each
       const Intervals seen = mask.row_intervals(row);
+      // One interval per row, from the range that meets the visit (online_softmax's bounds).
+      auto let_through = [&](const Visit& visit, int width, bool masked, std::vector<int>& keys) {
+        const bool in_first = seen.first.hi > visit.start && seen.first.lo < visit.end;
+        const int lo = in_first ? seen.first.lo : seen.second.lo;
+        const int hi = std::min(in_first ? seen.first.hi : seen.second.hi, visit.end);
+        for (int col = visit.start; col < visit.start + width; ++col) {  // the box's keys
+          bool pass = true;
+          if (masked) pass = mode == 0 ? lo <= col && col < hi : col < visit.end && seen.contains(col);
+          if (pass) keys.push_back(col);
+        }
+      };
       std::vector<int> keys;
-      for (int j = 0; j < n_tiles; ++j) {
+      int j0 = 0;
+      // MODE 0, narrow_first_visit / narrow_visit: the consumer's 64 keys of the diagonal, masked.
+      if (mode == 0 && BN == BM && q_tile.lo < mask.n_noisy && n_first == 1 && kConsumerRows % bs == 0) {
+        const int consumer = (row - q_tile.lo) / kConsumerRows;
+        const Interval t = plans.other.tile(runs.begin[0]);
+        const Visit mine{t.lo + consumer * kConsumerRows, std::min(t.lo + (consumer + 1) * kConsumerRows, t.hi),
+                         false};
+        let_through(mine, kConsumerRows, true, keys);
+        j0 = 1;
+      }
+      for (int j = j0; j < n_tiles; ++j) {
         const int kt = j < n_first ? runs.begin[0] + j : runs.begin[1] + (j - n_first);
         Visit visit = plans.visit(qt, kt);  // MODE 1: tile_kind's FULL
         if (mode == 0) {                     // step_visit
@@ -57,16 +79,7 @@ static int mirror(int mode, int n, int bs, int BN, bool verbose) {
           visit = {t.lo, t.hi, t.hi - t.lo == BN && t.lo >= all.lo && t.hi <= all.hi};
         }
         const int width = mode == 1 ? BN / 4 : BN;
-        const bool masked = !visit.full || visit.end - visit.start < width;
-        // MODE 0: one interval per row, from the range that meets the visit.
-        const bool in_first = seen.first.hi > visit.start && seen.first.lo < visit.end;
-        const int lo = in_first ? seen.first.lo : seen.second.lo;
-        const int hi = std::min(in_first ? seen.first.hi : seen.second.hi, visit.end);
-        for (int col = visit.start; col < visit.start + BN; ++col) {  // the box's BN keys
-          bool pass = true;
-          if (masked) pass = mode == 0 ? lo <= col && col < hi : col < visit.end && seen.contains(col);
-          if (pass) keys.push_back(col);
-        }
+        let_through(visit, BN, !visit.full || visit.end - visit.start < width, keys);
       }
       if (row >= q_tile.hi) continue;  // rows past the tile are not stored
       ++stored[row];
@@ -99,7 +112,7 @@ int main(int argc, char** argv) {
   int failing = 0;
   for (int BN : {128, 64})
     for (int n = 1; n <= atoi(argv[2]); ++n)
-      for (int bs : {1, 5, 16, 64, 100, 128, 200, 256, 300, 500, 700})
+      for (int bs : {1, 4, 5, 16, 32, 64, 100, 128, 200, 256, 300, 500, 700})
         if (const int bad = mirror(mode, n, bs, BN, false); bad && ++failing <= 10)
           printf("BN=%d n=%d bs=%d: %d bad rows\n", BN, n, bs, bad);
   printf("failing %d\n", failing);
