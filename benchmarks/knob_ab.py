@@ -17,6 +17,8 @@ rounds (the main preset's method, benchmarks/__main__.py), medians, bf16, 16K to
     split-tail   cutlass_sparse.SPLIT_PARTS 0 (no split) against 4 (session 22), the block- and
                  column-sparse forwards; the H = 33 case has no tail (4224 items, 32 rounds of 132
                  CTAs): its ratio is the noise.
+    narrow-diag  NARROW_DIAG_MAX_HALF 0 (the forward without the narrow diagonal visit) against
+                 1024 (session 29); the n = 2K case runs the kernel without it under both.
     packed-ds    DS_SCRATCH_MAX_BYTES 0 (the two-kernel backward) against 8 GiB (shipped): batched
                  BD3 halves off the 128 grid, whose dS backward runs as packed samples (session
                  24), at D = 128 and 256.
@@ -76,6 +78,10 @@ KNOBS = {
                       ("fwd", "bwd", "step"),
                       (Case(4, 2048, 16, 16, 256, 16), Case(2, 4096, 16, 16, 256, 16),
                        Case(4, 2048, 16, 16, 128, 16), Case(2, 4096, 16, 16, 128, 16))),
+    "narrow-diag": Knob("NARROW_DIAG_MAX_HALF", (0, 1024), ("fwd", "step"),
+                        (Case(8, 1024, 16, 16, 128, 16), Case(8, 1024, 16, 16, 128, 4),
+                         Case(8, 1024, 32, 8, 128, 16), Case(16, 512, 16, 16, 128, 16),
+                         Case(4, 2048, 16, 16, 128, 16))),
     "packed-ds": Knob("DS_SCRATCH_MAX_BYTES", (0, cd.DS_SCRATCH_MAX_BYTES), ("bwd", "step"),
                       (Case(8, 1000, 16, 16, 128, 16), Case(8, 1000, 16, 16, 128, 4),
                        Case(2, 4000, 16, 16, 128, 16), Case(8, 1000, 32, 8, 128, 16),

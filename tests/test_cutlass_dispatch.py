@@ -89,10 +89,11 @@ class FakeExtension:
         return _i32(order_schedule(plans, _order(plans), slots, group, ctas, bm, bn, chunk, block))
 
     def fwd(self, q, k, v, out, lse, order, n_noisy, block_size, scale, max_ctas, tile_sample=None,
-            cu_seqlens=None, order_chunk=0, order_block=0):
+            cu_seqlens=None, order_chunk=0, order_block=0, narrow_diag=False):
         self.calls.append(("fwd", dict(q=q, out=out, lse=lse, order=order, n_noisy=n_noisy,
                                        max_ctas=max_ctas, tile_sample=tile_sample,
-                                       cu_seqlens=cu_seqlens, walk=(order_chunk, order_block))))
+                                       cu_seqlens=cu_seqlens, walk=(order_chunk, order_block),
+                                       narrow_diag=narrow_diag)))
         out.zero_(), lse.zero_()
 
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
@@ -554,6 +555,32 @@ def test_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced
         assert bwd["dkdv_schedule"] is None
     if balanced and (b, nn, d) in ((8, 1024, 128), (4, 1024, 64)):  # the cases it is for: built
         assert bwd["dkdv_schedule"] is not None
+
+
+@pytest.mark.parametrize("b,nn,h,hkv,d,bs,narrow", [
+    (8, 1024, 16, 16, 128, 16, True),     # the measured gain: n = 1K, block 16 and 4
+    (8, 1024, 16, 16, 128, 4, True),
+    (8, 1024, 32, 8, 128, 1, True),       # GQA: the kernel's visits do not depend on it
+    (8, 1000, 16, 16, 128, 16, True),     # odd halves: the kernel's tiles start at each half's start
+    (8, 1024, 16, 16, 128, 48, False),    # a block size not dividing 64: no narrow visit
+    (8, 1024, 16, 16, 128, 128, False),
+    (4, 2048, 16, 16, 128, 16, False),    # n = 2K: the narrow kernel measured 0.99x
+    (8, 1024, 16, 16, 64, 16, False),     # not built at D = 64 and 256
+    (8, 1024, 16, 16, 256, 16, False),
+])
+def test_narrow_diagonal_kernel_for_short_halves(fake, b, nn, h, hkv, d, bs, narrow):
+    """Batched BD3 forwards ask for the kernel with the noisy diagonal's narrow visit
+    (NARROW_DIAG_*) at D = 128 where halves are at most NARROW_DIAG_MAX_HALF and the block size
+    divides 64; block-causal calls (no noisy half) and packed samples never do."""
+    q, k, v = _batched(b, nn, nn, h, hkv, d)
+    cd.CutlassDiffusionBackend().fwd(q, k, v, SequenceMask(nn, nn, bs), 0.1, 0.0, False)
+    assert fake.calls[-1][1]["narrow_diag"] is narrow
+    q, k, v = _batched(b, 0, 2 * nn, h, hkv, d)
+    cd.CutlassDiffusionBackend().fwd(q, k, v, SequenceMask(0, 2 * nn, bs), 0.1, 0.0, False)
+    assert fake.calls[-1][1]["narrow_diag"] is False
+    q, k, v, mask = _packed([nn] * 2, h, hkv, d)
+    cd.CutlassDiffusionBackend().varlen_fwd(q, k, v, mask, 0.1, 0.0, False)
+    assert fake.calls[-1][1]["narrow_diag"] is False
 
 
 @pytest.mark.parametrize("b,nn,h,hkv,d,ds,walked", [

@@ -54,10 +54,12 @@ struct LaunchFwd {
 // cu_seqlens the (num_samples + 1,) int32 offsets on the device; n_noisy is then unused (every
 // sample is block_diffusion(its length, block_size)). order_chunk / order_block: the walk over the
 // (tile, batch * head) work (hopper/common.cuh work_order; 0, 0: the plain entry-major order).
+// narrow_diag: the kernel with the noisy diagonal's narrow visit, where one is built
+// (fwd_narrow_built; elsewhere it is ignored).
 void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
          torch::Tensor order, int64_t n_noisy, int64_t block_size, double scale, int64_t max_ctas,
          std::optional<torch::Tensor> tile_sample, std::optional<torch::Tensor> cu_seqlens,
-         int64_t order_chunk, int64_t order_block) {
+         int64_t order_chunk, int64_t order_block, bool narrow_diag) {
   const bool varlen = tile_sample.has_value();
   dlm_bindings::check_work_order(order_chunk, order_block);
   TORCH_CHECK(q.is_cuda() && k.device() == q.device() && v.device() == q.device() &&
@@ -91,6 +93,7 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   a.tile_order = order.data_ptr<int32_t>(), a.num_tiles = order.size(0);
   a.max_ctas = static_cast<int>(max_ctas);
   a.order_chunk = static_cast<int>(order_chunk), a.order_block = static_cast<int>(order_block);
+  a.narrow_diag = narrow_diag;
   a.stream = c10::cuda::getCurrentCUDAStream();
   if (varlen) a.tile_sample = tile_sample->data_ptr<int32_t>(), a.cu_seqlens = cu_seqlens->data_ptr<int32_t>();
   // No launch with an empty grid (no tokens, no heads, or only zero-length samples).
@@ -110,7 +113,8 @@ void add_fwd(pybind11::module_& m) {  // the module: csrc/bindings/diffusion_sm9
         pybind11::arg("lse"), pybind11::arg("order"), pybind11::arg("n_noisy"),
         pybind11::arg("block_size"), pybind11::arg("scale"), pybind11::arg("max_ctas"),
         pybind11::arg("tile_sample") = pybind11::none(), pybind11::arg("cu_seqlens") = pybind11::none(),
-        pybind11::arg("order_chunk") = 0, pybind11::arg("order_block") = 0);
+        pybind11::arg("order_chunk") = 0, pybind11::arg("order_block") = 0,
+        pybind11::arg("narrow_diag") = false);
   // Whether batched calls take halves of any length (kBatchedStart is not kStartTile): dlm_ops
   // hands halves that are not multiples of 128 to Triton otherwise.
   m.attr("batched_any_length") = dlm::sm90::kBatchedStart != dlm::sm90::kStartTile;

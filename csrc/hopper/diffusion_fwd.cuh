@@ -492,6 +492,9 @@ struct FwdArgs {
   // kStartVarlen configs only (batch 1, seqlen = packed tokens): the sample of each tile_order
   // entry and the samples' offsets (csrc/NOTES.md "Odd lengths and varlen").
   const int32_t *tile_sample = nullptr, *cu_seqlens = nullptr;
+  // The noisy diagonal's narrow visit (narrow_visit) where the instantiation has it
+  // (fwd_narrow_built); the backend asks for it where it measured faster (short halves).
+  bool narrow_diag = false;
 };
 
 // Tiles of the shipped instantiations. D = 256 takes 64-key tiles: a consumer thread then holds O
@@ -543,14 +546,25 @@ cudaError_t launch_fwd_cfg(const FwdArgs& a) {
 // n = 1K, 1.05-1.09 from 2K on), D = 256 1.03-1.095x from 2K on, D = 64 (four chains alone)
 // 1.00-1.067x.
 constexpr bool fwd_smem_o(int d) { return d <= 128; }
-template <class Elem, int D, int START>
+template <class Elem, int D, int START, bool NARROW = false>
 using FwdShipped = FwdConfig<Elem, D, kFwdBlockM, fwd_block_n(D), kFwdStages, true, START, 1,
-                             fwd_smem_o(D), true, fwd_stale_max(D), fwd_block_n(D) == kFwdBlockM>;
+                             fwd_smem_o(D), true, fwd_stale_max(D), NARROW>;
+
+// Where a second kernel with the noisy diagonal's narrow visit is built: batched D = 128. v9
+// against v8 (benchmarks.build_ab, bf16, 16K tokens, block 16 / 4; csrc/NOTES.md "Session 29"):
+// the forward 1.024 / 1.024x and 1.015x at n = 1K, but 0.988 / 0.996x at 2K, 0.980x at 8K and
+// 0.994x for the block-128 control (no narrow visit): the kernel's other visits paid for it. So
+// the kernel without it stays as it was, and the backend asks for the narrow one where halves are
+// short (cutlass_diffusion.NARROW_DIAG_MAX_HALF).
+constexpr bool fwd_narrow_built(int d, int start) { return d == 128 && start == kBatchedStart; }
 
 // START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, tile_sample and
 // cu_seqlens set).
 template <class Elem, int D, int START = kBatchedStart>
 cudaError_t launch_fwd(const FwdArgs& a) {
+  if constexpr (fwd_narrow_built(D, START)) {
+    if (a.narrow_diag) return launch_fwd_cfg<FwdShipped<Elem, D, START, true>>(a);
+  }
   return launch_fwd_cfg<FwdShipped<Elem, D, START>>(a);
 }
 

@@ -198,6 +198,24 @@ def _walk(longest_half: int, head_dim: int, group: int) -> tuple[int, int]:
     return SHORT_HALF_ORDER if short else PLAIN_ORDER
 
 
+# The forward's narrow visit of a noisy tile's diagonal (hopper/diffusion_fwd.cuh narrow_visit:
+# each consumer's 64 keys of it where block_size divides 64), a second kernel built for batched
+# D = 128 (fwd_narrow_built) and asked for where halves are at most this long. benchmarks.build_ab
+# (session 29, bf16, 16K tokens, the kernel with it against the one without): forward 1.024 /
+# 1.024x at n = 1K (block 16 / 4), 1.015x in a second call; 0.988 / 0.996x at 2K, 0.980x at 8K,
+# 0.994x in the block-128 control, which has no narrow visit (the other visits' code paid for it).
+# The kernel without it is instruction for instruction the one before (cuobjdump). 0: never.
+NARROW_DIAG_MAX_HALF = 1024
+NARROW_DIAG_HEAD_DIMS = (128,)
+
+
+def _narrow_diag(mask, head_dim: int) -> bool:
+    """Whether a batched forward asks for the narrow diagonal's kernel (the kernel itself decides
+    per item whether its visit is narrow: noisy tiles, block sizes dividing 64)."""
+    return (head_dim in NARROW_DIAG_HEAD_DIMS and mask.n_noisy > 0
+            and max(mask.n_noisy, mask.n_clean) <= NARROW_DIAG_MAX_HALF and 64 % mask.block_size == 0)
+
+
 def _persistent_dkdv(longest_half: int, head_dim: int, group: int) -> bool:
     """Whether the backward runs the persistent dK/dV kernel for halves up to ``longest_half``,
     ``group`` query heads per K / V head (PERSISTENT_DKDV_MAX_HALF bounds both limits, and setting
@@ -383,7 +401,8 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         order = _tile_order(mask.n_noisy, mask.n_clean, mask.block_size, q.shape[-1], str(q.device))
         chunk, block = _walk(max(mask.n_noisy, mask.n_clean), q.shape[-1], q.shape[2] // k.shape[2])
         ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale,
-                _max_ctas(q.device), order_chunk=chunk, order_block=block)
+                _max_ctas(q.device), order_chunk=chunk, order_block=block,
+                narrow_diag=_narrow_diag(mask, q.shape[-1]))
         STATS["fwd"] += 1
         return out, lse
 
