@@ -19,6 +19,10 @@ rounds (the main preset's method, benchmarks/__main__.py), medians, bf16, 16K to
                  CTAs): its ratio is the noise.
     narrow-diag  NARROW_DIAG_MAX_HALF 0 (the forward without the narrow diagonal visit) against
                  1024 (session 29); the n = 2K case runs the kernel without it under both.
+    narrow-diag-varlen  NARROW_DIAG_VARLEN off against on: packed samples (halves <= 1024), and
+                 one of 2K halves, which runs the kernel without it under both.
+    narrow-diag-dims  NARROW_DIAG_HEAD_DIMS (128,) against (64, 128): D = 64 at n = 1K and 512;
+                 the D = 128 case runs the narrow kernel under both.
     packed-ds    DS_SCRATCH_MAX_BYTES 0 (the two-kernel backward) against 8 GiB (shipped): batched
                  BD3 halves off the 128 grid, whose dS backward runs as packed samples (session
                  24), at D = 128 and 256.
@@ -39,7 +43,7 @@ from dlm_ops.backends import cutlass_sparse as cs
 
 from . import sparse
 from .__main__ import _calls_per_measurement, _time_once, shuffled_rounds
-from .contenders import Case, ours
+from .contenders import Case, VarlenCase, ours, ours_varlen
 
 
 class Knob(NamedTuple):
@@ -82,6 +86,14 @@ KNOBS = {
                         (Case(8, 1024, 16, 16, 128, 16), Case(8, 1024, 16, 16, 128, 4),
                          Case(8, 1024, 32, 8, 128, 16), Case(16, 512, 16, 16, 128, 16),
                          Case(4, 2048, 16, 16, 128, 16))),
+    "narrow-diag-varlen": Knob("NARROW_DIAG_VARLEN", (False, True), ("fwd", "step"),
+                               (VarlenCase("8 x 1K", (1024,) * 8),
+                                VarlenCase("mixed", (1000, 37, 640, 512, 129, 1024, 300, 900, 800,
+                                                     700, 256, 600, 1000, 294)),
+                                VarlenCase("4 x 2K", (2048,) * 4))),
+    "narrow-diag-dims": Knob("NARROW_DIAG_HEAD_DIMS", ((128,), (64, 128)), ("fwd", "step"),
+                             (Case(8, 1024, 16, 16, 64, 16), Case(8, 1024, 16, 16, 64, 4),
+                              Case(16, 512, 16, 16, 64, 16), Case(8, 1024, 16, 16, 128, 16))),
     "packed-ds": Knob("DS_SCRATCH_MAX_BYTES", (0, cd.DS_SCRATCH_MAX_BYTES), ("bwd", "step"),
                       (Case(8, 1000, 16, 16, 128, 16), Case(8, 1000, 16, 16, 128, 4),
                        Case(2, 4000, 16, 16, 128, 16), Case(8, 1000, 32, 8, 128, 16),
@@ -111,7 +123,8 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     try:
         for case in (c for c in knob.cases if not a.only or a.only in c.label):
-            runs = sparse_runs(case) if isinstance(case, sparse.SparseCase) else ours(case)
+            runs = (sparse_runs(case) if isinstance(case, sparse.SparseCase) else
+                    ours_varlen(case) if isinstance(case, VarlenCase) else ours(case))
             iters = {}
             for mode in knob.modes:
                 _time_once(*runs[mode], 2)

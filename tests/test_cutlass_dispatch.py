@@ -568,19 +568,24 @@ def test_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced
     (8, 1024, 16, 16, 64, 16, False),     # not built at D = 64 and 256
     (8, 1024, 16, 16, 256, 16, False),
 ])
-def test_narrow_diagonal_kernel_for_short_halves(fake, b, nn, h, hkv, d, bs, narrow):
+def test_narrow_diagonal_kernel_for_short_halves(fake, monkeypatch, b, nn, h, hkv, d, bs, narrow):
     """Batched BD3 forwards ask for the kernel with the noisy diagonal's narrow visit
     (NARROW_DIAG_*) at D = 128 where halves are at most NARROW_DIAG_MAX_HALF and the block size
-    divides 64; block-causal calls (no noisy half) and packed samples never do."""
+    divides 64; block-causal calls (no noisy half) never do, packed samples only with
+    NARROW_DIAG_VARLEN (by their longest half)."""
     q, k, v = _batched(b, nn, nn, h, hkv, d)
     cd.CutlassDiffusionBackend().fwd(q, k, v, SequenceMask(nn, nn, bs), 0.1, 0.0, False)
     assert fake.calls[-1][1]["narrow_diag"] is narrow
     q, k, v = _batched(b, 0, 2 * nn, h, hkv, d)
     cd.CutlassDiffusionBackend().fwd(q, k, v, SequenceMask(0, 2 * nn, bs), 0.1, 0.0, False)
     assert fake.calls[-1][1]["narrow_diag"] is False
-    q, k, v, mask = _packed([nn] * 2, h, hkv, d)
+    q, k, v, mask = _packed([nn // 2, nn], h, hkv, d)
+    mask = VarlenMask(mask.cu_seqlens, bs)
     cd.CutlassDiffusionBackend().varlen_fwd(q, k, v, mask, 0.1, 0.0, False)
     assert fake.calls[-1][1]["narrow_diag"] is False
+    monkeypatch.setattr(cd, "NARROW_DIAG_VARLEN", True)
+    cd.CutlassDiffusionBackend().varlen_fwd(q, k, v, mask, 0.1, 0.0, False)
+    assert fake.calls[-1][1]["narrow_diag"] is narrow
 
 
 @pytest.mark.parametrize("b,nn,h,hkv,d,ds,walked", [

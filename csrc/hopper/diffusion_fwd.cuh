@@ -550,13 +550,15 @@ template <class Elem, int D, int START, bool NARROW = false>
 using FwdShipped = FwdConfig<Elem, D, kFwdBlockM, fwd_block_n(D), kFwdStages, true, START, 1,
                              fwd_smem_o(D), true, fwd_stale_max(D), NARROW>;
 
-// Where a second kernel with the noisy diagonal's narrow visit is built: batched D = 128. v9
-// against v8 (benchmarks.build_ab, bf16, 16K tokens, block 16 / 4; csrc/NOTES.md "Session 29"):
-// the forward 1.024 / 1.024x and 1.015x at n = 1K, but 0.988 / 0.996x at 2K, 0.980x at 8K and
-// 0.994x for the block-128 control (no narrow visit): the kernel's other visits paid for it. So
-// the kernel without it stays as it was, and the backend asks for the narrow one where halves are
-// short (cutlass_diffusion.NARROW_DIAG_MAX_HALF).
-constexpr bool fwd_narrow_built(int d, int start) { return d == 128 && start == kBatchedStart; }
+// Where a second kernel with the noisy diagonal's narrow visit is built: D = 64 and 128 (128-key
+// tiles), batched and packed. v9 against v8 (benchmarks.build_ab, bf16, 16K tokens, block 16 / 4;
+// csrc/NOTES.md "Session 29"): the forward 1.024 / 1.024x and 1.015x at n = 1K, but 0.988 / 0.996x
+// at 2K, 0.980x at 8K and 0.994x for the block-128 control (no narrow visit): the kernel's other
+// visits paid for it. So the kernel without it stays as it was, and the backend asks for the
+// narrow one where it measured faster (cutlass_diffusion.NARROW_DIAG_*).
+constexpr bool fwd_narrow_built(int d, int start) {
+  return fwd_block_n(d) == kFwdBlockM && (start == kBatchedStart || start == kStartVarlen);
+}
 
 // START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, tile_sample and
 // cu_seqlens set).

@@ -199,21 +199,25 @@ def _walk(longest_half: int, head_dim: int, group: int) -> tuple[int, int]:
 
 
 # The forward's narrow visit of a noisy tile's diagonal (hopper/diffusion_fwd.cuh narrow_visit:
-# each consumer's 64 keys of it where block_size divides 64), a second kernel built for batched
-# D = 128 (fwd_narrow_built) and asked for where halves are at most this long. benchmarks.build_ab
-# (session 29, bf16, 16K tokens, the kernel with it against the one without): forward 1.024 /
-# 1.024x at n = 1K (block 16 / 4), 1.015x in a second call; 0.988 / 0.996x at 2K, 0.980x at 8K,
-# 0.994x in the block-128 control, which has no narrow visit (the other visits' code paid for it).
-# The kernel without it is instruction for instruction the one before (cuobjdump). 0: never.
+# each consumer's 64 keys of it where block_size divides 64), a second kernel built at D = 64 and
+# 128, batched and packed (fwd_narrow_built), asked for at NARROW_DIAG_HEAD_DIMS where halves (a
+# packing's longest) are at most NARROW_DIAG_MAX_HALF. Session 29, bf16, 16K tokens, D = 128, the
+# kernel with it against the one without: benchmarks.build_ab, the forward 1.024 / 1.024x at n = 1K
+# (block 16 / 4), 1.015x in a second call, but 0.988 / 0.996x at 2K, 0.980x at 8K and 0.994x in
+# the block-128 control, which has no narrow visit (the other visits' code paid for it);
+# benchmarks.knob_ab narrow-diag (one process): 1.026 / 1.043x at n = 1K, 1.041x GQA 32/8, 1.044x
+# at n = 512 (its A/A row, n = 2K, read 1.019x). The kernel without it is instruction for
+# instruction the one before (cuobjdump). 0: never.
 NARROW_DIAG_MAX_HALF = 1024
 NARROW_DIAG_HEAD_DIMS = (128,)
+NARROW_DIAG_VARLEN = False  # packed samples: not measured yet (knob_ab narrow-diag-varlen)
 
 
-def _narrow_diag(mask, head_dim: int) -> bool:
-    """Whether a batched forward asks for the narrow diagonal's kernel (the kernel itself decides
-    per item whether its visit is narrow: noisy tiles, block sizes dividing 64)."""
-    return (head_dim in NARROW_DIAG_HEAD_DIMS and mask.n_noisy > 0
-            and max(mask.n_noisy, mask.n_clean) <= NARROW_DIAG_MAX_HALF and 64 % mask.block_size == 0)
+def _narrow_diag(longest_half: int, block_size: int, head_dim: int) -> bool:
+    """Whether a forward asks for the narrow diagonal's kernel (the kernel itself decides per item
+    whether its visit is narrow: noisy tiles, block sizes dividing 64)."""
+    return (head_dim in NARROW_DIAG_HEAD_DIMS and 0 < longest_half <= NARROW_DIAG_MAX_HALF
+            and 64 % block_size == 0)
 
 
 def _persistent_dkdv(longest_half: int, head_dim: int, group: int) -> bool:
@@ -402,7 +406,8 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         chunk, block = _walk(max(mask.n_noisy, mask.n_clean), q.shape[-1], q.shape[2] // k.shape[2])
         ext.fwd(q, k, v, out, lse, order, mask.n_noisy, mask.block_size, scale,
                 _max_ctas(q.device), order_chunk=chunk, order_block=block,
-                narrow_diag=_narrow_diag(mask, q.shape[-1]))
+                narrow_diag=mask.n_noisy > 0 and _narrow_diag(max(mask.n_noisy, mask.n_clean),
+                                                              mask.block_size, q.shape[-1]))
         STATS["fwd"] += 1
         return out, lse
 
@@ -416,8 +421,8 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         lse = new_output(q, (h, total), torch.float32)
         t = _varlen_tables(mask.cu_seqlens, mask.block_size, d, str(q.device))
         ext.fwd(q[None], k[None], v[None], out[None], lse[None], t.fwd[0], 0, mask.block_size, scale,
-                _max_ctas(q.device),
-                tile_sample=t.fwd[1], cu_seqlens=t.cu_seqlens)
+                _max_ctas(q.device), tile_sample=t.fwd[1], cu_seqlens=t.cu_seqlens,
+                narrow_diag=NARROW_DIAG_VARLEN and _narrow_diag(t.longest_half, mask.block_size, d))
         STATS["varlen_fwd"] += 1
         return out, lse
 
