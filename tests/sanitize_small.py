@@ -1,6 +1,6 @@
 """Small calls of the sm90 CUTLASS kernels, each checked against the reference, for
 compute-sanitizer: ``compute-sanitizer --tool racecheck python3 -m tests.sanitize_small [fwd|step]
-[--persistent]``.
+[--persistent] [--narrow-all]``.
 
 ``fwd``: the diffusion forward at D = 64 / 128 / 256 (halves on and off the 128 grid, GQA, a
 persistent grid's several items per CTA, block-causal), packed samples with a zero-length one, and
@@ -10,7 +10,9 @@ backward (dS and two-kernel paths, batched and packed). Shapes are small so that
 on the H200 the step's first four batched cases and that case's forward took 230 s and its
 backward did not finish within them (session 27), so ``step`` leaves it out unless
 ``--persistent`` is given. Exits 1 if a result is off or a call ran another backend (the
-backends' STATS counters).
+backends' STATS counters). ``--narrow-all``: every forward that has a narrow-diagonal kernel
+(cutlass_diffusion.NARROW_DIAG_*: D = 64 and 128, batched and packed) runs it, not only those the
+shipped rules pick.
 """
 
 from __future__ import annotations
@@ -105,9 +107,11 @@ def sparse_cases() -> bool:
 def main(argv: list[str]) -> int:
     flags = [a for a in argv if a.startswith("--")]
     modes = [a for a in argv if not a.startswith("--")] or ["fwd"]
-    if len(modes) > 1 or modes[0] not in ("fwd", "step") or set(flags) - {"--persistent"}:
-        raise SystemExit("usage: python3 -m tests.sanitize_small [fwd|step] [--persistent]")
+    if len(modes) > 1 or modes[0] not in ("fwd", "step") or set(flags) - {"--persistent", "--narrow-all"}:
+        raise SystemExit("usage: python3 -m tests.sanitize_small [fwd|step] [--persistent] [--narrow-all]")
     mode = modes[0]
+    if "--narrow-all" in flags:
+        cd.NARROW_DIAG_HEAD_DIMS, cd.NARROW_DIAG_VARLEN = (64, 128), True
     torch.manual_seed(0)
     # The forward's persistent case is cheap under the sanitizers; the step's is not (docstring).
     ok = diffusion_cases(mode == "step", persistent=mode == "fwd" or "--persistent" in flags)

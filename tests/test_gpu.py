@@ -227,6 +227,57 @@ def test_cutlass_forward(monkeypatch, dtype, n, block_size, d, heads, layout):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the cutlass backend is sm90 only")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("layout,halves,block_size", [
+    ("batched", (256, 256), 16), ("batched", (300, 300), 4), ("batched", (37, 37), 1),
+    ("batched", (512, 512), 64), ("varlen", (0, 100, 37, 256, 1, 300), 16),
+    ("varlen", (129, 64, 0, 500), 32),
+])
+def test_cutlass_narrow_diagonal_kernels(monkeypatch, d, layout, halves, block_size):
+    """Every forward kernel with the noisy diagonal's narrow visit (diffusion_fwd.cuh
+    fwd_narrow_built: D = 64 and 128, batched and packed), forced on where the shipped rules
+    (cutlass_diffusion.NARROW_DIAG_*) leave some off: the accuracy rule, and within 2x the error of
+    the kernel without it against the same fp32 reference (the narrow visit sums fewer terms, in
+    another order, so the two are not bitwise equal)."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    monkeypatch.setattr(cd, "FORWARD_HEAD_DIMS", cd.SUPPORTED_HEAD_DIMS["fwd"])
+    h, hkv, dtype = 4, 2, torch.bfloat16
+    if layout == "batched":
+        q, k, v = _qkv(len(halves), 2 * halves[0], h, hkv, d, dtype, seed=d + block_size)
+
+        def run(q, k, v, backend="cutlass"):
+            return dlm_ops.diffusion_attn_func(q, k, v, block_size, return_lse=True, backend=backend)
+
+        def ref(q, k, v, **kw):
+            return diffusion_attn_ref(q, k, v, block_size, **kw)
+    else:
+        _, cu, q, k, v = _packing(halves, h, hkv, d, dtype, seed=d + block_size)
+
+        def run(q, k, v, backend="cutlass"):
+            return dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 2 * max(halves), block_size,
+                                                      return_lse=True, backend=backend)
+
+        def ref(q, k, v, **kw):
+            return diffusion_attn_varlen_ref(q, k, v, cu, block_size, **kw)
+
+    gold_out, gold_lse = ref(q, k, v, compute_dtype=torch.float32)
+    errors = {}
+    for narrow in (False, True):
+        monkeypatch.setattr(cd, "NARROW_DIAG_HEAD_DIMS", (64, 128) if narrow else ())
+        monkeypatch.setattr(cd, "NARROW_DIAG_VARLEN", narrow)
+        if narrow:
+            check_against_reference(run, ref, (q, k, v), dtype)
+        with torch.no_grad():
+            out, lse = run(q, k, v)
+        errors[narrow] = ((out.float() - gold_out).abs().max().item(),
+                          (lse - gold_lse).abs().max().item())
+    assert errors[True][0] <= 2 * errors[False][0] + 1e-3, errors
+    assert errors[True][1] <= 1e-3, errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the cutlass backend is sm90 only")
 def test_cutlass_hands_uncovered_calls_to_triton():
     """Rows TMA cannot read (a view 2 bytes into its storage) run Triton's kernels, counted."""
     from dlm_ops.backends import cutlass_diffusion as cd
