@@ -565,14 +565,16 @@ def test_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced
     (8, 1024, 16, 16, 128, 48, False),    # a block size not dividing 64: no narrow visit
     (8, 1024, 16, 16, 128, 128, False),
     (4, 2048, 16, 16, 128, 16, False),    # n = 2K: the narrow kernel measured 0.99x
-    (8, 1024, 16, 16, 64, 16, False),     # not built at D = 64 and 256
-    (8, 1024, 16, 16, 256, 16, False),
+    (8, 1024, 16, 16, 64, 16, True),      # D = 64 too
+    (16, 512, 16, 16, 64, 4, True),
+    (4, 2048, 16, 16, 64, 16, False),
+    (8, 1024, 16, 16, 256, 16, False),    # not built at D = 256 (64-key tiles)
 ])
 def test_narrow_diagonal_kernel_for_short_halves(fake, monkeypatch, b, nn, h, hkv, d, bs, narrow):
-    """Batched BD3 forwards ask for the kernel with the noisy diagonal's narrow visit
-    (NARROW_DIAG_*) at D = 128 where halves are at most NARROW_DIAG_MAX_HALF and the block size
-    divides 64; block-causal calls (no noisy half) never do, packed samples only with
-    NARROW_DIAG_VARLEN (by their longest half)."""
+    """BD3 forwards ask for the kernel with the noisy diagonal's narrow visit (NARROW_DIAG_*) at
+    D = 64 and 128 where halves (packed: the longest sample's) are at most NARROW_DIAG_MAX_HALF and
+    the block size divides 64; block-causal calls (no noisy half) never do, packed samples not
+    without NARROW_DIAG_VARLEN."""
     q, k, v = _batched(b, nn, nn, h, hkv, d)
     cd.CutlassDiffusionBackend().fwd(q, k, v, SequenceMask(nn, nn, bs), 0.1, 0.0, False)
     assert fake.calls[-1][1]["narrow_diag"] is narrow
@@ -582,10 +584,10 @@ def test_narrow_diagonal_kernel_for_short_halves(fake, monkeypatch, b, nn, h, hk
     q, k, v, mask = _packed([nn // 2, nn], h, hkv, d)
     mask = VarlenMask(mask.cu_seqlens, bs)
     cd.CutlassDiffusionBackend().varlen_fwd(q, k, v, mask, 0.1, 0.0, False)
-    assert fake.calls[-1][1]["narrow_diag"] is False
-    monkeypatch.setattr(cd, "NARROW_DIAG_VARLEN", True)
-    cd.CutlassDiffusionBackend().varlen_fwd(q, k, v, mask, 0.1, 0.0, False)
     assert fake.calls[-1][1]["narrow_diag"] is narrow
+    monkeypatch.setattr(cd, "NARROW_DIAG_VARLEN", False)
+    cd.CutlassDiffusionBackend().varlen_fwd(q, k, v, mask, 0.1, 0.0, False)
+    assert fake.calls[-1][1]["narrow_diag"] is False
 
 
 @pytest.mark.parametrize("b,nn,h,hkv,d,ds,walked", [

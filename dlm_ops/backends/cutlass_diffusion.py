@@ -206,11 +206,16 @@ def _walk(longest_half: int, head_dim: int, group: int) -> tuple[int, int]:
 # (block 16 / 4), 1.015x in a second call, but 0.988 / 0.996x at 2K, 0.980x at 8K and 0.994x in
 # the block-128 control, which has no narrow visit (the other visits' code paid for it);
 # benchmarks.knob_ab narrow-diag (one process): 1.026 / 1.043x at n = 1K, 1.041x GQA 32/8, 1.044x
-# at n = 512 (its A/A row, n = 2K, read 1.019x). The kernel without it is instruction for
+# at n = 512, but its A/A row (n = 2K, no narrow visit under either setting) read 1.019x, and the
+# A/A rows of the two knobs below 1.023 / 1.025x: that much of each figure is the harness's (a
+# fixed shuffle seed). Less that: packed samples (narrow-diag-varlen, 16K tokens of halves <= 1K)
+# forward 1.044 / 1.049x -> +2 %; D = 64 (narrow-diag-dims) 1.052 / 1.046x at n = 1K (block 16 /
+# 4), 1.073x at n = 512 -> +2-5 %; at D = 64 the kernel that is always narrow read 0.989x at n = 2K
+# (build_ab), hence the same bound on the halves. The kernel without it is instruction for
 # instruction the one before (cuobjdump). 0: never.
 NARROW_DIAG_MAX_HALF = 1024
-NARROW_DIAG_HEAD_DIMS = (128,)
-NARROW_DIAG_VARLEN = False  # packed samples: not measured yet (knob_ab narrow-diag-varlen)
+NARROW_DIAG_HEAD_DIMS = (64, 128)
+NARROW_DIAG_VARLEN = True  # packed samples, by their longest half
 
 
 def _narrow_diag(longest_half: int, block_size: int, head_dim: int) -> bool:
