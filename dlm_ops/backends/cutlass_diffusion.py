@@ -19,6 +19,10 @@ BD3 halves off the grid as packed samples), the dK/dV kernel also stores dS, whi
 reads instead of recomputing it: DS_* below) is bitwise deterministic, batched and varlen, so
 ``deterministic=True`` takes it too.
 
+The forward at D = 64 and 128 has a second kernel whose first visit of a noisy tile (its diagonal)
+is half as wide where the block size divides 64 (NARROW_DIAG_* below), asked for where halves are
+short; everywhere else the kernel without it runs.
+
 Work tables (the CTA schedules, most expensive tile first) are built in C++ from dlm/geometry.h
 and cached here: batched per (halves, block_size[, head dim], device), varlen per (cu_seqlens,
 block_size, head dim, device), the host tuple of VarlenMask (no device sync), each entry one
