@@ -27,7 +27,10 @@ rounds (the main preset's method, benchmarks/__main__.py), medians, bf16, 16K to
                  BD3 halves off the 128 grid, whose dS backward runs as packed samples (session
                  24), at D = 128 and 256.
 
-The last column is the second setting's speed over the first's.
+The speed column is the second setting's speed over the first's; the A/A column times the first
+setting a second time, as an arm of its own in the same shuffled rounds, and gives that arm's speed
+over the first: how far the harness alone moves a ratio in that case (session 29: A/A rows read
+0.97-1.04x, by the shuffle's seed, so a speed within a few per cent of the A/A one is noise).
 """
 
 from __future__ import annotations
@@ -105,6 +108,18 @@ KNOBS = {
 }
 
 
+def arms(settings: tuple) -> tuple:
+    """The A/B's arms: the two settings, then the first one again (the A/A arm)."""
+    return (*settings, settings[0])
+
+
+def speeds(times: dict, mode: str) -> tuple[float, float, float, float]:
+    """(first ms, second ms, speed second / first, speed A/A) from the medians of ``times``
+    ({(arm index, mode): [ms per round]})."""
+    t0, t1, t2 = (statistics.median(times[i, mode]) for i in range(3))
+    return t0, t1, t0 / t1, t0 / t2
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("knob", choices=sorted(KNOBS))
@@ -122,8 +137,9 @@ def main(argv=None) -> int:
     module = knob.module
     saved = getattr(module, knob.attribute)
     print(f"{knob.attribute}: {first} against {second}; medians of {a.rounds} shuffled rounds")
-    print(f"| case | mode | {first} ms | {second} ms | speed {second} / {first} |")
-    print("|---|---|---|---|---|")
+    print(f"| case | mode | {first} ms | {second} ms | speed {second} / {first} | A/A |")
+    print("|---|---|---|---|---|---|")
+    settings = arms(knob.settings)
     try:
         for case in (c for c in knob.cases if not a.only or a.only in c.label):
             runs = (sparse_runs(case) if isinstance(case, sparse.SparseCase) else
@@ -134,15 +150,16 @@ def main(argv=None) -> int:
                 iters[mode] = _calls_per_measurement(*runs[mode])
 
             def measure(key):
-                setting, mode = key
-                setattr(module, knob.attribute, setting)  # read by every call
+                arm, mode = key
+                setattr(module, knob.attribute, settings[arm])  # read by every call
                 return _time_once(*runs[mode], iters[mode])
 
-            keys = [(s, m) for s in knob.settings for m in knob.modes]
+            keys = [(i, m) for i in range(len(settings)) for m in knob.modes]
             times = shuffled_rounds(keys, a.rounds, measure, a.seed)
             for mode in knob.modes:
-                t0, t1 = (statistics.median(times[s, mode]) for s in knob.settings)
-                print(f"| {case.label} | {mode} | {t0:.3f} | {t1:.3f} | {t0 / t1:.3f} |", flush=True)
+                t0, t1, speed, aa = speeds(times, mode)
+                print(f"| {case.label} | {mode} | {t0:.3f} | {t1:.3f} | {speed:.3f} | {aa:.3f} |",
+                      flush=True)
             torch.cuda.empty_cache()
     finally:
         setattr(module, knob.attribute, saved)

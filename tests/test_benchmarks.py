@@ -189,6 +189,17 @@ def test_knob_ab_knobs_name_what_the_backends_read():
         assert set(knob.modes) <= want, name
 
 
+def test_knob_ab_times_an_aa_arm_beside_the_two_settings():
+    """The A/B's third arm is the first setting again, and its speed over the first is reported
+    beside the A/B's (medians per arm)."""
+    from benchmarks import knob_ab
+
+    assert knob_ab.arms((0, 1024)) == (0, 1024, 0)
+    times = {(0, "fwd"): [2.0, 2.2, 1.9], (1, "fwd"): [1.0, 1.1, 0.9], (2, "fwd"): [2.0, 2.1, 2.5]}
+    t0, t1, speed, aa = knob_ab.speeds(times, "fwd")
+    assert (t0, t1) == (2.0, 1.0) and speed == 2.0 and aa == 2.0 / 2.1
+
+
 def test_step_gap_and_power_say_they_need_a_gpu(monkeypatch):
     import pytest
 
