@@ -211,11 +211,12 @@ def _walk(longest_half: int, head_dim: int, group: int) -> tuple[int, int]:
 # the block-128 control, which has no narrow visit (the other visits' code paid for it);
 # benchmarks.knob_ab narrow-diag (one process): 1.026 / 1.043x at n = 1K, 1.041x GQA 32/8, 1.044x
 # at n = 512, but its A/A row (n = 2K, no narrow visit under either setting) read 1.019x, and the
-# A/A rows of the two knobs below 1.023 / 1.025x: that much of each figure is the harness's (a
-# fixed shuffle seed). Less that: packed samples (narrow-diag-varlen, 16K tokens of halves <= 1K)
-# forward 1.044 / 1.049x -> +2 %; D = 64 (narrow-diag-dims) 1.052 / 1.046x at n = 1K (block 16 /
-# 4), 1.073x at n = 512 -> +2-5 %; at D = 64 the kernel that is always narrow read 0.989x at n = 2K
-# (build_ab), hence the same bound on the halves. The kernel without it is instruction for
+# A/A rows of the two knobs below 1.023 / 1.025x, all under shuffle seed 0 (seeds 1-3 read that
+# A/A row 0.97-1.00x): a knob_ab ratio is good to about 3 %. Less the A/A: packed samples
+# (narrow-diag-varlen, 16K tokens of halves <= 1K) forward 1.044 / 1.049x -> +2 %; D = 64
+# (narrow-diag-dims) 1.052 / 1.046x at n = 1K (block 16 / 4), 1.073x at n = 512 -> +2-5 %: at the
+# harness's noise, but the same sign in every narrow row and build_ab's mechanism; at D = 64 the
+# kernel that is always narrow read 0.989x at n = 2K (build_ab), hence the same bound on the halves. The kernel without it is instruction for
 # instruction the one before (cuobjdump). 0: never.
 NARROW_DIAG_MAX_HALF = 1024
 NARROW_DIAG_HEAD_DIMS = (64, 128)
