@@ -3,7 +3,7 @@
 // column_inputs). The kernel is plain CUDA and instantiated here. The checks are the kernel's
 // preconditions, which the Python backend meets by construction, so a failure here is a bug; the
 // index VALUES are not checked (that needs a host sync: the op does it, check_indices).
-#include "bindings/check.h"
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -17,7 +17,7 @@ namespace {
 
 void check_int32(const torch::Tensor& t, const torch::Tensor& like, c10::IntArrayRef shape,
                  const char* name) {
-  DLM_CHECK(t.device() == like.device() && t.scalar_type() == torch::kInt32 && t.is_contiguous() &&
+  TORCH_CHECK(t.device() == like.device() && t.scalar_type() == torch::kInt32 && t.is_contiguous() &&
                   t.sizes() == shape, name, ": contiguous int32 of shape ", shape, " on k's device, got ",
               t.scalar_type(), " ", t.sizes());
 }
@@ -29,32 +29,32 @@ void check_int32(const torch::Tensor& t, const torch::Tensor& like, c10::IntArra
 void column_gather(torch::Tensor k, torch::Tensor v, torch::Tensor kv_indices, torch::Tensor kv_counts,
                    torch::Tensor kg, torch::Tensor vg, torch::Tensor key_len, torch::Tensor block_counts,
                    torch::Tensor shared_list, std::optional<torch::Tensor> work_order, int64_t block_k) {
-  DLM_CHECK(k.is_cuda(), "k must be a CUDA tensor");
-  DLM_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.stride(3) == 1 && v.stride(3) == 1,
+  TORCH_CHECK(k.is_cuda(), "k must be a CUDA tensor");
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.stride(3) == 1 && v.stride(3) == 1,
               "k / v: (B, Sk, Hkv, D) of one shape, unit stride in D");
-  DLM_CHECK(v.device() == k.device() && v.scalar_type() == k.scalar_type(), "v: k's device and dtype");
+  TORCH_CHECK(v.device() == k.device() && v.scalar_type() == k.scalar_type(), "v: k's device and dtype");
   const int64_t b = k.size(0), sk = k.size(1), hkv = k.size(2), d = k.size(3);
-  DLM_CHECK(d >= 1, "k / v: head dim >= 1");
-  DLM_CHECK(kv_indices.dim() == 3 && kv_indices.size(0) == b, "kv_indices: (B, H, K)");
+  TORCH_CHECK(d >= 1, "k / v: head dim >= 1");
+  TORCH_CHECK(kv_indices.dim() == 3 && kv_indices.size(0) == b, "kv_indices: (B, H, K)");
   const int64_t h = kv_indices.size(1), m = kv_indices.size(2);
   check_int32(kv_indices, k, {b, h, m}, "kv_indices");
   check_int32(kv_counts, k, {b, h}, "kv_counts");
-  DLM_CHECK(hkv >= 1 && h % hkv == 0, "heads (", h, ") must be a multiple of kv heads (", hkv, ")");
-  DLM_CHECK(m >= 1, "kv_indices: at least one list slot (K >= 1)");
-  DLM_CHECK(block_k >= 1, "block_k >= 1");
+  TORCH_CHECK(hkv >= 1 && h % hkv == 0, "heads (", h, ") must be a multiple of kv heads (", hkv, ")");
+  TORCH_CHECK(m >= 1, "kv_indices: at least one list slot (K >= 1)");
+  TORCH_CHECK(block_k >= 1, "block_k >= 1");
   for (const auto* t : {&kg, &vg}) {
-    DLM_CHECK(t->device() == k.device() && t->scalar_type() == k.scalar_type() && t->is_contiguous() &&
+    TORCH_CHECK(t->device() == k.device() && t->scalar_type() == k.scalar_type() && t->is_contiguous() &&
                     t->sizes() == c10::IntArrayRef({b, m, h, d}),
                 "kg / vg: contiguous (B, K, H, D) in k's dtype on k's device");
   }
-  DLM_CHECK(block_counts.dim() == 3, "block_counts: (B, H, nQb)");
+  TORCH_CHECK(block_counts.dim() == 3, "block_counts: (B, H, nQb)");
   const int64_t nqb = block_counts.size(2);
   check_int32(key_len, k, {b, h}, "key_len");
   check_int32(block_counts, k, {b, h, nqb}, "block_counts");
   check_int32(shared_list, k, {(m + block_k - 1) / block_k}, "shared_list");
   if (work_order) check_int32(*work_order, k, {b * h * nqb}, "work_order");
-  DLM_CHECK(b <= 65535 && h <= 65535, "B and H must be at most 65535 (grid dimensions)");
-  DLM_CHECK(b * h * nqb <= INT32_MAX && m <= INT32_MAX && sk <= INT32_MAX && block_k <= INT32_MAX,
+  TORCH_CHECK(b <= 65535 && h <= 65535, "B and H must be at most 65535 (grid dimensions)");
+  TORCH_CHECK(b * h * nqb <= INT32_MAX && m <= INT32_MAX && sk <= INT32_MAX && block_k <= INT32_MAX,
               "sizes must fit in int32");
 
   const c10::cuda::CUDAGuard guard(k.device());
@@ -71,10 +71,10 @@ void column_gather(torch::Tensor k, torch::Tensor v, torch::Tensor kv_indices, t
   a.work_order = work_order ? work_order->data_ptr<int32_t>() : nullptr;
   a.num_q_blocks = static_cast<int>(nqb), a.block_k = static_cast<int>(block_k);
   a.stream = c10::cuda::getCurrentCUDAStream();
-  DLM_CHECK(dlm::sm90::column_gather_vector_bytes(a) > 0,
+  TORCH_CHECK(dlm::sm90::column_gather_vector_bytes(a) > 0,
               "k / v: rows of at most 1024 bytes, 2-byte aligned bases, strides and rows");
   if (b * h == 0) return;  // no head: nothing to gather, an empty plan
-  DLM_CUDA_CHECK(dlm::sm90::launch_column_gather(a));
+  C10_CUDA_CHECK(dlm::sm90::launch_column_gather(a));
 }
 
 }  // namespace

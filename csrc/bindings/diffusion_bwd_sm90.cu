@@ -50,7 +50,7 @@ torch::Tensor dkdv_schedule(int64_t n_noisy, int64_t n_clean, int64_t block_size
                             int64_t slots, int64_t group, int64_t ctas, int64_t order_chunk,
                             int64_t order_block) {
   dlm_bindings::check_work_order(order_chunk, order_block);
-  DLM_CHECK(slots >= 1 && slots < INT32_MAX, "dkdv_schedule: slots >= 1");
+  TORCH_CHECK(slots >= 1 && slots < INT32_MAX, "dkdv_schedule: slots >= 1");
   const dlm::SequenceMask mask{static_cast<int>(n_noisy), static_cast<int>(n_clean),
                                static_cast<int>(block_size)};
   const int d = static_cast<int>(head_dim);
@@ -94,11 +94,11 @@ std::vector<torch::Tensor> varlen_bwd_tile_orders(std::vector<int64_t> cu_seqlen
 std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> varlen_ds_slots(std::vector<int64_t> cu_seqlens,
                                                                          int64_t block_size, int64_t head_dim) {
   const int d = static_cast<int>(head_dim);
-  DLM_CHECK(ds_backward_supports(d), "the dS backward: D = 128 or 256");
-  DLM_CHECK(!cu_seqlens.empty() && cu_seqlens.back() <= INT32_MAX, "cu_seqlens: 1 to 2^31 - 1 tokens");
+  TORCH_CHECK(ds_backward_supports(d), "the dS backward: D = 128 or 256");
+  TORCH_CHECK(!cu_seqlens.empty() && cu_seqlens.back() <= INT32_MAX, "cu_seqlens: 1 to 2^31 - 1 tokens");
   const std::vector<int32_t> cu(cu_seqlens.begin(), cu_seqlens.end());
   const dlm::VarlenMask mask{cu.data(), static_cast<int>(cu.size()) - 1, static_cast<int>(block_size)};
-  DLM_CHECK(dlm::varlen_valid(mask), "cu_seqlens must start at 0 and step by even lengths >= 0, "
+  TORCH_CHECK(dlm::varlen_valid(mask), "cu_seqlens must start at 0 and step by even lengths >= 0, "
               "block_size >= 1");
   auto rows = torch::empty({mask.num_samples}, torch::dtype(torch::kInt32));
   int64_t total_rows = 0, width = 1;
@@ -108,7 +108,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> varlen_ds_slots(std::
     total_rows += plans.other.count();
     width = std::max<int64_t>(width, plans.count());
   }
-  DLM_CHECK(total_rows * width < INT32_MAX, "the dS slot table: fewer than 2^31 entries");
+  TORCH_CHECK(total_rows * width < INT32_MAX, "the dS slot table: fewer than 2^31 entries");
   auto slots = torch::full({total_rows * width}, -1, torch::dtype(torch::kInt32));
   int32_t* slot = slots.data_ptr<int32_t>();
   int64_t visits = 0;
@@ -121,7 +121,7 @@ std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> varlen_ds_slots(std::
         for (int qt = runs.begin[r]; qt < runs.end[r]; ++qt) slot[(row0 + qt) * width + kt] = static_cast<int32_t>(visits++);
     }
   }
-  DLM_CHECK(visits < INT32_MAX, "the dS backward: fewer than 2^31 visits");
+  TORCH_CHECK(visits < INT32_MAX, "the dS backward: fewer than 2^31 visits");
   return {slots, rows, visits, width};
 }
 
@@ -163,69 +163,69 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
          std::optional<torch::Tensor> ds_rows, int64_t ds_k_tiles) {
   const bool varlen = cu_seqlens.has_value();
   dlm_bindings::check_work_order(dkdv_order_chunk, dkdv_order_block);
-  DLM_CHECK(ds_scratch.has_value() || dkdv_order_chunk == 0, "dkdv_order_chunk: the dS backward only");
+  TORCH_CHECK(ds_scratch.has_value() || dkdv_order_chunk == 0, "dkdv_order_chunk: the dS backward only");
   const auto dev = q.device();
   for (const auto& t : {dout, k, v, out, lse, dq, dk, dv, lse2, delta, dkdv_order, dq_order})
-    DLM_CHECK(t.device() == dev, "all tensors on one CUDA device");
-  DLM_CHECK(q.is_cuda(), "CUDA tensors");
+    TORCH_CHECK(t.device() == dev, "all tensors on one CUDA device");
+  TORCH_CHECK(q.is_cuda(), "CUDA tensors");
   for (const auto& t : {dout, k, v, out, dq, dk, dv})
-    DLM_CHECK(t.scalar_type() == q.scalar_type(), "one dtype for q, k, v, out, dout and the grads");
-  for (const auto& t : {lse, lse2, delta}) DLM_CHECK(t.scalar_type() == torch::kFloat32, "fp32 lse");
-  DLM_CHECK(dkdv_order.scalar_type() == torch::kInt32 && dq_order.scalar_type() == torch::kInt32 &&
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "one dtype for q, k, v, out, dout and the grads");
+  for (const auto& t : {lse, lse2, delta}) TORCH_CHECK(t.scalar_type() == torch::kFloat32, "fp32 lse");
+  TORCH_CHECK(dkdv_order.scalar_type() == torch::kInt32 && dq_order.scalar_type() == torch::kInt32 &&
                   dkdv_order.is_contiguous() && dq_order.is_contiguous(),
               "contiguous int32 tile orders");
-  DLM_CHECK(n_noisy >= 0 && n_noisy <= q.size(1) && block_size >= 1, "bad mask");
-  DLM_CHECK(dlm::sm90::kBatchedStart != dlm::sm90::kStartTile || varlen ||
+  TORCH_CHECK(n_noisy >= 0 && n_noisy <= q.size(1) && block_size >= 1, "bad mask");
+  TORCH_CHECK(dlm::sm90::kBatchedStart != dlm::sm90::kStartTile || varlen ||
                   (n_noisy % 128 == 0 && (q.size(1) - n_noisy) % 128 == 0),
               "both halves must be multiples of 128 long (kBatchedStart is kStartTile)");
   if (varlen) {
-    DLM_CHECK(dkdv_sample.has_value() && dq_sample.has_value() && q.size(0) == 1,
+    TORCH_CHECK(dkdv_sample.has_value() && dq_sample.has_value() && q.size(0) == 1,
                 "varlen: batch 1, cu_seqlens and both sample tables");
     for (const auto& t : {*dkdv_sample, *dq_sample, *cu_seqlens})
-      DLM_CHECK(t.device() == dev && t.scalar_type() == torch::kInt32 && t.is_contiguous(),
+      TORCH_CHECK(t.device() == dev && t.scalar_type() == torch::kInt32 && t.is_contiguous(),
                   "varlen tables: contiguous int32 on q's device");
-    DLM_CHECK(dkdv_sample->numel() == dkdv_order.numel() && dq_sample->numel() == dq_order.numel(),
+    TORCH_CHECK(dkdv_sample->numel() == dkdv_order.numel() && dq_sample->numel() == dq_order.numel(),
                 "one sample per work entry");
   }
   for (const auto& t : {dout, q, k, v, out, dq, dk, dv})
-    DLM_CHECK(t.dim() == 4 && t.stride(3) == 1, "(B, S, H, D) layout with unit stride in D");
+    TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "(B, S, H, D) layout with unit stride in D");
   dlm_bindings::check_tma_aligned({dout, q, k, v}, "q, k, v and dout");
-  DLM_CHECK(lse.dim() == 3 && lse.stride(2) == 1, "lse layout");
+  TORCH_CHECK(lse.dim() == 3 && lse.stride(2) == 1, "lse layout");
   const int64_t rows = q.size(0) * q.size(1) * q.size(2);
   for (const auto& t : {lse2, delta}) {
-    DLM_CHECK(t.dim() == 1 && t.is_contiguous() && t.numel() >= rows + dlm::sm90::kVarlenScratchPad &&
+    TORCH_CHECK(t.dim() == 1 && t.is_contiguous() && t.numel() >= rows + dlm::sm90::kVarlenScratchPad &&
                     reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
                 "lse2 / delta: 16-byte aligned 1-D scratch of B * H * S + ", dlm::sm90::kVarlenScratchPad,
                 " floats");
   }
   if (dlse) {
-    DLM_CHECK(dlse->device() == dev && dlse->scalar_type() == torch::kFloat32 && dlse->dim() == 3 &&
+    TORCH_CHECK(dlse->device() == dev && dlse->scalar_type() == torch::kFloat32 && dlse->dim() == 3 &&
                     dlse->stride(2) == 1, "dlse: fp32 (B, H, S) with unit stride in S");
   }
-  DLM_CHECK(ds_scratch.has_value() == ds_slots.has_value(), "ds_scratch and ds_slots together");
-  DLM_CHECK(ds_rows.has_value() == (varlen && ds_scratch.has_value()),
+  TORCH_CHECK(ds_scratch.has_value() == ds_slots.has_value(), "ds_scratch and ds_slots together");
+  TORCH_CHECK(ds_rows.has_value() == (varlen && ds_scratch.has_value()),
               "ds_rows: with ds_scratch over packed samples, and only then");
   if (ds_scratch) {
     const int64_t s = q.size(1), d = q.size(3), block = ds_block(d);
-    DLM_CHECK(block && (varlen || (n_noisy % kDsDqBlockM == 0 && (s - n_noisy) % kDsDqBlockM == 0)),
+    TORCH_CHECK(block && (varlen || (n_noisy % kDsDqBlockM == 0 && (s - n_noisy) % kDsDqBlockM == 0)),
                 "the dS backward: D = 128 or 256; batched, both halves multiples of ", kDsDqBlockM);
-    DLM_CHECK(ds_scratch->device() == dev && ds_scratch->scalar_type() == q.scalar_type() &&
+    TORCH_CHECK(ds_scratch->device() == dev && ds_scratch->scalar_type() == q.scalar_type() &&
                     ds_scratch->is_contiguous() && reinterpret_cast<uintptr_t>(ds_scratch->data_ptr()) % 16 == 0 &&
                     ds_visits >= 0 && ds_scratch->numel() >= (1 + q.size(0) * q.size(2) * ds_visits) * block,
                 "ds_scratch: contiguous, q's dtype, (1 + B * H * ds_visits) * ", block, " elements");
-    DLM_CHECK(ds_slots->device() == dev && ds_slots->scalar_type() == torch::kInt32 && ds_slots->is_contiguous(),
+    TORCH_CHECK(ds_slots->device() == dev && ds_slots->scalar_type() == torch::kInt32 && ds_slots->is_contiguous(),
                 "ds_slots: contiguous int32 on q's device");
     if (varlen) {  // varlen_ds_slots' table: the rows of every sample, ds_k_tiles wide
-      DLM_CHECK(ds_rows->device() == dev && ds_rows->scalar_type() == torch::kInt32 && ds_rows->is_contiguous() &&
+      TORCH_CHECK(ds_rows->device() == dev && ds_rows->scalar_type() == torch::kInt32 && ds_rows->is_contiguous() &&
                       ds_rows->numel() == cu_seqlens->numel() - 1,
                   "ds_rows: contiguous int32 on q's device, one per sample");
-      DLM_CHECK(ds_k_tiles > 0 && ds_slots->numel() % ds_k_tiles == 0,
+      TORCH_CHECK(ds_k_tiles > 0 && ds_slots->numel() % ds_k_tiles == 0,
                   "ds_slots: rows of ds_k_tiles entries (varlen_ds_slots)");
     } else {
       const int64_t key_tiles = s / ds_dq_block_n(static_cast<int>(d));
-      DLM_CHECK(ds_k_tiles == 0 && ds_slots->numel() == (s / kBwdBlockM) * key_tiles,
+      TORCH_CHECK(ds_k_tiles == 0 && ds_slots->numel() == (s / kBwdBlockM) * key_tiles,
                   "ds_slots: (S / ", kBwdBlockM, ") * ", key_tiles, " entries, ds_k_tiles 0");
-      DLM_CHECK(dq_order.size(0) == s / kDsDqBlockM,
+      TORCH_CHECK(dq_order.size(0) == s / kDsDqBlockM,
                   "dq_order: the dQ-from-dS kernel's query tiles (bwd_tile_orders()[2]), ", s / kDsDqBlockM);
     }
   }
@@ -261,17 +261,17 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   }
   if (dkdv_schedule) {
     const int64_t items = int64_t{a.batch} * a.kv_heads * a.dkdv_tiles;
-    DLM_CHECK(items < INT32_MAX, "dkdv_schedule: fewer than 2^31 work items");
+    TORCH_CHECK(items < INT32_MAX, "dkdv_schedule: fewer than 2^31 work items");
     int ctas = static_cast<int>(items);  // the persistent launch's grid: min(items, SM count)
-    DLM_CUDA_CHECK(dlm::sm90::cap_at_sm_count(ctas));
-    DLM_CHECK(!varlen && ctas < items, "dkdv_schedule: batched calls with more work items than SMs");
+    C10_CUDA_CHECK(dlm::sm90::cap_at_sm_count(ctas));
+    TORCH_CHECK(!varlen && ctas < items, "dkdv_schedule: batched calls with more work items than SMs");
     dlm_bindings::check_schedule(*dkdv_schedule, dev, ctas, items);
     a.dkdv_schedule = dkdv_schedule->data_ptr<int32_t>();
   }
   // launch_bwd skips empty problems and each gradient kernel whose grid would be empty.
   const cudaError_t err =
       dlm_bindings::dispatch<64, 128, 256>(q.scalar_type(), q.size(3), LaunchBwd{a, varlen});
-  DLM_CUDA_CHECK(err);
+  C10_CUDA_CHECK(err);
 }
 
 }  // namespace

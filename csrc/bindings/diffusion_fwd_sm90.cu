@@ -62,26 +62,26 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
          int64_t order_chunk, int64_t order_block, bool narrow_diag) {
   const bool varlen = tile_sample.has_value();
   dlm_bindings::check_work_order(order_chunk, order_block);
-  DLM_CHECK(q.is_cuda() && k.device() == q.device() && v.device() == q.device() &&
+  TORCH_CHECK(q.is_cuda() && k.device() == q.device() && v.device() == q.device() &&
                   out.device() == q.device() && lse.device() == q.device() &&
                   order.device() == q.device(), "all tensors on one CUDA device");
-  DLM_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
                   out.scalar_type() == q.scalar_type() && lse.scalar_type() == torch::kFloat32 &&
                   order.scalar_type() == torch::kInt32, "dtypes");
-  DLM_CHECK(n_noisy >= 0 && n_noisy <= q.size(1) && block_size >= 1, "bad mask");
-  DLM_CHECK(dlm::sm90::kBatchedStart != dlm::sm90::kStartTile || varlen ||
+  TORCH_CHECK(n_noisy >= 0 && n_noisy <= q.size(1) && block_size >= 1, "bad mask");
+  TORCH_CHECK(dlm::sm90::kBatchedStart != dlm::sm90::kStartTile || varlen ||
                   (n_noisy % kFwdBlockM == 0 && (q.size(1) - n_noisy) % kFwdBlockM == 0),
               "both halves must be multiples of ", kFwdBlockM, " long (kBatchedStart is kStartTile)");
   if (varlen) {
-    DLM_CHECK(cu_seqlens.has_value() && q.size(0) == 1, "varlen: batch 1 and cu_seqlens");
+    TORCH_CHECK(cu_seqlens.has_value() && q.size(0) == 1, "varlen: batch 1 and cu_seqlens");
     for (const auto& t : {*tile_sample, *cu_seqlens})
-      DLM_CHECK(t.device() == q.device() && t.scalar_type() == torch::kInt32 && t.is_contiguous(),
+      TORCH_CHECK(t.device() == q.device() && t.scalar_type() == torch::kInt32 && t.is_contiguous(),
                   "varlen tables: contiguous int32 on q's device");
-    DLM_CHECK(tile_sample->numel() == order.numel(), "one sample per work entry");
+    TORCH_CHECK(tile_sample->numel() == order.numel(), "one sample per work entry");
   }
-  DLM_CHECK(order.is_contiguous(), "contiguous tile order");
-  for (const auto& t : {q, k, v, out}) DLM_CHECK(t.dim() == 4 && t.stride(3) == 1, "layout");
-  DLM_CHECK(lse.dim() == 3 && lse.stride(2) == 1, "lse layout");
+  TORCH_CHECK(order.is_contiguous(), "contiguous tile order");
+  for (const auto& t : {q, k, v, out}) TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "layout");
+  TORCH_CHECK(lse.dim() == 3 && lse.stride(2) == 1, "lse layout");
   dlm_bindings::check_tma_aligned({q, k, v}, "q, k, v");
   dlm_bindings::check_o_pairs(out);
   const c10::cuda::CUDAGuard guard(q.device());
@@ -100,7 +100,7 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   if (a.batch * a.heads == 0 || a.seqlen == 0 || a.num_tiles == 0) return;
   const cudaError_t err =
       dlm_bindings::dispatch<64, 128, 256>(q.scalar_type(), q.size(3), LaunchFwd{a, varlen});
-  DLM_CUDA_CHECK(err);
+  C10_CUDA_CHECK(err);
 }
 
 }  // namespace

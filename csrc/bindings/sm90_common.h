@@ -13,7 +13,6 @@
 
 #include <cutlass/numeric_types.h>
 
-#include "bindings/check.h"
 #include "dlm/geometry.h"
 
 namespace dlm_bindings {
@@ -27,7 +26,7 @@ inline void strides3(const torch::Tensor& t, int64_t* out) {
 // cutlass backend, so a failure is a bug); `what` names the tensors in the message.
 inline void check_tma_aligned(std::initializer_list<torch::Tensor> ts, const char* what) {
   for (const auto& t : ts) {
-    DLM_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
                     (t.stride(0) * t.element_size()) % 16 == 0 &&
                     (t.stride(1) * t.element_size()) % 16 == 0 &&
                     (t.stride(2) * t.element_size()) % 16 == 0, what, " must be 16-byte aligned (TMA)");
@@ -36,7 +35,7 @@ inline void check_tma_aligned(std::initializer_list<torch::Tensor> ts, const cha
 
 // The forwards' epilogue stores O two elements (4 bytes) at a time.
 inline void check_o_pairs(const torch::Tensor& out) {
-  DLM_CHECK(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && out.stride(2) % 2 == 0 &&
+  TORCH_CHECK(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && out.stride(2) % 2 == 0 &&
                   reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0, "out must be 4-byte aligned");
 }
 
@@ -66,9 +65,9 @@ inline torch::Tensor tile_order_tensor(const dlm::TilePlans& plans) {
 // times its area, on `ctas` CTAs, as a CPU int32 tensor (ctas + 1 offsets, then the items).
 inline torch::Tensor schedule_tensor(const dlm::TilePlans& plans, const dlm::WorkOrder& walk, int weight,
                                      int ctas) {
-  DLM_CHECK(walk.slots >= 1 && weight >= 1 && ctas >= 1, "schedule: slots, weight and ctas >= 1");
+  TORCH_CHECK(walk.slots >= 1 && weight >= 1 && ctas >= 1, "schedule: slots, weight and ctas >= 1");
   const torch::Tensor order = tile_order_tensor(plans);
-  DLM_CHECK(order.numel() * int64_t{walk.slots} < INT32_MAX, "schedule: fewer than 2^31 work items");
+  TORCH_CHECK(order.numel() * int64_t{walk.slots} < INT32_MAX, "schedule: fewer than 2^31 work items");
   const std::vector<int32_t> sched = dlm::order_schedule(
       plans, order.data_ptr<int32_t>(), static_cast<int>(order.numel()), walk, weight, ctas);
   auto out = torch::empty({static_cast<int64_t>(sched.size())}, torch::dtype(torch::kInt32));
@@ -80,7 +79,7 @@ inline torch::Tensor schedule_tensor(const dlm::TilePlans& plans, const dlm::Wor
 // unused) or chunk >= 1 slots with blocks of block >= 1 entries, so that the launcher builds the
 // walk without asking the device (and a schedule built for the same arguments matches it).
 inline void check_work_order(int64_t chunk, int64_t block) {
-  DLM_CHECK(chunk >= 0 && block >= 0 && (chunk == 0 || block >= 1) && chunk < INT32_MAX &&
+  TORCH_CHECK(chunk >= 0 && block >= 0 && (chunk == 0 || block >= 1) && chunk < INT32_MAX &&
                   block < INT32_MAX,
               "work order: chunk 0 (plain), or chunk >= 1 with block >= 1; got ", chunk, ", ", block);
 }
@@ -89,7 +88,7 @@ inline void check_work_order(int64_t chunk, int64_t block) {
 // CTAs over `items` work items (its content is the builder's: tests/test_csrc_geometry.py).
 inline void check_schedule(const torch::Tensor& schedule, const c10::Device& dev, int64_t ctas,
                            int64_t items) {
-  DLM_CHECK(schedule.device() == dev && schedule.scalar_type() == torch::kInt32 &&
+  TORCH_CHECK(schedule.device() == dev && schedule.scalar_type() == torch::kInt32 &&
                   schedule.is_contiguous() && schedule.numel() == ctas + 1 + items,
               "schedule: contiguous int32 on the inputs' device, built for ", ctas, " CTAs and ", items,
               " work items (", ctas + 1 + items, " entries), got ", schedule.numel());
@@ -101,10 +100,10 @@ inline void check_schedule(const torch::Tensor& schedule, const c10::Device& dev
 template <class PlansOf>
 std::vector<torch::Tensor> varlen_entries(const std::vector<int64_t>& cu_seqlens, int64_t block_size,
                                           PlansOf plans_of) {
-  DLM_CHECK(!cu_seqlens.empty() && cu_seqlens.back() <= INT32_MAX, "cu_seqlens: 1 to 2^31 - 1 tokens");
+  TORCH_CHECK(!cu_seqlens.empty() && cu_seqlens.back() <= INT32_MAX, "cu_seqlens: 1 to 2^31 - 1 tokens");
   const std::vector<int32_t> cu(cu_seqlens.begin(), cu_seqlens.end());
   const dlm::VarlenMask mask{cu.data(), static_cast<int>(cu.size()) - 1, static_cast<int>(block_size)};
-  DLM_CHECK(dlm::varlen_valid(mask), "cu_seqlens must start at 0 and step by even lengths >= 0, "
+  TORCH_CHECK(dlm::varlen_valid(mask), "cu_seqlens must start at 0 and step by even lengths >= 0, "
               "block_size >= 1");
   std::vector<int64_t> area;
   std::vector<int32_t> tile, sample;
@@ -130,8 +129,8 @@ std::vector<torch::Tensor> varlen_entries(const std::vector<int64_t>& cu_seqlens
 template <int... Ds, class Launch>
 cudaError_t dispatch(torch::ScalarType dtype, int d, const Launch& launch) {
   const bool bf16 = dtype == torch::kBFloat16;
-  DLM_CHECK(bf16 || dtype == torch::kHalf, "bf16 or fp16, got ", dtype);
-  DLM_CHECK(((d == Ds) || ...), "no kernel built for head dim ", d);
+  TORCH_CHECK(bf16 || dtype == torch::kHalf, "bf16 or fp16, got ", dtype);
+  TORCH_CHECK(((d == Ds) || ...), "no kernel built for head dim ", d);
   cudaError_t err = cudaSuccess;
   ((d == Ds ? void(err = bf16 ? launch.template run<cutlass::bfloat16_t, Ds>()
                               : launch.template run<cutlass::half_t, Ds>())

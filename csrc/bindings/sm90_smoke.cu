@@ -4,13 +4,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-#include "bindings/check.h"
 #include "hopper/sm90_smoke.cuh"
 
 namespace {
 
 dlm::SequenceMask make_mask(int64_t n_noisy, int64_t n_clean, int64_t block_size) {
-  DLM_CHECK(n_noisy >= 0 && n_clean >= 0 && block_size >= 1, "bad mask (", n_noisy, ", ", n_clean,
+  TORCH_CHECK(n_noisy >= 0 && n_clean >= 0 && block_size >= 1, "bad mask (", n_noisy, ", ", n_clean,
               ", ", block_size, ")");
   return {static_cast<int>(n_noisy), static_cast<int>(n_clean), static_cast<int>(block_size)};
 }
@@ -18,7 +17,7 @@ dlm::SequenceMask make_mask(int64_t n_noisy, int64_t n_clean, int64_t block_size
 // (runs (T, 4) int32, area (T,) int64, kinds (T, other tiles) int8) computed on the current GPU.
 std::vector<torch::Tensor> tile_runs(int64_t n_noisy, int64_t n_clean, int64_t block_size,
                                      int64_t block_m, int64_t block_n, bool transpose) {
-  DLM_CHECK(block_m >= 1 && block_n >= 1, "tile sizes must be >= 1");
+  TORCH_CHECK(block_m >= 1 && block_n >= 1, "tile sizes must be >= 1");
   const dlm::SequenceMask mask = make_mask(n_noisy, n_clean, block_size);
   const dlm::TilePlans plans = transpose ? mask.bwd_tiles(block_m, block_n)
                                          : mask.fwd_tiles(block_m, block_n);
@@ -30,7 +29,7 @@ std::vector<torch::Tensor> tile_runs(int64_t n_noisy, int64_t n_clean, int64_t b
   if (count > 0) {
     dlm::smoke::tile_runs_kernel<<<(count + 127) / 128, 128, 0, c10::cuda::getCurrentCUDAStream()>>>(
         plans, runs.data_ptr<int32_t>(), area.data_ptr<int64_t>(), kinds.data_ptr<int8_t>());
-    DLM_CUDA_CHECK(cudaGetLastError());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {runs, area, kinds};
 }
@@ -40,11 +39,11 @@ torch::Tensor masked_scores(torch::Tensor q, torch::Tensor k, int64_t n_noisy, i
                             int64_t block_size, int64_t row0, int64_t col0) {
   const dlm::SequenceMask mask = make_mask(n_noisy, n_clean, block_size);
   for (const auto& t : {q, k}) {
-    DLM_CHECK(t.is_cuda() && t.scalar_type() == torch::kBFloat16 && t.is_contiguous() &&
+    TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kBFloat16 && t.is_contiguous() &&
                     t.dim() == 2 && t.size(0) == mask.seqlen() && t.size(1) == dlm::smoke::kTile,
                 "q and k must be contiguous CUDA bf16 (", mask.seqlen(), ", 64), got ", t.sizes());
   }
-  DLM_CHECK(row0 >= 0 && col0 >= 0 && row0 < mask.seqlen() && col0 < mask.seqlen(), "bad tile");
+  TORCH_CHECK(row0 >= 0 && col0 >= 0 && row0 < mask.seqlen() && col0 < mask.seqlen(), "bad tile");
   const c10::cuda::CUDAGuard guard(q.device());
   auto s = torch::full({dlm::smoke::kTile, dlm::smoke::kTile}, std::nan(""),
                        q.options().dtype(torch::kFloat32));
@@ -52,7 +51,7 @@ torch::Tensor masked_scores(torch::Tensor q, torch::Tensor k, int64_t n_noisy, i
       reinterpret_cast<const dlm::smoke::Elem*>(q.data_ptr()),
       reinterpret_cast<const dlm::smoke::Elem*>(k.data_ptr()), mask, static_cast<int>(row0),
       static_cast<int>(col0), s.data_ptr<float>());
-  DLM_CUDA_CHECK(cudaGetLastError());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return s;
 }
 

@@ -3,7 +3,7 @@
 // kernels are instantiated in hopper/block_sparse_fwd_{bf16,fp16}_d{64,128}.cu; a .cu only because
 // the kernel header pulls in CuTe. The checks are the kernel's preconditions, which the Python
 // backend tests before choosing it, so a failure here is a bug.
-#include "bindings/check.h"
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -39,8 +39,8 @@ bool supports(int64_t block_q, int64_t block_k, int64_t d) {
 // round's items into up to that many parts over the grid (block_sparse_fwd.cuh tail_part), with
 // the caller's scratch: split_partials (fp32, at least split_scratch_floats(d, max_ctas) floats)
 // and split_counters (int32, at least 2 * max_ctas, zeroed). The Python backend allocates it, so
-// that an out-of-memory error raises there: on some images a c10::Error thrown inside an
-// extension ends the process (bindings/check.h, whose checks throw std::runtime_error instead).
+// that an out-of-memory error raises there: on one image a c10::Error thrown inside an
+// extension ended the process (csrc/NOTES.md "Session 23").
 void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
          torch::Tensor kv_block_indices, torch::Tensor kv_block_counts,
          std::optional<torch::Tensor> work_order, int64_t block_q, int64_t block_k, double scale,
@@ -48,41 +48,41 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
          std::optional<torch::Tensor> split_partials, std::optional<torch::Tensor> split_counters) {
   const auto& idx = kv_block_indices;
   const auto& counts = kv_block_counts;
-  DLM_CHECK(q.is_cuda(), "q must be a CUDA tensor");
+  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   for (const auto& t : {k, v, out, lse, idx, counts})
-    DLM_CHECK(t.device() == q.device(), "all tensors on q's device");
-  DLM_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+    TORCH_CHECK(t.device() == q.device(), "all tensors on q's device");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
                   out.scalar_type() == q.scalar_type(), "q, k, v, out: one dtype");
-  DLM_CHECK(lse.scalar_type() == torch::kFloat32, "lse must be float32");
-  for (const auto& t : {q, k, v, out}) DLM_CHECK(t.dim() == 4 && t.stride(3) == 1, "layout");
+  TORCH_CHECK(lse.scalar_type() == torch::kFloat32, "lse must be float32");
+  for (const auto& t : {q, k, v, out}) TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "layout");
   const int64_t b = q.size(0), sq = q.size(1), h = q.size(2), d = q.size(3);
   const int64_t sk = k.size(1), hkv = k.size(2);
-  DLM_CHECK(k.size(0) == b && k.size(3) == d && v.sizes() == k.sizes() && out.sizes() == q.sizes(),
+  TORCH_CHECK(k.size(0) == b && k.size(3) == d && v.sizes() == k.sizes() && out.sizes() == q.sizes(),
               "shapes: q / out (B, Sq, H, D), k / v (B, Sk, Hkv, D)");
-  DLM_CHECK(hkv >= 1 && h % hkv == 0, "heads must be a multiple of kv heads");
-  DLM_CHECK(supports(block_q, block_k, d), "no kernel for block sizes ", block_q, " x ", block_k,
+  TORCH_CHECK(hkv >= 1 && h % hkv == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(supports(block_q, block_k, d), "no kernel for block sizes ", block_q, " x ", block_k,
               " at head dim ", d);
   const int64_t nqb = (sq + block_q - 1) / block_q;
-  DLM_CHECK(lse.dim() == 3 && lse.size(0) == b && lse.size(1) == h && lse.size(2) == sq &&
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == b && lse.size(1) == h && lse.size(2) == sq &&
                   lse.stride(2) == 1, "lse (B, H, Sq), unit stride in Sq");
-  DLM_CHECK(idx.scalar_type() == torch::kInt32 && counts.scalar_type() == torch::kInt32 &&
+  TORCH_CHECK(idx.scalar_type() == torch::kInt32 && counts.scalar_type() == torch::kInt32 &&
                   idx.is_contiguous() && counts.is_contiguous(),
               "kv_block_indices / kv_block_counts: contiguous int32");
   const bool shared = idx.dim() == 1;
-  DLM_CHECK(counts.dim() == 3 && counts.size(0) == b && counts.size(1) == h && counts.size(2) == nqb &&
+  TORCH_CHECK(counts.dim() == 3 && counts.size(0) == b && counts.size(1) == h && counts.size(2) == nqb &&
                   (shared || (idx.dim() == 4 && idx.sizes().slice(0, 3) == counts.sizes())),
               "index shapes (B, H, nQb[, max_blocks]), or a shared list (max_blocks)");
   // An empty list table would hand the kernel a pointer to nothing: the backend runs Triton then.
-  DLM_CHECK(idx.size(-1) >= 1, "max_blocks >= 1");
+  TORCH_CHECK(idx.size(-1) >= 1, "max_blocks >= 1");
   if (key_len) {
-    DLM_CHECK(key_len->device() == q.device() && key_len->scalar_type() == torch::kInt32 &&
+    TORCH_CHECK(key_len->device() == q.device() && key_len->scalar_type() == torch::kInt32 &&
                     key_len->is_contiguous() && key_len->dim() == 2 && key_len->size(0) == b &&
                     key_len->size(1) == h, "key_len: (B, H) contiguous int32 on q's device");
   }
-  DLM_CHECK(b * h * nqb <= INT32_MAX && idx.numel() <= INT32_MAX && sq <= INT32_MAX &&
+  TORCH_CHECK(b * h * nqb <= INT32_MAX && idx.numel() <= INT32_MAX && sq <= INT32_MAX &&
                   sk <= INT32_MAX, "sizes must fit in int32");
   if (work_order) {
-    DLM_CHECK(work_order->device() == q.device() && work_order->scalar_type() == torch::kInt32 &&
+    TORCH_CHECK(work_order->device() == q.device() && work_order->scalar_type() == torch::kInt32 &&
                     work_order->is_contiguous() && work_order->numel() == b * h * nqb,
                 "work_order: B * H * nQb contiguous int32 on q's device");
   }
@@ -102,16 +102,16 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   a.key_len = key_len ? key_len->data_ptr<int32_t>() : nullptr;
   a.scale = static_cast<float>(scale);
   a.work_order = work_order ? work_order->data_ptr<int32_t>() : nullptr;
-  DLM_CHECK(max_ctas >= 0 && max_ctas <= INT32_MAX, "max_ctas must be >= 0");
+  TORCH_CHECK(max_ctas >= 0 && max_ctas <= INT32_MAX, "max_ctas must be >= 0");
   a.max_ctas = static_cast<int>(max_ctas);
   a.stream = c10::cuda::getCurrentCUDAStream();
-  DLM_CHECK(split_parts >= 0 && split_parts <= INT32_MAX, "split_parts must be >= 0");
+  TORCH_CHECK(split_parts >= 0 && split_parts <= INT32_MAX, "split_parts must be >= 0");
   if (split_parts > 0 && max_ctas > 0) {
-    DLM_CHECK(split_partials && split_partials->device() == q.device() &&
+    TORCH_CHECK(split_partials && split_partials->device() == q.device() &&
                     split_partials->scalar_type() == torch::kFloat32 && split_partials->is_contiguous() &&
                     split_partials->numel() >= dlm::sm90::split_scratch_floats(static_cast<int>(d), a.max_ctas),
                 "split_partials: contiguous fp32 on q's device, split_scratch_floats(d, max_ctas) floats");
-    DLM_CHECK(split_counters && split_counters->device() == q.device() &&
+    TORCH_CHECK(split_counters && split_counters->device() == q.device() &&
                     split_counters->scalar_type() == torch::kInt32 && split_counters->is_contiguous() &&
                     split_counters->numel() >= 2 * max_ctas,
                 "split_counters: contiguous int32 on q's device, 2 * max_ctas of them (zeroed)");
@@ -121,7 +121,7 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
   }
   const cudaError_t err =
       dlm_bindings::dispatch<64, 128>(q.scalar_type(), static_cast<int>(d), LaunchSparseFwd{a});
-  DLM_CUDA_CHECK(err);
+  C10_CUDA_CHECK(err);
 }
 
 }  // namespace
