@@ -212,11 +212,13 @@ def _walk(longest_half: int, head_dim: int, group: int) -> tuple[int, int]:
 # benchmarks.knob_ab narrow-diag (one process): 1.026 / 1.043x at n = 1K, 1.041x GQA 32/8, 1.044x
 # at n = 512, but its A/A row (n = 2K, no narrow visit under either setting) read 1.019x, and the
 # A/A rows of the two knobs below 1.023 / 1.025x, all under shuffle seed 0 (seeds 1-3 read that
-# A/A row 0.97-1.00x): a knob_ab ratio is good to about 3 %. Less the A/A: packed samples
-# (narrow-diag-varlen, 16K tokens of halves <= 1K) forward 1.044 / 1.049x -> +2 %; D = 64
-# (narrow-diag-dims) 1.052 / 1.046x at n = 1K (block 16 / 4), 1.073x at n = 512 -> +2-5 %: at the
-# harness's noise, but the same sign in every narrow row and build_ab's mechanism; at D = 64 the
-# kernel that is always narrow read 0.989x at n = 2K (build_ab), hence the same bound on the halves. The kernel without it is instruction for
+# A/A row 0.97-1.00x): a knob_ab ratio is good to about 3 %. Session 30 settled the two rules with
+# an A/A arm in every row, shuffle seeds 1 and 2: packed samples (narrow-diag-varlen, 16K tokens of
+# halves <= 1K) forward 1.022 / 1.037x (A/A 0.965 / 1.005) for 8 x 1K, 1.045 / 1.040x (A/A 0.989 /
+# 1.006) for a mixed packing; D = 64 (narrow-diag-dims) 1.044-1.047x at n = 1K (block 16 and 4, A/A
+# 0.998-1.003), 1.066 / 1.063x at n = 512 (A/A 1.001 / 1.002): +3-6 % against an A/A within 1 %,
+# so both stay on. At D = 64 the kernel that is always narrow read 0.989x at n = 2K (build_ab),
+# hence the same bound on the halves. The kernel without it is instruction for
 # instruction the one before (cuobjdump). 0: never.
 NARROW_DIAG_MAX_HALF = 1024
 NARROW_DIAG_HEAD_DIMS = (64, 128)
