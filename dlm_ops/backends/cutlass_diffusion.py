@@ -216,9 +216,9 @@ def _walk(longest_half: int, head_dim: int, group: int) -> tuple[int, int]:
 # an A/A arm in every row, shuffle seeds 1 and 2: packed samples (narrow-diag-varlen, 16K tokens of
 # halves <= 1K) forward 1.022 / 1.037x (A/A 0.965 / 1.005) for 8 x 1K, 1.045 / 1.040x (A/A 0.989 /
 # 1.006) for a mixed packing; D = 64 (narrow-diag-dims) 1.044-1.047x at n = 1K (block 16 and 4, A/A
-# 0.998-1.003), 1.066 / 1.063x at n = 512 (A/A 1.001 / 1.002): +3-6 % against an A/A within 1 %,
-# so both stay on. At D = 64 the kernel that is always narrow read 0.989x at n = 2K (build_ab),
-# hence the same bound on the halves. The kernel without it is instruction for
+# 0.998-1.003), 1.066 / 1.063x at n = 512 (A/A 1.001 / 1.002): +2-6 %, every A/A row but one
+# (0.965) within 1.1 %, so both stay on. At D = 64 the kernel that is always narrow read 0.989x at
+# n = 2K (build_ab), hence the same bound on the halves. The kernel without it is instruction for
 # instruction the one before (cuobjdump). 0: never.
 NARROW_DIAG_MAX_HALF = 1024
 NARROW_DIAG_HEAD_DIMS = (64, 128)
