@@ -142,20 +142,25 @@ def test_block_causal_is_rewritten_and_matches_compiled_flex(mask_mod, block_siz
     torch.testing.assert_close(ours, flex_out, atol=1e-5, rtol=0)
 
 
+# Compiled flex itself is wrong at 8-wide tiles on some CPUs: on an AVX2 AMD EPYC (session 30,
+# torch 2.13.0) its output was off by up to 2.3 at BLOCK_SIZE=8, exact at 16 and 128, while eager
+# flex_attention was exact at all three. So the rewrite is held to the definition (the dense
+# reference), and the declined call to compiled flex as compiled without the pass.
+
+
 def test_small_tiles_are_checked_from_the_block_mask_tables():
     """8x8 BlockMask tiles: full, partial and skipped tiles all occur; only partial ones are
-    evaluated, and the rewrite matches compiled flex."""
+    evaluated, and the rewrite computes the BD3 mask."""
     block_mask = create_block_mask(bd3_where, None, None, S, S, device="cpu", BLOCK_SIZE=8)
     attn = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     q, k, v = _inputs(grad=False)
-    dlm_ops.compile.disable()
-    flex_out = torch.compile(attn, fullgraph=True)(q, k, v)
-    torch._dynamo.reset()
-    dlm_ops.compile.enable()
     ours = torch.compile(attn, fullgraph=True)(q, k, v)
     stats = dlm_ops.compile.stats()
     assert stats.get("rewritten: block_diffusion") == 1 and stats.get("checked: partial tiles") == 1
-    torch.testing.assert_close(ours, flex_out, atol=1e-5, rtol=0)
+    visible = bd3_where(0, 0, torch.arange(S)[:, None], torch.arange(S)[None, :])
+    ref, _ = _reference(q, k, v, visible)
+    torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours, attn(q, k, v), atol=1e-5, rtol=0)  # eager flex
 
 
 def test_tables_that_contradict_the_mask_mod_are_declined():
@@ -171,10 +176,12 @@ def test_tables_that_contradict_the_mask_mod_are_declined():
     q, k, v = _inputs(grad=False)
     out = torch.compile(attn, fullgraph=True)(q, k, v)
     assert _decisions() == {"declined: not a block-diffusion or block-causal mask": 1}
-    visible = bd3_where(0, 0, torch.arange(S)[:, None], torch.arange(S)[None, :])
-    in_partial = tampered.to_dense()[0, 0].repeat_interleave(8, 0).repeat_interleave(8, 1)[:S, :S]
-    ref, _ = _reference(q, k, v, visible & in_partial.bool())
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    torch._dynamo.reset()
+    dlm_ops.compile.disable()
+    untouched = torch.compile(attn, fullgraph=True)(q, k, v)  # flex's graph without the pass
+    torch.testing.assert_close(out, untouched, atol=0, rtol=0, equal_nan=True)
+    # Its values are flex's business: compiled flex is not exact at 8-wide CPU tiles everywhere
+    # (above), and eager flex applies the mask_mod to every pair, ignoring the dropped tiles.
 
 
 def _decisions() -> dict[str, int]:
