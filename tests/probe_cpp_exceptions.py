@@ -18,11 +18,23 @@ So it is not c10::Error's construction. The other functions tell the suspects ap
 from a nested frame (fail_std_nested), an ostringstream before a direct throw (fail_std_stream),
 an ostringstream alone (stream_only); loaded_libstdcxx names the libstdc++ and libgcc_s the
 process mapped (a libstdc++ older than the compiler's headers is one suspect).
+
+Session 31, from the device-built libraries carried back in session 30 (readelf -d, nm -D): they
+have no libstdc++.so.6 among their NEEDED entries, i.e. /opt/gcc's g++ links libstdc++
+statically, and they export ~4,500 of its std:: / __cxa symbols, so in a process where torch has
+loaded the shared libstdc++ some of an extension's libstdc++ calls bind to torch's copy and the
+rest stay in its own: the prime suspect. So the probe now builds its module three ways (VARIANTS:
+the driver's default; linked against this process's libstdc++ by path, what the dlm_ops builds do
+since then, dlm_ops.backends.cutlass.link_flags; the static archives' symbols hidden), prints
+each library's NEEDED entries and exported libstdc++ symbols, and the outcome of every function
+for each. Exit status 0 when the process-libstdcxx variant did not crash.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,12 +85,28 @@ FUNCTIONS = ("fail_check", "fail_std", "fail_rethrown", "fail_helper", "fail_std
              "fail_std_stream", "stream_only", "loaded_libstdcxx")
 
 
-def call_in_subprocess(directory: str, function: str) -> str:
+# How the probe module is linked: the driver's default; the libstdc++ of this process named on the
+# link line (dlm_ops.backends.cutlass.link_flags: what the extensions do since session 31); the
+# static archives' symbols hidden (the other cure, should the first fail).
+VARIANTS = {
+    "default": lambda: [],
+    "process-libstdcxx": lambda: [p for p in [process_libstdcxx()] if p],
+    "exclude-libs": lambda: ["-Wl,--exclude-libs,ALL"],
+}
+
+
+def process_libstdcxx() -> str | None:
+    from dlm_ops.backends import cutlass
+
+    return cutlass.process_libstdcxx()
+
+
+def call_in_subprocess(directory: str, name: str, ldflags: list[str], function: str) -> str:
     """Load the built module and call one function in a fresh interpreter: its outcome in words."""
     code = textwrap.dedent(f"""
-        import torch.utils.cpp_extension as ce
-        m = ce.load(name="dlm_probe_exceptions", sources=[{os.path.join(directory, 'probe.cpp')!r}],
-                    build_directory={directory!r}, extra_cflags=["-O3"])
+        import torch.utils.cpp_extension as ce  # the build is done: this loads it
+        m = ce.load(name={name!r}, sources=[{os.path.join(directory, 'probe.cpp')!r}],
+                    build_directory={directory!r}, extra_cflags=["-O3"], extra_ldflags={ldflags!r})
         try:
             r = m.{function}(1) if {function!r} != "loaded_libstdcxx" else m.loaded_libstdcxx()
             print("returned", r)
@@ -89,20 +117,47 @@ def call_in_subprocess(directory: str, function: str) -> str:
     return f"{function}: rc {r.returncode} {(r.stdout.strip() or r.stderr.strip()[-200:])}"
 
 
+def dynamic_facts(library: str) -> str:
+    """The library's NEEDED entries and how many std:: / __cxa symbols it exports (readelf, nm)."""
+    readelf, nm = shutil.which("readelf"), shutil.which("nm")
+    facts = []
+    if readelf:
+        out = subprocess.run([readelf, "-d", library], capture_output=True, text=True).stdout
+        facts.append("NEEDED " + ", ".join(re.findall(r"\(NEEDED\).*\[(.*)\]", out)))
+    if nm:
+        out = subprocess.run([nm, "-D", "--defined-only", library], capture_output=True, text=True).stdout
+        exported = [line for line in out.splitlines() if re.search(r"_ZNS|_ZNKS|_ZSt|__cxa_|__gxx_", line)]
+        facts.append(f"exports {len(exported)} libstdc++ symbols")
+    return "; ".join(facts) or "readelf / nm not found"
+
+
 def main() -> int:
     import torch.utils.cpp_extension as ce
 
     compiler = os.environ.get("CXX", "c++")
     print("compiler", compiler, ce.get_compiler_abi_compatibility_and_version(compiler), flush=True)
-    with tempfile.TemporaryDirectory(prefix="dlm_probe_") as directory:
-        with open(os.path.join(directory, "probe.cpp"), "w") as f:
-            f.write(SOURCE)
-        ce.load(name="dlm_probe_exceptions", sources=[os.path.join(directory, "probe.cpp")],
-                build_directory=directory, extra_cflags=["-O3"])
-        results = [call_in_subprocess(directory, fn) for fn in FUNCTIONS]
-    for line in results:
-        print(line, flush=True)
-    return 0 if all(" rc 0 " in line for line in results) else 1
+    for lib in ("libstdc++.so", "libstdc++.a"):
+        found = subprocess.run([compiler, f"-print-file-name={lib}"], capture_output=True, text=True)
+        print(f"{compiler} -print-file-name={lib}:", found.stdout.strip(), flush=True)
+    print("this process's libstdc++:", process_libstdcxx(), flush=True)
+    healthy = True
+    for variant, flags in VARIANTS.items():
+        ldflags, name = flags(), "dlm_probe_exceptions_" + variant.replace("-", "_")
+        with tempfile.TemporaryDirectory(prefix="dlm_probe_") as directory:
+            with open(os.path.join(directory, "probe.cpp"), "w") as f:
+                f.write(SOURCE)
+            # A copy: load appends torch's own flags to the list it is given.
+            ce.load(name=name, sources=[os.path.join(directory, "probe.cpp")],
+                    build_directory=directory, extra_cflags=["-O3"], extra_ldflags=list(ldflags))
+            library = os.path.join(directory, name + ".so")
+            print(f"== {variant} (extra_ldflags {ldflags}): {dynamic_facts(library)}", flush=True)
+            results = [call_in_subprocess(directory, name, ldflags, fn) for fn in FUNCTIONS]
+        for line in results:
+            print("  " + line, flush=True)
+        ok = all(" rc 0 " in line for line in results)
+        print(f"  {variant}: {'no crash' if ok else 'CRASHED'}", flush=True)
+        healthy &= ok or variant != "process-libstdcxx"
+    return 0 if healthy else 1
 
 
 if __name__ == "__main__":

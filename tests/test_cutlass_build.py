@@ -4,6 +4,7 @@ where the sources and headers are found, the build cache key, package data, the 
 
 import fnmatch
 import itertools
+import os
 import re
 import shutil
 import subprocess
@@ -132,6 +133,29 @@ def test_a_finished_build_loads_without_ninja(sm90_machine, monkeypatch, tmp_pat
 
     monkeypatch.setattr(cutlass, "load_built", unloadable)
     assert cutlass.build("ext", ["x.cu"]) == "rebuilt" and built == [module_name] * 2
+
+
+def test_builds_link_the_libstdcxx_of_the_process(sm90_machine, monkeypatch, tmp_path):
+    """Every build names the libstdc++ this process mapped on its link line (a toolchain that
+    links it statically otherwise gives the extension a private copy: csrc/NOTES.md "Session
+    31"); DLM_OPS_LINK_LIBSTDCXX=0 leaves the driver's default; the flag does not move the build
+    directory (a prebuilt library keeps its name on another machine)."""
+    from torch.utils import cpp_extension
+
+    found = cutlass.process_libstdcxx()
+    if found is None:
+        pytest.skip("no libstdc++ mapped in this process (/proc/self/maps)")
+    assert os.path.basename(found).startswith("libstdc++.so") and os.path.isfile(found)
+    monkeypatch.setenv("DLM_OPS_BUILD_DIR", str(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw) or "built")
+    directory = cutlass.build_directory("ext", cutlass.ARCH_FLAGS + cutlass.CUDA_FLAGS)
+    monkeypatch.delenv("DLM_OPS_LINK_LIBSTDCXX", raising=False)
+    assert cutlass.build("ext", ["x.cu"]) == "built" and calls[-1]["extra_ldflags"] == [found]
+    assert calls[-1]["build_directory"] == str(directory)
+    monkeypatch.setenv("DLM_OPS_LINK_LIBSTDCXX", "0")
+    assert cutlass.build("ext", ["x.cu"]) == "built" and calls[-1]["extra_ldflags"] == []
+    assert calls[-1]["build_directory"] == str(directory)
 
 
 def test_load_built_imports_an_extension_module(tmp_path):

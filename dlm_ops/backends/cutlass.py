@@ -182,6 +182,36 @@ def build_directory(name: str, flags: Sequence[str]) -> Path:
     return root / re.sub(r"[^A-Za-z0-9_.+-]", "_", f"{name}-{tag}")
 
 
+def process_libstdcxx() -> str | None:
+    """The libstdc++ this process has mapped (torch's), by path, or None (not Linux, not found)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if os.path.basename(path).startswith("libstdc++.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def link_flags() -> list[str]:
+    """The extensions link the libstdc++ of the process that loads them, by path. Why: the device
+    machine's toolchain (/opt/gcc g++ 13.3) links libstdc++ statically, and its extensions then
+    carry a private copy that also exports ~4,500 std:: and __cxa symbols (nm -D, session 31):
+    torch's own libstdc++ takes over some of the extension's calls and the private copy serves the
+    rest, and a C++ exception raised in a binding ended the process with SIGSEGV (sessions 23 and
+    30). Named first on the link line, the shared library resolves every libstdc++ reference, so
+    the static archive the driver adds behind it contributes nothing; with a toolchain that links
+    it dynamically anyway this names the same soname. DLM_OPS_LINK_LIBSTDCXX=0 leaves the driver's
+    default. Not in the build hash: the path is the machine's, and a prebuilt library must keep its
+    directory name on the GPU machine."""
+    if os.environ.get("DLM_OPS_LINK_LIBSTDCXX", "1") == "0":
+        return []
+    found = process_libstdcxx()
+    return [found] if found else []
+
+
 def build(name: str, sources: Sequence[str], extra_cuda_cflags: Sequence[str] = (),
           verbose: bool = False, without_gpu: bool = False):
     """JIT-build (or load the cached build of) the torch extension ``name`` from ``sources``
@@ -220,6 +250,7 @@ def build(name: str, sources: Sequence[str], extra_cuda_cflags: Sequence[str] = 
         extra_include_paths=[str(csrc_dir()), str(csrc_dir() / "include"), str(cutlass_include())],
         extra_cflags=["-O3"],
         extra_cuda_cflags=flags,
+        extra_ldflags=link_flags(),
         build_directory=str(directory),
         verbose=verbose,
     )
