@@ -25,20 +25,21 @@ struct DkDvShared : Cfg::SharedStorage {
   alignas(8) uint64_t item_full[Cfg::kKvBufs];
 };
 
-// Whether an item is a noisy key tile's narrow item (Cfg::kNarrow). A noisy key is seen only by
-// the noisy query rows of its own block, so where block_size divides 64 the keys [64c, 64c + 64)
+// Whether an item is a noisy key tile's narrow item (Cfg::kNarrow; dlm/geometry.h narrow_noisy,
+// which tests/test_csrc_geometry.py checks against the mask's definition). A noisy key is seen only
+// by the noisy query rows of its own block, so where block_size divides 64 the keys [64c, 64c + 64)
 // of consumer c (key tiles start at multiples of 128 inside their half) are seen by the rows
-// [64c, 64c + 64) of the tile alone: by the one of its two 64-query visits that starts at the
-// consumer's first key. The other visit's P^T is 0 for every one of its keys, so the consumer skips
-// its four matmuls and its softmax; dK / dV are bitwise the same, and the visit's dS^T rows, which
-// the dQ-from-dS kernel multiplies as part of the whole block, are stored as zeros. At n = 1K (8
-// noisy key tiles) this skips 16 of the 320 consumer visits of a (batch, head), 5 %.
+// [64c, 64c + 64) alone: by the one of the tile's two 64-query visits that starts at the consumer's
+// first key. The other visit's P^T is 0 for every one of its keys, so the consumer skips its four
+// matmuls and its softmax; dK / dV are bitwise the same, and the visit's dS^T rows, which the
+// dQ-from-dS kernel multiplies as part of the whole block, are stored as zeros. At n = 1K (8 noisy
+// key tiles) this skips 16 of the 320 consumer visits of a (batch, head), 5 %.
 template <class Cfg>
-CUTE_DEVICE bool narrow_item(SequenceMask const& mask, Interval k_tile) {
+CUTE_DEVICE bool narrow_item(TilePlans const& plans, int kt) {
   if constexpr (!Cfg::kNarrow) {
     return false;
   } else {
-    return k_tile.lo < mask.n_noisy && Cfg::kConsumerRows % mask.block_size == 0;
+    return plans.narrow_noisy(kt, Cfg::kConsumerRows);
   }
 }
 
@@ -319,7 +320,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     Interval k_tile = t.k_tile;
     const int buf = item % Cfg::kKvBufs;
     int key_base = k_tile.lo + key_slot * kRowsW;  // this warpgroup's first key
-    [[maybe_unused]] const bool narrow = narrow_item<Cfg>(mask, k_tile);
+    [[maybe_unused]] const bool narrow = narrow_item<Cfg>(plans, kt);
     Tensor sKc = local_tile(kv_tile(ss.k, buf), Shape<Int<kRowsW>, Int<D>>{}, make_coord(key_slot, 0));
     Tensor sVc = local_tile(kv_tile(ss.v, buf), Shape<Int<kRowsW>, Int<D>>{}, make_coord(key_slot, 0));
     // Cfg::kRoles: acc_dv is this warpgroup's one gradient (dK for consumer 1) and acc_dk is unused.

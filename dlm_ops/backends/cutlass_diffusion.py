@@ -243,7 +243,7 @@ def _narrow_diag(longest_half: int, block_size: int, head_dim: int) -> bool:
 # packed, 20 more, 6 more local loads per visit): 0, never, until a device call has tested them
 # (tests/test_gpu.py test_cutlass_narrow_dkdv_kernel) and timed them (benchmarks.knob_ab
 # narrow-dkdv / narrow-dkdv-packed). Predicted: the dK/dV kernel skips 5 % of its consumer visits
-# at n = 1K (16 of 320 per (batch, head), all masked ones), 2.5 % at 2K, so +2-4 % on it and +1-2 %
+# at n = 1K (16 of 320 per (batch, head), all masked ones), 2.8 % at 2K, so +2-4 % on it and +1-2 %
 # on the backward at n = 1K, nothing measurable from 4K on.
 NARROW_DKDV_MAX_HALF = 0
 NARROW_DKDV_MAX_HALF_PACKED = 0
