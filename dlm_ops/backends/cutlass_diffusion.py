@@ -239,8 +239,8 @@ def _narrow_diag(longest_half: int, block_size: int, head_dim: int) -> bool:
 # NARROW_DKDV_MAX_HALF (batched) or NARROW_DKDV_MAX_HALF_PACKED (a packing's longest; also batched
 # halves off the 128 grid, which run the packed kernels). Built in session 31 without a GPU (the
 # kernels without it are instruction for instruction the ones before, cuobjdump; the narrow ones
-# have 168 registers, and 4 bytes of spills batched, 16 fewer than the kernel without, but 56
-# packed, 20 more, 6 more local loads per visit): 0, never, until a device call has tested them
+# have 168 registers, and 4 bytes of spill stores batched, 16 fewer than the kernel without, but
+# 44 packed, 8 more, one more local load per visit): 0, never, until a device call has tested them
 # (tests/test_gpu.py test_cutlass_narrow_dkdv_kernel) and timed them (benchmarks.knob_ab
 # narrow-dkdv / narrow-dkdv-packed). Predicted: the dK/dV kernel skips 5 % of its consumer visits
 # at n = 1K (16 of 320 per (batch, head), all masked ones), 2.8 % at 2K, so +2-4 % on it and +1-2 %
