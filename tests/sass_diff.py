@@ -1,5 +1,5 @@
-"""``python -m tests.sass_diff A B [--show N]``: which kernels of two builds of an extension differ
-in their SASS, and how (instruction counts, registers, stack).
+"""``python -m tests.sass_diff A B [--show N] [--rename B_PART=A_PART ...]``: which kernels of two
+builds of an extension differ in their SASS, and how (instruction counts, registers, stack).
 
 A and B: the extensions' shared libraries, or build directories holding one (DLM_OPS_BUILD_DIR's
 ``dlm_diffusion_sm90-...-<hash>``). Each kernel's SASS is compared as instruction text (addresses
@@ -12,7 +12,11 @@ kernel byte-for-byte as tested and measured, so a device call need not re-test o
 (sessions 26 and 27 did this by hand: csrc/NOTES.md). ``--show N`` prints a unified diff of the
 N-th differing kernel. Needs cuobjdump (CUDA_HOME/bin, PATH, or the copy inside Triton's wheel);
 no GPU. Exit status 0 when every kernel is identical or renamed, 1 when any is same-ops or
-different or the kernel sets differ, 2 when nothing could be read.
+different or the kernel sets differ, 2 when nothing could be read. A and B may also be cubins
+(``nvcc -cubin`` of one translation unit). ``--rename B_PART=A_PART`` (repeatable) replaces
+B_PART by A_PART in B's mangled kernel names before they are matched: where a config template
+gained a defaulted argument, its kernels' names change but their code should not (session 31:
+DkDvConfig's NARROW_, ``--rename Li2ELb0EEEEEv=Li2EEEEEv``).
 """
 
 from __future__ import annotations
@@ -157,22 +161,41 @@ def compare(a: dict[str, Kernel], b: dict[str, Kernel]) -> tuple[dict[str, str],
     return classes, sorted(set(a) - set(b)), sorted(set(b) - set(a))
 
 
+USAGE = "usage: python -m tests.sass_diff A B [--show N] [--rename B_PART=A_PART ...]"
+
+
+def renamed(kernels: dict[str, Kernel], renames: list[tuple[str, str]]) -> dict[str, Kernel]:
+    """``kernels`` with every (part, replacement) of ``renames`` applied to their names, in order."""
+    out = {}
+    for name, kernel in kernels.items():
+        for part, replacement in renames:
+            name = name.replace(part, replacement)
+        out[name] = kernel
+    return out
+
+
 def main(argv: list[str]) -> int:
+    argv, show, renames = list(argv), None, []
+    for flag in ("--show", "--rename"):
+        while flag in argv:
+            i = argv.index(flag)
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+            if flag == "--show" and value.isdigit():
+                show = int(value)
+            elif flag == "--rename" and value.count("=") == 1 and value.split("=")[0]:
+                renames.append(tuple(value.split("=")))
+            else:
+                raise SystemExit(USAGE)
+            del argv[i:i + 2]
     args = [x for x in argv if not x.startswith("--")]
-    show = None
-    if "--show" in argv:
-        i = argv.index("--show")
-        if i + 1 >= len(argv) or not argv[i + 1].isdigit():
-            raise SystemExit("usage: python -m tests.sass_diff A B [--show N]")
-        show = int(argv[i + 1])
-        args.remove(argv[i + 1])
-    if len(args) != 2 or set(x for x in argv if x.startswith("--")) - {"--show"}:
-        raise SystemExit("usage: python -m tests.sass_diff A B [--show N]")
+    if len(args) != 2 or len(args) != len(argv):
+        raise SystemExit(USAGE)
     tool = cuobjdump()
     if tool is None:
         print("cuobjdump not found: set CUDA_HOME, or install triton (its wheel carries one)")
         return 2
     a, b = (kernels_of(library(x), tool) for x in args)
+    b = renamed(b, renames)
     if not a or not b:
         print("no kernels found in", args[0] if not a else args[1])
         return 2

@@ -118,10 +118,21 @@ def test_sass_diff_exit_status(monkeypatch, tmp_path, capsys):
     builds["b.so"] = {"k": _kernel(SASS.replace("0x40", "0x80"))}
     assert sd.main([str(tmp_path / "a.so"), str(tmp_path / "b.so")]) == 1
     assert "0 identical, 0 renamed, 0 same-ops, 1 differs" in capsys.readouterr().out
+    # A template's new defaulted argument renames its kernels: --rename maps B's names back.
+    builds["b.so"] = {"kILb0EE": _kernel(SASS), "other": _kernel(SASS)}
+    builds["a.so"] = {"kIE": _kernel(SASS), "other": _kernel(SASS)}
+    paths = [str(tmp_path / "a.so"), str(tmp_path / "b.so")]
+    assert sd.main(paths) == 1 and "1 only in A, 1 only in B" in capsys.readouterr().out
+    assert sd.main(paths + ["--rename", "Lb0E="]) == 0
+    assert "2 identical" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="only 0 kernels changed"):  # flags before the paths too
+        sd.main(["--rename", "Lb0E=", *paths, "--show", "0"])
     monkeypatch.setattr(sd, "cuobjdump", lambda: None)
     assert sd.main([str(tmp_path / "a.so"), str(tmp_path / "b.so")]) == 2
-    with pytest.raises(SystemExit, match="usage"):
-        sd.main([str(tmp_path / "a.so")])
+    for bad in ([str(tmp_path / "a.so")], paths + ["--rename"], paths + ["--rename", "=x"],
+                paths + ["--show", "x"], paths + ["--other"]):
+        with pytest.raises(SystemExit, match="usage"):
+            sd.main(bad)
 
 
 LOOP = """
