@@ -742,7 +742,7 @@ def test_cutlass_varlen_is_the_default_on_sm90():
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("n,block_size,heads,layout", [
     (256, 16, (4, 4), "bd3"), (384, 5, (8, 2), "bd3"), (1024, 300, (2, 2), "bd3"),
-    (1024, 4, (4, 4), "bd3"),   # 2 x 16 x 4 = 128 dK/dV items at D = 128: persistent CTAs walk several
+    (1024, 4, (4, 4), "bd3"),   # 2 x 4 x 16 = 128 dK/dV items at D = 128: one per CTA on 132 SMs
     (128, 1, (4, 2), "causal"),  # block-causal: no noisy half
 ])
 def test_cutlass_ds_backward(monkeypatch, dtype, head_dim, n, block_size, heads, layout):
@@ -784,7 +784,7 @@ def _kernels_run(fn) -> list[str]:
     ("batched", (256, 256), 16, (4, 4)),
     ("batched", (512,), 64, (4, 2)),           # GQA: each query head's two visits
     ("batched", (384, 384), 1, (8, 2)),
-    ("batched", (1024, 1024), 4, (4, 4)),      # 64 items: persistent CTAs walk several
+    ("batched", (1024,) * 4, 4, (4, 4)),       # 256 items on 132 SMs: the CTAs walk two
     ("batched", (256, 256), 48, (4, 4)),       # 48 does not divide 64: no narrow item at all
     ("varlen", (0, 100, 37, 256, 1, 300), 16, (4, 2)),  # short noisy tiles: consumer 1 may own no key
     ("varlen", (129, 64, 0, 500), 32, (4, 4)),
