@@ -23,11 +23,6 @@ rounds (the main preset's method, benchmarks/__main__.py), medians, bf16, 16K to
                  one of 2K halves, which runs the kernel without it under both.
     narrow-diag-dims  NARROW_DIAG_HEAD_DIMS (128,) against (64, 128): D = 64 at n = 1K and 512;
                  the D = 128 case runs the narrow kernel under both.
-    narrow-dkdv  NARROW_DKDV_MAX_HALF 0 against 1024: the dS backward's dK/dV kernel with the noisy
-                 key tiles' narrow items (session 31) at D = 128, batched; the n = 2K case runs
-                 the kernel without them under both, and so does block 128 (no narrow item).
-    narrow-dkdv-packed  NARROW_DKDV_MAX_HALF_PACKED 0 against 1024: the same over packed samples
-                 (and batched halves off the 128 grid); 4 x 2K runs the kernel without them.
     packed-ds    DS_SCRATCH_MAX_BYTES 0 (the two-kernel backward) against 8 GiB (shipped): batched
                  BD3 halves off the 128 grid, whose dS backward runs as packed samples (session
                  24), at D = 128 and 256.
@@ -102,15 +97,6 @@ KNOBS = {
     "narrow-diag-dims": Knob("NARROW_DIAG_HEAD_DIMS", ((128,), (64, 128)), ("fwd", "step"),
                              (Case(8, 1024, 16, 16, 64, 16), Case(8, 1024, 16, 16, 64, 4),
                               Case(16, 512, 16, 16, 64, 16), Case(8, 1024, 16, 16, 128, 16))),
-    "narrow-dkdv": Knob("NARROW_DKDV_MAX_HALF", (0, 1024), ("bwd", "step"),
-                        (Case(8, 1024, 16, 16, 128, 16), Case(8, 1024, 16, 16, 128, 4),
-                         Case(8, 1024, 32, 8, 128, 16), Case(16, 512, 16, 16, 128, 16),
-                         Case(8, 1024, 16, 16, 128, 128), Case(4, 2048, 16, 16, 128, 16))),
-    "narrow-dkdv-packed": Knob("NARROW_DKDV_MAX_HALF_PACKED", (0, 1024), ("bwd", "step"),
-                               (VarlenCase("8 x 1K", (1024,) * 8),
-                                VarlenCase("mixed", (1000, 37, 640, 512, 129, 1024, 300, 900, 800,
-                                                     700, 256, 600, 1000, 294)),
-                                Case(8, 1000, 16, 16, 128, 16), VarlenCase("4 x 2K", (2048,) * 4))),
     "packed-ds": Knob("DS_SCRATCH_MAX_BYTES", (0, cd.DS_SCRATCH_MAX_BYTES), ("bwd", "step"),
                       (Case(8, 1000, 16, 16, 128, 16), Case(8, 1000, 16, 16, 128, 4),
                        Case(2, 4000, 16, 16, 128, 16), Case(8, 1000, 32, 8, 128, 16),

@@ -12,8 +12,7 @@ backward did not finish within them (session 27), so ``step`` leaves it out unle
 ``--persistent`` is given. Exits 1 if a result is off or a call ran another backend (the
 backends' STATS counters). ``--narrow-all``: every forward that has a narrow-diagonal kernel
 (cutlass_diffusion.NARROW_DIAG_*: D = 64 and 128, batched and packed) runs it, not only those the
-shipped rules pick, and so does every dS backward that has a narrow dK/dV kernel
-(cutlass_diffusion._narrow_dkdv: D = 128, batched and packed; session 31, off in the shipped rules).
+shipped rules pick.
 """
 
 from __future__ import annotations
@@ -113,7 +112,6 @@ def main(argv: list[str]) -> int:
     mode = modes[0]
     if "--narrow-all" in flags:
         cd.NARROW_DIAG_HEAD_DIMS, cd.NARROW_DIAG_VARLEN = (64, 128), True
-        cd._narrow_dkdv = lambda *rule_args: True  # the kernel decides per item (D = 128 only)
     torch.manual_seed(0)
     # The forward's persistent case is cheap under the sanitizers; the step's is not (docstring).
     ok = diffusion_cases(mode == "step", persistent=mode == "fwd" or "--persistent" in flags)

@@ -29,7 +29,6 @@ SIGNATURES = {
     "dlm_work_order": [_INT, _INT, _INT, _INT, I32],
     "dlm_snake_walk": [_INT, _INT, _INT, I32],
     "dlm_part_runs": [_INT, _INT, _INT, _INT, _INT, _INT, _INT, ctypes.POINTER(ctypes.c_int), I32],
-    "dlm_narrow_noisy": [_INT, _INT, _INT, _INT, _INT, _INT, I32],
     "dlm_balanced_schedule": [I64, _INT, _INT, I32],
     "dlm_order_schedule": [_INT, _INT, _INT, _INT, _INT, _INT, I32, _INT, _INT, _INT, _INT, _INT, _INT, I32],
 }
@@ -146,34 +145,6 @@ def test_runs_of_a_tile_part_are_the_other_tiles_it_sees(lib, mask, block_m, blo
                 assert runs == want and runs <= tile_runs, (mask, transpose, lo, got[i].tolist())
                 i += 1
         assert i == count.value
-
-
-@given(sequence_masks(), st.sampled_from([1, 2, 3, 4, 8, 16, 64]))
-def test_narrow_noisy_key_tiles_are_seen_by_one_query_tile_per_part(lib, mask, part):
-    """TilePlans::narrow_noisy (the dK/dV kernel's narrow items: key tiles of two parts, one per
-    consumer, query tiles of a part's rows): true exactly for the noisy key tiles where the block
-    size divides the part, and then, from the definition, no query tile but the one starting at a
-    part's first key sees any key of that part (the visits the kernel skips). False for any other
-    query tile size."""
-    args = (mask.n_noisy, mask.n_clean, mask.block_size)
-    block_m, block_n = part, 2 * part
-    halves = ((0, mask.n_noisy), (mask.n_noisy, mask.seqlen))
-    key_tiles = [(lo, min(lo + block_n, e)) for s, e in halves for lo in range(s, e, block_n)]
-    query_tiles = [(lo, min(lo + block_m, e)) for s, e in halves for lo in range(s, e, block_m)]
-    got = torch.full((max(len(key_tiles), 1),), -7, dtype=torch.int32)
-    _call(lib.dlm_narrow_noisy, *args, block_m, block_n, part, _p(got))
-    for t, (lo, hi) in enumerate(key_tiles):
-        narrow = lo < mask.n_noisy and part % mask.block_size == 0
-        assert got[t].item() == int(narrow), (mask, part, lo)
-        if not narrow:
-            continue
-        for first in range(lo, hi, part):
-            keys = torch.arange(first, min(first + part, hi))
-            for qs, qe in query_tiles:
-                if qs != first:
-                    assert not mask.visible(torch.arange(qs, qe), keys).any(), (mask, part, first, qs)
-    _call(lib.dlm_narrow_noisy, *args, block_m + 1, block_n, part, _p(got))
-    assert not got[:len(key_tiles)].any()
 
 
 @given(sequence_masks(), TILE, TILE)

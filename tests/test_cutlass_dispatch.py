@@ -99,7 +99,7 @@ class FakeExtension:
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
             n_noisy, block_size, scale, dkdv_sample=None, dq_sample=None, cu_seqlens=None,
             persistent_dkdv=False, ds_scratch=None, ds_slots=None, ds_visits=0, dkdv_schedule=None,
-            dkdv_order_chunk=0, dkdv_order_block=0, ds_rows=None, ds_k_tiles=0, narrow_dkdv=False):
+            dkdv_order_chunk=0, dkdv_order_block=0, ds_rows=None, ds_k_tiles=0):
         assert ds_scratch is not None or dkdv_order_chunk == 0  # the binding's checks
         assert (ds_rows is not None) == (cu_seqlens is not None and ds_scratch is not None)
         self.calls.append(("bwd", dict(q=q, lse=lse, dlse=dlse, lse2=lse2, delta=delta,
@@ -108,7 +108,7 @@ class FakeExtension:
                                        cu_seqlens=cu_seqlens, persistent_dkdv=persistent_dkdv,
                                        ds_scratch=ds_scratch, ds_slots=ds_slots, ds_visits=ds_visits,
                                        dkdv_schedule=dkdv_schedule, ds_rows=ds_rows,
-                                       ds_k_tiles=ds_k_tiles, narrow_dkdv=narrow_dkdv,
+                                       ds_k_tiles=ds_k_tiles,
                                        dkdv_walk=(dkdv_order_chunk, dkdv_order_block))))
         for g in (dq, dk, dv):
             g.zero_()
@@ -588,50 +588,6 @@ def test_narrow_diagonal_kernel_for_short_halves(fake, monkeypatch, b, nn, h, hk
     monkeypatch.setattr(cd, "NARROW_DIAG_VARLEN", False)
     cd.CutlassDiffusionBackend().varlen_fwd(q, k, v, mask, 0.1, 0.0, False)
     assert fake.calls[-1][1]["narrow_diag"] is False
-
-
-@pytest.mark.parametrize("b,nn,h,hkv,d,bs,narrow", [
-    (8, 1024, 16, 16, 128, 16, True),     # n = 1K, block sizes dividing 64
-    (8, 1024, 32, 8, 128, 1, True),       # GQA: the kernel's visits per query head are the same
-    (16, 512, 16, 16, 128, 64, True),
-    (8, 1024, 16, 16, 128, 48, False),    # a block size not dividing 64: no narrow item
-    (8, 1024, 16, 16, 128, 128, False),
-    (4, 2048, 16, 16, 128, 16, False),    # halves past the bound
-    (8, 1024, 16, 16, 256, 16, False),    # not built at D = 256 (both consumers own the same keys)
-    (8, 1024, 16, 16, 64, 16, False),     # D = 64: no dS backward
-])
-def test_narrow_dkdv_kernel_only_where_asked_for(monkeypatch, b, nn, h, hkv, d, bs, narrow):
-    """The dS backward asks for the dK/dV kernel with the noisy key tiles' narrow items at D = 128
-    where halves are within the bound of the kernels that run (NARROW_DKDV_MAX_HALF batched,
-    NARROW_DKDV_MAX_HALF_PACKED packed samples, the longest, and batched halves off the 128 grid)
-    and the block size divides 64; with the shipped bounds, 0, never."""
-    ext = DsExtension()
-    shipped = cd.NARROW_DKDV_MAX_HALF, cd.NARROW_DKDV_MAX_HALF_PACKED
-    assert shipped == (0, 0)  # the shipped rule: not asked for before a device call has tested it
-    monkeypatch.setattr(cd, "_EXT", ext)
-    monkeypatch.setattr(cd, "_extension", lambda: ext)
-    monkeypatch.setattr(cd, "_sm_count", lambda device: 132)
-
-    def batched(n):
-        q, k, v = _batched(b, n, n, h, hkv, d)
-        cd.CutlassDiffusionBackend().bwd(torch.randn_like(q), q, k, v, torch.randn_like(q),
-                                         torch.zeros(b, h, 2 * n), None, SequenceMask(n, n, bs),
-                                         0.125, 0.0, False)
-        return ext.calls[-1][1]["narrow_dkdv"]
-
-    def packed():
-        q, k, v, mask = _packed([nn // 2, nn], h, hkv, d)
-        cd.CutlassDiffusionBackend().varlen_bwd(torch.randn_like(q), q, k, v, torch.randn_like(q),
-                                                torch.zeros(1, h, q.shape[0]), None,
-                                                VarlenMask(mask.cu_seqlens, bs), 0.125, 0.0, False)
-        return ext.calls[-1][1]["narrow_dkdv"]
-
-    assert batched(nn) is packed() is batched(nn - 8) is False  # nn - 8: off the grid, run packed
-    for batched_bound, packed_bound in ((1024, 0), (0, 1024)):
-        monkeypatch.setattr(cd, "NARROW_DKDV_MAX_HALF", batched_bound)
-        monkeypatch.setattr(cd, "NARROW_DKDV_MAX_HALF_PACKED", packed_bound)
-        assert batched(nn) is (narrow and batched_bound > 0)
-        assert packed() is batched(nn - 8) is (narrow and packed_bound > 0)
 
 
 @pytest.mark.parametrize("b,nn,h,hkv,d,ds,walked", [

@@ -1,7 +1,6 @@
 """GPU-only checks of the default CUDA backend (run with ``-m gpu`` on a CUDA machine)."""
 
 import math
-import re
 
 import pytest
 import torch
@@ -768,93 +767,3 @@ def test_cutlass_ds_backward(monkeypatch, dtype, head_dim, n, block_size, heads,
 
     before = _ds_against_two_kernel(monkeypatch, run, (q, k, v), (q.shape[0], h, q.shape[1]), dtype, 3)
     assert cd.STATS["bwd_ds"] == before["bwd_ds"] and cd.STATS["bwd"] == before["bwd"] + 1
-
-
-def _kernels_run(fn) -> list[str]:
-    """The CUDA kernels fn() launched, by name (the profiler's, demangled)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.key for e in prof.key_averages()]
-
-
-@_SM90
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("layout,halves,block_size,heads", [
-    ("batched", (256, 256), 16, (4, 4)),
-    ("batched", (512,), 64, (4, 2)),           # GQA: each query head's two visits
-    ("batched", (384, 384), 1, (8, 2)),
-    ("batched", (1024,) * 4, 4, (4, 4)),       # 256 items on 132 SMs: the CTAs walk two
-    ("batched", (256, 256), 48, (4, 4)),       # 48 does not divide 64: no narrow item at all
-    ("varlen", (0, 100, 37, 256, 1, 300), 16, (4, 2)),  # short noisy tiles: consumer 1 may own no key
-    ("varlen", (129, 64, 0, 500), 32, (4, 4)),
-])
-def test_cutlass_narrow_dkdv_kernel(monkeypatch, dtype, layout, halves, block_size, heads):
-    """The dS backward's dK/dV kernel with the noisy key tiles' narrow items (bwd_dkdv.cuh
-    narrow_item; D = 128), forced on (cutlass_diffusion._narrow_dkdv) where the shipped rule leaves
-    it off, also where the block size gives no narrow item: it is the kernel that runs (profiler),
-    it meets the accuracy rule with an upstream dlse, it is bitwise deterministic, and it gives
-    bitwise the dk, dv of the kernel without it (a skipped visit would have added exact zeros) and
-    the same dq (up to the sign of a zero: the skipped visits' dS^T rows are stored as +0 where the
-    full visit stores +-0)."""
-    from dlm_ops.backends import cutlass_diffusion as cd
-
-    h, hkv = heads
-    if layout == "batched":
-        q, k, v = _qkv(len(halves), 2 * halves[0], h, hkv, 128, dtype, seed=halves[0] + block_size)
-
-        def run(q, k, v):
-            return dlm_ops.diffusion_attn_func(q, k, v, block_size, return_lse=True)
-
-        def ref(q, k, v, **kw):
-            return diffusion_attn_ref(q, k, v, block_size, **kw)
-        dlse_shape, stat = (q.shape[0], h, q.shape[1]), "bwd_ds"
-    else:
-        _, cu, q, k, v = _packing(halves, h, hkv, 128, dtype, seed=len(halves) + block_size)
-
-        def run(q, k, v):
-            return dlm_ops.diffusion_attn_varlen_func(q, k, v, cu, 2 * max(halves), block_size,
-                                                      return_lse=True)
-
-        def ref(q, k, v, **kw):
-            return diffusion_attn_varlen_ref(q, k, v, cu, block_size, **kw)
-        dlse_shape, stat = (h, q.shape[0]), "varlen_bwd_ds"
-
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    dout = torch.randn(q.shape, device="cuda", generator=gen).to(dtype)
-    dlse = torch.randn(dlse_shape, device="cuda", generator=gen)
-
-    def grads():
-        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out, lse = run(*x)
-        loss = (out.float() * dout.float()).sum() + (lse * dlse).sum()
-        return torch.autograd.grad(loss, x)
-
-    monkeypatch.setattr(cd, "_narrow_dkdv", lambda *rule_args: True)  # the kernel decides per item
-    before = cd.STATS[stat]
-    check_against_reference(run, ref, (q, k, v), dtype)
-    assert cd.STATS[stat] == before + 1, "the dS backward did not run"
-    assert _dkdv_kernels_narrow(_kernels_run(grads)) == {True}
-    narrow_a, narrow_b = grads(), grads()
-    monkeypatch.setattr(cd, "_narrow_dkdv", lambda *rule_args: False)
-    assert _dkdv_kernels_narrow(_kernels_run(grads)) == {False}
-    plain = grads()
-    for name, a, b, c in zip(("dq", "dk", "dv"), narrow_a, narrow_b, plain):
-        assert torch.equal(a, b), f"{name}: not deterministic"
-        assert torch.equal(a, c), f"{name}: not the kernel without narrow items"  # +0 == -0
-
-
-def _dkdv_kernels_narrow(names: list[str]) -> set[bool]:
-    """For each dK/dV kernel among ``names``: whether it is a narrow one (DkDvConfig's last
-    argument, NARROW_; the name demangled, or as mangled if the profiler left it so)."""
-    flags = set()
-    for n in names:
-        if "diffusion_bwd_dkdv_kernel" not in n:
-            continue
-        demangled = re.search(r"DkDvConfig<([^<>]*)>", n)
-        mangled = re.search(r"DkDvConfigI.*?Lb([01])EEEEE", n)
-        assert demangled or mangled, n
-        last = demangled.group(1).split(",")[-1].strip() if demangled else mangled.group(1)
-        assert last in ("true", "false", "1", "0", "(bool)1", "(bool)0"), n
-        flags.add(last in ("true", "1", "(bool)1"))
-    return flags

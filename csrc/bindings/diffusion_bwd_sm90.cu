@@ -151,8 +151,7 @@ struct LaunchBwd {
 // where the dK/dV kernel that runs is the persistent one (ignored otherwise); none: the snake.
 // dkdv_order_chunk / dkdv_order_block (the dS backward's dK/dV kernel only; others walk the plain
 // order): its work_order arguments, chunk 0 the plain order; a dkdv_schedule must be built for the
-// same two. narrow_dkdv (the dS backward at D = 128; ignored elsewhere): its dK/dV kernel with the
-// noisy key tiles' narrow items (hopper/bwd_dkdv.cuh narrow_item).
+// same two.
 void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
          torch::Tensor lse, std::optional<torch::Tensor> dlse, torch::Tensor dq, torch::Tensor dk,
          torch::Tensor dv, torch::Tensor lse2, torch::Tensor delta, torch::Tensor dkdv_order,
@@ -161,7 +160,7 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
          std::optional<torch::Tensor> cu_seqlens, bool persistent_dkdv,
          std::optional<torch::Tensor> ds_scratch, std::optional<torch::Tensor> ds_slots, int64_t ds_visits,
          std::optional<torch::Tensor> dkdv_schedule, int64_t dkdv_order_chunk, int64_t dkdv_order_block,
-         std::optional<torch::Tensor> ds_rows, int64_t ds_k_tiles, bool narrow_dkdv) {
+         std::optional<torch::Tensor> ds_rows, int64_t ds_k_tiles) {
   const bool varlen = cu_seqlens.has_value();
   dlm_bindings::check_work_order(dkdv_order_chunk, dkdv_order_block);
   TORCH_CHECK(ds_scratch.has_value() || dkdv_order_chunk == 0, "dkdv_order_chunk: the dS backward only");
@@ -255,7 +254,6 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     if (ds_rows) a.ds_rows = ds_rows->data_ptr<int32_t>();
     a.dkdv_order_chunk = static_cast<int>(dkdv_order_chunk);
     a.dkdv_order_block = static_cast<int>(dkdv_order_block);
-    a.narrow_dkdv = narrow_dkdv;  // honoured where the kernel is built (dkdv_narrow_built: D = 128)
   }
   if (varlen) {
     a.dkdv_sample = dkdv_sample->data_ptr<int32_t>(), a.dq_sample = dq_sample->data_ptr<int32_t>();
@@ -298,8 +296,7 @@ void add_bwd(pybind11::module_& m) {
         pybind11::arg("ds_scratch") = pybind11::none(), pybind11::arg("ds_slots") = pybind11::none(),
         pybind11::arg("ds_visits") = 0, pybind11::arg("dkdv_schedule") = pybind11::none(),
         pybind11::arg("dkdv_order_chunk") = 0, pybind11::arg("dkdv_order_block") = 0,
-        pybind11::arg("ds_rows") = pybind11::none(), pybind11::arg("ds_k_tiles") = 0,
-        pybind11::arg("narrow_dkdv") = false);
+        pybind11::arg("ds_rows") = pybind11::none(), pybind11::arg("ds_k_tiles") = 0);
   m.attr("scratch_pad") = dlm::sm90::kVarlenScratchPad;  // floats past lse2 / delta (the kernels zero them)
   m.def("ds_block", &ds_block, pybind11::arg("head_dim"));
 }

@@ -132,14 +132,6 @@ int dlm_part_runs(int nn, int nc, int bs, int block_m, int block_n, int transpos
   return 0;
 }
 
-// out[t] = TilePlans::narrow_noisy(t, part) for every own tile of bwd_tiles(block_m, block_n).
-int dlm_narrow_noisy(int nn, int nc, int bs, int block_m, int block_n, int part, int32_t* out) {
-  if (!valid(nn, nc, bs) || block_m < 1 || block_n < 1 || part < 1) return -1;
-  const dlm::TilePlans p = dlm::SequenceMask{nn, nc, bs}.bwd_tiles(block_m, block_n);
-  for (int t = 0; t < p.count(); ++t) out[t] = p.narrow_noisy(t, part);
-  return 0;
-}
-
 // out[2*w ..] = (entry, slot) of work index w of WorkOrder{slots, chunk, block} over `entries`.
 int dlm_work_order(int entries, int slots, int chunk, int block, int32_t* out) {
   if (entries < 1 || slots < 1 || chunk < 1 || chunk > slots || block < 1) return -1;

@@ -25,24 +25,6 @@ struct DkDvShared : Cfg::SharedStorage {
   alignas(8) uint64_t item_full[Cfg::kKvBufs];
 };
 
-// Whether an item is a noisy key tile's narrow item (Cfg::kNarrow; dlm/geometry.h narrow_noisy,
-// which tests/test_csrc_geometry.py checks against the mask's definition). A noisy key is seen only
-// by the noisy query rows of its own block, so where block_size divides 64 the keys [64c, 64c + 64)
-// of consumer c (key tiles start at multiples of 128 inside their half) are seen by the rows
-// [64c, 64c + 64) alone: by the one of the tile's two 64-query visits that starts at the consumer's
-// first key. The other visit's P^T is 0 for every one of its keys, so the consumer skips its four
-// matmuls and its softmax; dK / dV are bitwise the same, and the visit's dS^T rows, which the
-// dQ-from-dS kernel multiplies as part of the whole block, are stored as zeros. At n = 1K (8 noisy
-// key tiles) this skips 16 of the 320 consumer visits of a (batch, head), 5 %.
-template <class Cfg>
-CUTE_DEVICE bool narrow_item(TilePlans const& plans, int kt) {
-  if constexpr (!Cfg::kNarrow) {
-    return false;
-  } else {
-    return plans.narrow_noisy(kt, Cfg::kConsumerRows);
-  }
-}
-
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     diffusion_bwd_dkdv_kernel(__grid_constant__ const DkDvParams<Cfg> p) {
@@ -311,17 +293,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
   };
   for_each_item([&](int w, int item) {
-    // Cfg::kNarrow: a narrow item is marked in its runs (run 1, empty in a noisy key tile, as
-    // [-1, -1)), not in a flag of its own: held over the visit loop, a flag took the packed
-    // kernel's spill stores from 36 bytes (the kernel without narrow items) to 56 and its visit
-    // loop's local loads from 5 to 11; so marked, 44 and 6 (ptxas, nvcc 13.0, session 31).
-    const Item t = [&] {
-      Item u = Cfg::kPersistent ? published(item) : item_of(w);
-      if constexpr (Cfg::kNarrow) {
-        if (narrow_item<Cfg>(u.plans, u.kt)) u.runs.begin[1] = u.runs.end[1] = -1;
-      }
-      return u;
-    }();
+    const Item t = Cfg::kPersistent ? published(item) : item_of(w);
     int b = t.b, kvh = t.kvh, offset = t.offset;
     const int kt = t.kt;
     const SequenceMask& mask = t.mask;
@@ -343,65 +315,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int r = 0; r < 2; ++r) {
         for (int qt = run_begin(runs, r); qt < run_end(runs, r); ++qt, ++it) {
           const int stage = it % STAGES, phase = (it / STAGES) & 1;
-          // Cfg::kStoreDs: this warpgroup's 64 keys of the tile's dS^T block (ds_frag, the Elem
-          // copy of dS^T in the accumulator's layout), staged in shared memory, then one TMA store
-          // per warp (16 keys). Cfg::kRoles: the dK warpgroup's (the dV one holds no dS^T).
-          [[maybe_unused]] auto store_ds = [&](auto& ds_frag) {
-            if constexpr (Cfg::kStoreDs) {
-              using DsStore = typename Cfg::DsStore;
-              const int lane = tid % 32, warp = tid / 32, x = lane / 4, hb = it & 1;
-              // The buffer's store of two visits ago (this warp's lane 0 issued it) has read it.
-              if (lane == 0) tma_store_wait<1>();
-              __syncwarp();
-              // By the accumulator layout (as the forward's O): rows 16 warp + x and + 8, in
-              // column group c the pair 8 c + 2 (lane % 4); the 128-byte swizzle puts chunk c of
-              // row r at c ^ (r % 8) = c ^ x: one XOR per pair.
-              const uint32_t t0 = smem_addr(ss.ds_store.ds[hb][Cfg::kRoles ? 0 : consumer]) + (16 * warp + x) * (BM * 2) +
-                                  (x << 4) + (lane % 4) * 4;
-              Tensor ds_rc = make_tensor(ds_frag.data(), acc_rowcol(ds_frag.layout()));
-              CUTE_UNROLL
-              for (int i = 0; i < kRows; ++i)
-                CUTE_UNROLL
-                for (int c = 0; c < BM / 8; ++c) {
-                  alignas(4) Elem pair[2] = {ds_rc(i, 2 * c), ds_rc(i, 2 * c + 1)};
-                  st_shared_b32((t0 ^ (c << 4)) + i * 8 * (BM * 2), *reinterpret_cast<uint32_t*>(pair));
-                }
-              tma_store_fence();  // the generic-proxy writes, visible to the TMA (async proxy)
-              __syncwarp();
-              if (lane == 0) {
-                const int bh = b * p.heads + kvh * group + g;
-                const int visit = qt - run_begin(runs, r) + (r ? run_end(runs, 0) - run_begin(runs, 0) : 0);
-                const int block = 1 + bh * p.ds_visits + ds_slot0 + visit;
-                const int rows = (1 + p.batch * p.heads * p.ds_visits) * BN;
-                Tensor mDs = p.tma_ds.get_tma_tensor(make_shape(rows, int(BM)));
-                Tensor gDs = local_tile(mDs, Shape<Int<DsStore::kWarpRows>, Int<BM>>{},
-                                        make_coord((block * BN + key_slot * kRowsW) / DsStore::kWarpRows + warp, 0));
-                Tensor sDs = local_tile(
-                    make_tensor(make_smem_ptr(ss.ds_store.ds[hb][Cfg::kRoles ? 0 : consumer]), typename DsStore::SmemLayout{}),
-                    Shape<Int<DsStore::kWarpRows>, Int<BM>>{}, make_coord(warp, 0));
-                auto tma = p.tma_ds.get_slice(0);
-                copy(p.tma_ds, tma.partition_S(sDs), tma.partition_D(gDs));
-                tma_store_arrive();
-              }
-            }
-          };
           const Visit visit = plans.visit(kt, qt);
-          if constexpr (Cfg::kNarrow) {
-            if (run_begin(runs, 1) < 0 && visit.start != key_base) {  // a narrow item's visit that sees
-                                                                      // none of this warpgroup's keys
-              // Released only once filled (Q and dO landed): an arrival before the producer's refill
-              // would count toward the stage's previous use, which the other consumer may still read.
-              Barrier::wait(&ss.q_full[stage], phase);
-              Barrier::wait(&ss.do_full[stage], phase);
-              Tensor zeros = make_fragment_like<Elem>(partition_fragment_C(mma_sdp, Shape<Int<kRowsW>, Int<BM>>{}));
-              CUTE_UNROLL
-              for (int i = 0; i < size(zeros); ++i) zeros(i) = Elem(0.f);
-              store_ds(zeros);
-              Barrier::arrive(&ss.empty[stage]);
-              release_pending();
-              continue;
-            }
-          }
           // K / V smem descriptors of this item's buffer: buffer 0's (constants) with the start
           // address moved by the buffer's offset (16-byte units, the descriptor's low field). The
           // offset is opaque per tile, else the compiler builds every k-block's descriptor once per
@@ -498,6 +412,48 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               for (int i = 0; i < kRows; ++i) dp(i, j) = s(i, j) * (dp(i, j) - dl);
             }
           }
+          // Cfg::kStoreDs: this warpgroup's 64 keys of the tile's dS^T block (ds_frag, the Elem
+          // copy of dS^T in the accumulator's layout), staged in shared memory, then one TMA store
+          // per warp (16 keys). Cfg::kRoles: the dK warpgroup's (the dV one holds no dS^T).
+          [[maybe_unused]] auto store_ds = [&](auto& ds_frag) {
+            if constexpr (Cfg::kStoreDs) {
+              using DsStore = typename Cfg::DsStore;
+              const int lane = tid % 32, warp = tid / 32, x = lane / 4, hb = it & 1;
+              // The buffer's store of two visits ago (this warp's lane 0 issued it) has read it.
+              if (lane == 0) tma_store_wait<1>();
+              __syncwarp();
+              // By the accumulator layout (as the forward's O): rows 16 warp + x and + 8, in
+              // column group c the pair 8 c + 2 (lane % 4); the 128-byte swizzle puts chunk c of
+              // row r at c ^ (r % 8) = c ^ x: one XOR per pair.
+              const uint32_t t0 = smem_addr(ss.ds_store.ds[hb][Cfg::kRoles ? 0 : consumer]) + (16 * warp + x) * (BM * 2) +
+                                  (x << 4) + (lane % 4) * 4;
+              Tensor ds_rc = make_tensor(ds_frag.data(), acc_rowcol(ds_frag.layout()));
+              CUTE_UNROLL
+              for (int i = 0; i < kRows; ++i)
+                CUTE_UNROLL
+                for (int c = 0; c < BM / 8; ++c) {
+                  alignas(4) Elem pair[2] = {ds_rc(i, 2 * c), ds_rc(i, 2 * c + 1)};
+                  st_shared_b32((t0 ^ (c << 4)) + i * 8 * (BM * 2), *reinterpret_cast<uint32_t*>(pair));
+                }
+              tma_store_fence();  // the generic-proxy writes, visible to the TMA (async proxy)
+              __syncwarp();
+              if (lane == 0) {
+                const int bh = b * p.heads + kvh * group + g;
+                const int visit = qt - run_begin(runs, r) + (r ? run_end(runs, 0) - run_begin(runs, 0) : 0);
+                const int block = 1 + bh * p.ds_visits + ds_slot0 + visit;
+                const int rows = (1 + p.batch * p.heads * p.ds_visits) * BN;
+                Tensor mDs = p.tma_ds.get_tma_tensor(make_shape(rows, int(BM)));
+                Tensor gDs = local_tile(mDs, Shape<Int<DsStore::kWarpRows>, Int<BM>>{},
+                                        make_coord((block * BN + key_slot * kRowsW) / DsStore::kWarpRows + warp, 0));
+                Tensor sDs = local_tile(
+                    make_tensor(make_smem_ptr(ss.ds_store.ds[hb][Cfg::kRoles ? 0 : consumer]), typename DsStore::SmemLayout{}),
+                    Shape<Int<DsStore::kWarpRows>, Int<BM>>{}, make_coord(warp, 0));
+                auto tma = p.tma_ds.get_slice(0);
+                copy(p.tma_ds, tma.partition_S(sDs), tma.partition_D(gDs));
+                tma_store_arrive();
+              }
+            }
+          };
           if constexpr (Cfg::kRoles) {  // this warpgroup's one matmul: dV += P^T dO or dK += dS^T Q
             Tensor g_elem = make_fragment_like<Elem>(acc_s);
             if (grad_dk) {

@@ -185,7 +185,7 @@ struct DsStoreParts {
 
 template <class Elem_, int D_, int BM_ = 64, int BN_ = 128, int STAGES_ = 2, int START_ = kStartTile,
           bool FUSED_DQ_ = false, bool TMA_STORE_ = false, bool PERSISTENT_ = false, bool HANDOFF_ = false,
-          int STORE_DS_ = 0, bool NARROW_ = false>
+          int STORE_DS_ = 0>
 struct DkDvConfig {
   using Elem = Elem_;
   static constexpr int kStart = START_;
@@ -247,13 +247,6 @@ struct DkDvConfig {
   static constexpr int kKvBufs = kPersistent ? 2 : 1;
   static_assert(!(kFusedDq && kPersistent), "the fused dQ is not persistent");
   using Fused = std::conditional_t<kFusedDq, FusedDqParts<Elem, D, BM, BN, kConsumers>, NoFusedDq>;
-  // NARROW_: the noisy key tile's narrow item (bwd_dkdv.cuh narrow_item). A noisy key tile is seen
-  // only by the noisy query rows of its own blocks; where block_size divides 64, consumer c's 64
-  // keys are seen by the one 64-query tile at the same rows, so of the tile's two visits it computes
-  // that one and skips the other (all its P^T is 0 there), storing zeros as that visit's dS^T rows.
-  static constexpr bool kNarrow = NARROW_;
-  static_assert(!kNarrow || (STORE_DS_ && !kRoles && BM == kConsumerRows && BN == 2 * kConsumerRows),
-                "the narrow item: the dS store over two 64-key consumers and 64-query tiles");
   using DsStore = std::conditional_t<kStoreDs, DsStoreParts<Elem, BM, kRoles ? 1 : kConsumers>, NoFusedDq>;
 
   using SmemLayoutQ = SwizzledTiles<Elem, BM, D, STAGES>;    // Q and dO: (BM, D, STAGES)

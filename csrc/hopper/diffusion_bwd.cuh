@@ -99,9 +99,6 @@ struct BwdArgs {
   // launch_bwd_ds only: the dK/dV kernel's work_order arguments (0, 0: the plain order; the
   // balanced schedule, if given, must be built over the same walk).
   int dkdv_order_chunk = 0, dkdv_order_block = 0;
-  // launch_bwd_ds only: the dK/dV kernel with the noisy key tiles' narrow items, where one is built
-  // (dkdv_narrow_built; elsewhere ignored).
-  bool narrow_dkdv = false;
 };
 
 // A persistent grid: at most one CTA per SM of the current device.
@@ -291,14 +288,9 @@ constexpr bool ds_backward_supports(int d) { return d == 128 || d == 256; }
 template <class Elem, int D, int STORE = kDsStore, int START = kStartTile>
 using DkDvStoreDs = DkDvConfig<Elem, D, kBwdBlockM, bwd_block_n(D), kBwdStages, START, false, false,
                                false, false, STORE>;
-template <class Elem, int D, int STORE = kDsStore, int START = kStartTile, bool NARROW = false>
+template <class Elem, int D, int STORE = kDsStore, int START = kStartTile>
 using DkDvStoreDsPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdStages, START, false,
-                                         true, true, false, STORE, NARROW>;
-// Where a second dS dK/dV kernel with the noisy key tiles' narrow items (bwd_dkdv.cuh narrow_item)
-// is built: D = 128, whose consumers own 64 keys each (at D = 256 both take the same 64). Built
-// in session 31 without a GPU: not yet tested or timed, so the backend does not ask for it
-// (cutlass_diffusion.NARROW_DKDV_MAX_HALF = 0) until a device call has done both.
-constexpr bool dkdv_narrow_built(int d) { return d == 128; }
+                                         true, true, false, STORE>;
 // The dQ-from-dS kernel persistent (harness `ds-dq`, session 18: the dQ kernel 1.03-1.18x, the whole
 // backward 1.00-1.03x against one CTA per item), walking its items in L2 chunks of (batch, head)
 // slots, 4-wave blocks (work_order's chunk -1, block 0): at n = 1K it re-read K from DRAM 3.5x in
@@ -334,14 +326,7 @@ cudaError_t launch_bwd_ds(const BwdArgs& a) {
   BwdArgs dkdv = a, dq = a;
   dkdv.order_chunk = a.dkdv_order_chunk, dkdv.order_block = a.dkdv_order_block;
   dq.order_chunk = kDsDqOrderChunk, dq.order_block = kDsDqOrderBlock;
-  if (err == cudaSuccess && a.dkdv_tiles) {
-    if constexpr (dkdv_narrow_built(D)) {
-      err = a.narrow_dkdv ? launch_dkdv<DkDvStoreDsPersistent<Elem, D, STORE, START, true>>(dkdv)
-                          : launch_dkdv<DkDv>(dkdv);
-    } else {
-      err = launch_dkdv<DkDv>(dkdv);
-    }
-  }
+  if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDv>(dkdv);
   if (err == cudaSuccess && a.dq_tiles) err = launch_dq_from_ds<DqFromDsPersistent<Elem, D, START>>(dq);
   return err;
 }

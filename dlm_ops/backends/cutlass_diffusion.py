@@ -232,31 +232,6 @@ def _narrow_diag(longest_half: int, block_size: int, head_dim: int) -> bool:
             and 64 % block_size == 0)
 
 
-# The dS backward's dK/dV kernel with the noisy key tiles' narrow items (hopper/bwd_dkdv.cuh
-# narrow_item: where block_size divides 64, each consumer skips the one of a noisy key tile's two
-# 64-query visits that sees none of its 64 keys, and stores zeros as its dS^T rows), a second
-# kernel built at D = 128 (dkdv_narrow_built), asked for where a call's halves are at most
-# NARROW_DKDV_MAX_HALF (batched) or NARROW_DKDV_MAX_HALF_PACKED (a packing's longest; also batched
-# halves off the 128 grid, which run the packed kernels). Built in session 31 without a GPU (the
-# kernels without it are instruction for instruction the ones before, cuobjdump; the narrow ones
-# have 168 registers, and 4 bytes of spill stores batched, 16 fewer than the kernel without, but
-# 44 packed, 8 more, one more local load per visit): 0, never, until a device call has tested them
-# (tests/test_gpu.py test_cutlass_narrow_dkdv_kernel) and timed them (benchmarks.knob_ab
-# narrow-dkdv / narrow-dkdv-packed). Predicted: the dK/dV kernel skips 5 % of its consumer visits
-# at n = 1K (16 of 320 per (batch, head), all masked ones), 2.8 % at 2K, so +2-4 % on it and +1-2 %
-# on the backward at n = 1K, nothing measurable from 4K on.
-NARROW_DKDV_MAX_HALF = 0
-NARROW_DKDV_MAX_HALF_PACKED = 0
-
-
-def _narrow_dkdv(longest_half: int, block_size: int, head_dim: int, packed: bool) -> bool:
-    """Whether a dS backward asks for the dK/dV kernel with narrow items (the kernel decides per
-    item whether it is one: noisy key tiles, block sizes dividing 64); ``packed``: it runs the
-    kernels of packed samples."""
-    bound = NARROW_DKDV_MAX_HALF_PACKED if packed else NARROW_DKDV_MAX_HALF
-    return head_dim == 128 and 0 < longest_half <= bound and 64 % block_size == 0
-
-
 def _persistent_dkdv(longest_half: int, head_dim: int, group: int) -> bool:
     """Whether the backward runs the persistent dK/dV kernel for halves up to ``longest_half``,
     ``group`` query heads per K / V head (PERSISTENT_DKDV_MAX_HALF bounds both limits, and setting
@@ -492,9 +467,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv[0], dq_tables[0],
                 n_noisy, block_size, scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1],
                 cu_seqlens=cu_seqlens, persistent_dkdv=persistent, dkdv_schedule=schedule,
-                dkdv_order_chunk=walk[0], dkdv_order_block=walk[1],
-                narrow_dkdv=bool(ds) and _narrow_dkdv(longest_half, block_size, d, cu_seqlens is not None),
-                **(ds or {}))
+                dkdv_order_chunk=walk[0], dkdv_order_block=walk[1], **(ds or {}))
         return dq, dk, dv
 
     def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):

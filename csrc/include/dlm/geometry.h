@@ -102,15 +102,6 @@ struct TilePlans {
   // The same for any range of own positions inside one half (e.g. one warpgroup's part of a tile).
   DLM_HD TileRuns runs_of(Interval own_range) const;
   DLM_HD Visit visit(int t, int other_tile) const;
-  // Backward plans whose own (key) tiles split into parts of `part` keys, one per consumer, and
-  // whose other (query) tiles are `part` rows: whether key tile t is noisy with block_size dividing
-  // `part`. Then the part starting at key p is seen by the query tile starting at p alone (noisy
-  // keys are seen by their own block's noisy rows, and no block crosses a part), so a part may skip
-  // every other visit of the tile (hopper/bwd_dkdv.cuh narrow_item).
-  DLM_HD bool narrow_noisy(int t, int part) const {
-    return transpose && other.size == part && own.size % part == 0 && own.tile(t).lo < n_noisy &&
-           part % block_size == 0;
-  }
   // Pairs covered by tile t's visits (geometry.TilePlan.area): the cost used to order the work.
   DLM_HD int64_t area(int t) const;
 };
