@@ -28,6 +28,11 @@ the driver's default; linked against this process's libstdc++ by path, what the 
 since then, dlm_ops.backends.cutlass.link_flags; the static archives' symbols hidden), prints
 each library's NEEDED entries and exported libstdc++ symbols, and the outcome of every function
 for each. Exit status 0 when the process-libstdcxx variant did not crash.
+
+Session 32 on the device (csrc/NOTES.md "Session 32"): the default variant exported 3,661
+libstdc++ symbols and crashed in every function that builds a message in an ostringstream (even
+without a throw), the literal throws raised; the process-libstdcxx and exclude-libs variants were
+healthy throughout. The dlm_ops builds keep the process-libstdcxx link.
 """
 
 from __future__ import annotations

@@ -569,8 +569,9 @@ _REFUSALS = textwrap.dedent("""
 @pytest.mark.gpu
 def test_gpu_work_order_refuses_what_its_shared_memory_cannot_hold(sparse_ext):
     """Past its bounds the binding raises (the backend sorts with torch there: CPU test above).
-    In a subprocess: an extension built on the device machine's image ends the process (SIGSEGV)
-    when a binding raises (csrc/NOTES.md "Session 30", Next 7), which then fails this test alone
+    In a subprocess: an extension built with a toolchain that links libstdc++ statically ended
+    the process (SIGSEGV) when a binding raised (csrc/NOTES.md "Session 30"; fixed by linking the
+    process's libstdc++, "Session 32"), and a regression there should fail this test alone
     instead of ending the run before the GPU cases below."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))

@@ -201,9 +201,10 @@ def link_flags() -> list[str]:
     carry a private copy that also exports ~4,500 std:: and __cxa symbols (nm -D, session 31):
     torch's own libstdc++ takes over some of the extension's calls and the private copy serves the
     rest, and a C++ exception raised in a binding ended the process with SIGSEGV (sessions 23 and
-    30). Named first on the link line, the shared library resolves every libstdc++ reference, so
-    the static archive the driver adds behind it contributes nothing; with a toolchain that links
-    it dynamically anyway this names the same soname. DLM_OPS_LINK_LIBSTDCXX=0 leaves the driver's
+    30; with this link every binding raises cleanly there, session 32). Named first on the link
+    line, the shared library resolves every libstdc++ reference, so the static archive the driver
+    adds behind it contributes nothing; with a toolchain that links it dynamically anyway this
+    names the same soname. DLM_OPS_LINK_LIBSTDCXX=0 leaves the driver's
     default. Not in the build hash: the path is the machine's, and a prebuilt library must keep its
     directory name on the GPU machine."""
     if os.environ.get("DLM_OPS_LINK_LIBSTDCXX", "1") == "0":
