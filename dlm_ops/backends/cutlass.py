@@ -204,9 +204,9 @@ def link_flags() -> list[str]:
     30; with this link every binding raises cleanly there, session 32). Named first on the link
     line, the shared library resolves every libstdc++ reference, so the static archive the driver
     adds behind it contributes nothing; with a toolchain that links it dynamically anyway this
-    names the same soname. DLM_OPS_LINK_LIBSTDCXX=0 leaves the driver's
-    default. Not in the build hash: the path is the machine's, and a prebuilt library must keep its
-    directory name on the GPU machine."""
+    names the same soname. DLM_OPS_LINK_LIBSTDCXX=0 leaves the driver's default. Not in the build
+    hash: the path is the machine's, and a prebuilt library must keep its directory name on the GPU
+    machine."""
     if os.environ.get("DLM_OPS_LINK_LIBSTDCXX", "1") == "0":
         return []
     found = process_libstdcxx()
