@@ -25,9 +25,7 @@
 // Versions, predictions and measurements: csrc/NOTES.md (this is v9: v6's TMA-store epilogue, v7's
 // work items decoded once by the producer (FwdItem), v8's item trimmed: no O rescale at its first
 // visit, O staged with one XOR per 16-byte chunk, 1 / l on the SFU; v9's noisy diagonal visited at
-// 64 keys per consumer where block_size divides 64, narrow_visit; v10's last tile of an item
-// visited at 64 keys by consumer 0 where its rows see no more, narrow_last_visit. v9 and v10 are
-// the kNarrowDiag kernel; the other is v8 instruction for instruction).
+// 64 keys per consumer where block_size divides 64, narrow_visit).
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2 (s2 = q.k * scale * log2 e), lse
 // stored in natural log, (B, H, S) fp32.
@@ -253,87 +251,6 @@ CUTE_DEVICE void narrow_visit(typename Cfg::SharedStorage& ss, SQc const& sQc, S
   Barrier::arrive(&ss.v_empty[stage]);
 }
 
-// v10 (Cfg::kNarrowDiag): whether consumer 0 visits the item's last key tile at its first 64 keys.
-// That tile is every item's diagonal one: a clean query tile's own tile (its rows see keys up to
-// their block's end) or a noisy one's partial clean tile (keys before its rows' block start), so
-// where block_size divides 64 the 64 rows of consumer 0 see nothing past the tile's 64th key; the
-// other consumer's rows see most of the tile. Decided on the item's own geometry: both key ranges
-// of row_intervals end at a position that does not decrease with the row (within a half, where a
-// query tile lies), so consumer 0's last row bounds every row's. At n = 1K this is 16 of a
-// (batch, head)'s 80 visits, a quarter of each visit's matmuls saved: as much as v9's narrow visit.
-template <class Cfg>
-CUTE_DEVICE bool narrow_last_visit_ok(SequenceMask const& mask, Interval q_tile, Visit const& last) {
-  if constexpr (!Cfg::kNarrowDiag) {
-    return false;
-  } else {
-    const Intervals r = mask.row_intervals(imin(q_tile.lo + Cfg::kConsumerRows, q_tile.hi) - 1);
-    const int bound = last.start + Cfg::kConsumerRows;
-    return imin(r.first.hi, last.end) <= bound && imin(r.second.hi, last.end) <= bound;
-  }
-}
-
-// Consumer 0's narrow last visit, ring position (stage, phase), as the loop's step would run it with
-// S over the tile's first 64 keys: S (m64n64) issued together with the previous visit's O += P V
-// (has_prev; its P in tOrP, its stage prev), the masked softmax while that P V runs, the O rescale
-// (rescale_o: O holds an earlier visit's result), then this visit's O += P V over the 64 keys
-// (k = 64), waited for here: the item's epilogue follows. The item's Q is released after its S.
-template <class Cfg, class SQc, class SK, class SVt, class AccO, class FragP, class FragV, int kRows>
-CUTE_DEVICE void narrow_last_visit(typename Cfg::SharedStorage& ss, SQc const& sQc, SK const& sK,
-                                   SVt const& sVt, int qbuf, int stage, int phase, bool has_prev,
-                                   bool rescale_o, AccO& acc_o, FragP const& tOrP, FragV const& tOrV,
-                                   Visit const& tile, Intervals const (&seen)[kRows], float scale_log2,
-                                   float (&row_max)[kRows], float (&row_sum)[kRows],
-                                   float (&scale_row)[kRows], int tid) {
-  using Barrier = cutlass::arch::ClusterBarrier;
-  using Elem = typename Cfg::Elem;
-  constexpr int W = Cfg::kConsumerRows, D = Cfg::D, STAGES = Cfg::STAGES;
-  typename Cfg::MmaSNarrow mma_s;
-  typename Cfg::MmaONarrow mma_on;
-  typename Cfg::MmaO mma_o;
-  auto thr_s = mma_s.get_thread_slice(tid);
-  auto thr_on = mma_on.get_thread_slice(tid);
-  Tensor tSrQ = thr_s.partition_fragment_A(sQc);
-  Tensor tSrK = thr_s.partition_fragment_B(local_tile(sK, Shape<Int<W>, Int<D>>{}, make_coord(0, 0)));
-  Tensor tOrVn = thr_on.partition_fragment_B(local_tile(sVt, Shape<Int<D>, Int<W>>{}, make_coord(0, 0)));
-  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<W>, Int<W>>{});
-  Tensor p_elem = make_fragment_like<Elem>(acc_s);
-  Tensor tOrPn = make_tensor(p_elem.data(), acc_as_operand_a(p_elem.layout()));
-  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<W>, Int<W>>{}));
-  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-  const int prev = (stage + STAGES - 1) % STAGES, prev_phase = stage == 0 ? phase ^ 1 : phase;
-
-  Barrier::wait(&ss.k_full[stage], phase);
-  if (has_prev) Barrier::wait(&ss.v_full[prev], prev_phase);
-  if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + 0);
-  gemm_fresh(mma_s, tSrQ(_, _, _, qbuf), tSrK(_, _, _, stage), acc_s);
-  if (has_prev) gemm_batch(mma_o, tOrP, tOrV(_, _, _, prev), acc_o, false);
-  if (has_prev) warpgroup_wait<1>(); else warpgroup_wait<0>();
-  if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1);
-  warpgroup_fence_operand(acc_s);
-  Barrier::arrive(&ss.k_empty[stage]);
-  Barrier::arrive(&ss.q_empty[qbuf]);  // the item's last S has read Q
-  const Visit mine{tile.start, imin(tile.start + W, tile.end), false};
-  const bool rescale = online_softmax<true, Cfg>(acc_s, tScS_rc, mine, seen, scale_log2, row_max,
-                                                 row_sum, scale_row);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc_o);
-  if (has_prev) Barrier::arrive(&ss.v_empty[prev]);
-  if (rescale_o && (!Cfg::kStaleMax || rescale)) {
-    Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
-    CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i)
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= scale_row[i];
-  }
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_s); ++i) p_elem(i) = Elem(acc_s(i));
-  Barrier::wait(&ss.v_full[stage], phase);
-  gemm_batch(mma_on, tOrPn, tOrVn(_, _, _, stage), acc_o, false);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc_o);
-  Barrier::arrive(&ss.v_empty[stage]);
-}
-
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     diffusion_fwd_kernel(__grid_constant__ const FwdParams<Cfg> p) {
@@ -469,29 +386,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     clear(acc_o);
     const int n_first = runs.end[0] - runs.begin[0], n_tiles = runs.count();
     const Intervals all_keys = fi.all_keys;
-    // j0: the loop's first visit (1 after a narrow one). n_loop: its end (one short of n_tiles
-    // where consumer 0 visits the last tile narrow, narrow_last_visit_ok).
-    const int j0 = narrow_first_visit<Cfg>(mask, q_tile, runs) ? 1 : 0;
-    int n_loop = n_tiles;
-    if constexpr (Cfg::kNarrowDiag) {
-      if (consumer == 0 && n_tiles > j0) {
-        const int j = n_tiles - 1;
-        const int kt = j < n_first ? runs.begin[0] + j : runs.begin[1] + (j - n_first);
-        if (narrow_last_visit_ok<Cfg>(mask, q_tile, step_visit<Cfg>(plans, kt, j < n_first, all_keys)))
-          n_loop = j;
-      }
-    }
     Barrier::wait(&ss.q_full[qs.buf], qs.phase);
     trace_event<Cfg>(item, ev + 1);
     if (consumer == 0) trace_value<Cfg>(item, kTraceTiles, n_tiles);
-    if (j0 == 1) {
+    // j0: the loop's first visit (1 after a narrow one).
+    int j0 = 0;
+    if (narrow_first_visit<Cfg>(mask, q_tile, runs)) {
       narrow_visit<Cfg>(ss, sQc, sK, sVt, qs.buf, it % STAGES, (it / STAGES) & 1, acc_o,
                         step_visit<Cfg>(plans, runs.begin[0], true, all_keys), seen, p.scale_log2,
                         row_max, row_sum, scale_row, consumer, tid);
+      j0 = 1;
       ++it;
     }
 
-    for (int j = j0; j < n_loop; ++j, ++it) {
+    for (int j = j0; j < n_tiles; ++j, ++it) {
       const int stage = it % STAGES, phase = (it / STAGES) & 1;
       const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it - 1) / STAGES) & 1;
       const int kt = j < n_first ? runs.begin[0] + j : runs.begin[1] + (j - n_first);
@@ -543,30 +451,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (j == j0) trace_event<Cfg>(item, ev + 4);
     }
     trace_event<Cfg>(item, ev + 5);
-    bool last_done = false;  // the last visit's P V already in O (stays false without kNarrowDiag)
-    if constexpr (Cfg::kNarrowDiag) {
-      if (n_loop < n_tiles) {  // consumer 0's narrow last visit (v10), whole
-        const int j = n_loop;
-        const int kt = j < n_first ? runs.begin[0] + j : runs.begin[1] + (j - n_first);
-        narrow_last_visit<Cfg>(ss, sQc, sK, sVt, qs.buf, it % STAGES, (it / STAGES) & 1, j > j0,
-                               j > 0, acc_o, tOrP, tOrV, step_visit<Cfg>(plans, kt, j < n_first, all_keys),
-                               seen, p.scale_log2, row_max, row_sum, scale_row, tid);
-        ++it;
-        last_done = true;
-      }
-    }
-    if (!last_done) {
-      // The consumers' last S of this item has read Q: the producer may load the next item's (one
-      // arrival after the loop, not a test in every step).
-      Barrier::arrive(&ss.q_empty[qs.buf]);
-      if (n_tiles > j0) {  // the last tile's O += P V (none after a lone narrow visit: done whole)
-        const int last = (it - 1) % STAGES;
-        Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
-        gemm_batch(mma_o, tOrP, tOrV(_, _, _, last), acc_o, false);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_o);
-        Barrier::arrive(&ss.v_empty[last]);
-      }
+    // The consumers' last S of this item has read Q: the producer may load the next item's (one
+    // arrival after the loop, not a test in every step).
+    Barrier::arrive(&ss.q_empty[qs.buf]);
+    if (n_tiles > j0) {  // the last tile's O += P V (none after a lone narrow visit: done whole)
+      const int last = (it - 1) % STAGES;
+      Barrier::wait(&ss.v_full[last], ((it - 1) / STAGES) & 1);
+      gemm_batch(mma_o, tOrP, tOrV(_, _, _, last), acc_o, false);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      Barrier::arrive(&ss.v_empty[last]);
     }
 
     trace_event<Cfg>(item, ev + 6);
