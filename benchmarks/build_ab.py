@@ -27,7 +27,10 @@ CASES = ((8, 1024, 16, 16, 128, 16), (8, 1024, 16, 16, 128, 4), (4, 2048, 16, 16
          (4, 2048, 16, 16, 256, 16),
          # A control: block 128 takes none of the paths for block sizes dividing 64 (the forward's
          # narrow diagonal visit, session 29), so it shows what such a change costs everything else.
-         (4, 2048, 16, 16, 128, 128))
+         (4, 2048, 16, 16, 128, 128),
+         # n = 1K at D = 64 and with GQA 32/8: where the forward's narrow kernel runs (halves up to
+         # 1024, cutlass_diffusion.NARROW_DIAG_MAX_HALF), besides cases 0 and 1.
+         (8, 1024, 16, 16, 64, 16), (8, 1024, 32, 8, 128, 16))
 MODES = ("fwd", "bwd", "step")
 
 
