@@ -22,10 +22,11 @@
 // mask is any [n_noisy | n_clean] SequenceMask (BD3, or block-causal with n_noisy 0). Tiles that
 // run past a half's end are masked by column, so the next half's rows they load get probability 0.
 //
-// Versions, predictions and measurements: csrc/NOTES.md (this is v9: v6's TMA-store epilogue, v7's
+// Versions, predictions and measurements: csrc/NOTES.md (this is v11: v6's TMA-store epilogue, v7's
 // work items decoded once by the producer (FwdItem), v8's item trimmed: no O rescale at its first
 // visit, O staged with one XOR per 16-byte chunk, 1 / l on the SFU; v9's noisy diagonal visited at
-// 64 keys per consumer where block_size divides 64, narrow_visit).
+// 64 keys per consumer where block_size divides 64, narrow_visit; v11's two Q buffers in that
+// narrow kernel, fwd_q_stages).
 //
 // Notation as in templates/diffusion_attn.py: logits in base 2 (s2 = q.k * scale * log2 e), lse
 // stored in natural log, (B, H, S) fp32.
@@ -539,16 +540,24 @@ cudaError_t launch_fwd_cfg(const FwdArgs& a) {
 // The shipped config with its tiles starting per START (the one place that names the options).
 // The TMA-store epilogue wherever its staging buffer fits (D = 256: Q, two stages of K and V and
 // O would take 256 KB): harness `smem-o` (session 8), bf16 D = 128, 1.11x at n = 1K, 1.08x at
-// 2K, 1.04x at 4K, 1.025x at 8K. Two Q buffers measured no gain with or without it (+-1 %), so one.
+// 2K, 1.04x at 4K, 1.025x at 8K. Two Q buffers measured no gain with or without it (+-1 %) in the plain kernel (fwd_q_stages).
 // The softmax of online_softmax_tile_ilp (SOFTMAX_ILP_), with a stale max from D = 128 on
 // (STALE_MAX_, fwd_stale_max says why not at D = 64): harness softmax-ab (session 16, bf16 D = 128,
 // n 1K-8K, block sizes 4 / 16, GQA 32/8) 1.003-1.089x over the one-chain softmax (1.00-1.02 at
 // n = 1K, 1.05-1.09 from 2K on), D = 256 1.03-1.095x from 2K on, D = 64 (four chains alone)
 // 1.00-1.067x.
 constexpr bool fwd_smem_o(int d) { return d <= 128; }
+// Two Q buffers in the narrow kernel (the backend's at n <= 1K, items of ~5 key tiles): the
+// producer loads an item's Q one item ahead, where with one buffer it waits for both consumers'
+// last S of the item before (the trace at n = 1K, D = 128: Q issue -> ready 1.46 us, the
+// consumers' Q wait 0.59 us of an 11.2 us item). Session 35 (fwd_standalone q2-narrow, bf16,
+// n = 1K, best of 12 rounds, A/A arms within 0.7 %): D = 128 1.013 / 1.025 / 1.035x at block 16 /
+// block 4 / GQA 32/8, D = 64 1.030 / 1.026 / 1.006x. The plain kernel keeps one (sessions 8 and
+// 15: 0.985-1.005x; its items are longer), which also leaves D = 256 its shared memory.
+constexpr int fwd_q_stages(bool narrow) { return narrow ? 2 : 1; }
 template <class Elem, int D, int START, bool NARROW = false>
-using FwdShipped = FwdConfig<Elem, D, kFwdBlockM, fwd_block_n(D), kFwdStages, true, START, 1,
-                             fwd_smem_o(D), true, fwd_stale_max(D), NARROW>;
+using FwdShipped = FwdConfig<Elem, D, kFwdBlockM, fwd_block_n(D), kFwdStages, true, START,
+                             fwd_q_stages(NARROW), fwd_smem_o(D), true, fwd_stale_max(D), NARROW>;
 
 // Where a second kernel with the noisy diagonal's narrow visit is built: D = 64 and 128 (128-key
 // tiles), batched and packed. v9 against v8 (benchmarks.build_ab, bf16, 16K tokens, block 16 / 4;

@@ -24,13 +24,17 @@
 //                                  # exit 1 on a failure
 //   ./fwd_standalone softmax-ab    # shipped softmax vs one chain / four chains: checks, then A/B at D 128/64/256
 //   ./fwd_standalone epi-ab        # the item's end: two Q buffers, the store knocked out
+//   ./fwd_standalone q2-narrow     # two Q buffers for the narrow kernels at n = 1K: checks, then
+//                                  # 12 rounds with A/A arms (D = 128 and 64); q2-plain: the
+//                                  # plain kernels at n = 2K / 4K (timing only)
 //   ./fwd_standalone bn256-64      # D = 64 over 256-key tiles: checks, then the A/B
 //   ./fwd_standalone ab64          # D = 64: 3 / 4 stages, no ping-pong, two Q buffers against shipped
 //   ./fwd_standalone order         # WorkOrders (slot-major, L2 chunks) against the plain order on the
 //                                  # shipped persistent config: checks, then the A/B
 //   ./fwd_standalone sched         # persistent grids: the balanced schedule against the snake
 //   ./fwd_standalone trace         # where an item's time goes: per-phase means (trace_stats.h);
-//                                  # trace-sched: the same with the CTAs on the balanced schedule
+//                                  # trace-sched: the same with the CTAs on the balanced schedule;
+//                                  # trace-narrow: the narrow-diagonal kernels at n = 1K (D 128, 64)
 //   ./fwd_standalone small         # one small check per head dim (compute-sanitizer runs)
 //   ./fwd_standalone prove         # host only (no GPU): the hoisted FULL test equals tile_kind's
 #include <cstdio>
@@ -305,11 +309,12 @@ void free_timing_bufs(Bufs& b) {
   cudaFree(b.q); cudaFree(b.k); cudaFree(b.v); cudaFree(b.o); cudaFree(b.lse); cudaFree(b.order);
 }
 
+int g_rounds = 4;  // ab_timing's timed rounds per shape (after one untimed)
+const std::vector<Run> kAbShapes = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
+                                    {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4},  {4, 2048, 16, 16, 4},
+                                    {2, 4096, 16, 16, 4},  {1, 8192, 16, 16, 4},  {4, 2048, 32, 8, 16}};
 template <class V, int D = 128>  // D: the variants' head dim (bf16)
-void ab_timing(const char* const* names) {
-  const std::vector<Run> shapes = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {2, 4096, 16, 16, 16},
-                                   {1, 8192, 16, 16, 16}, {8, 1024, 16, 16, 4},  {4, 2048, 16, 16, 4},
-                                   {2, 4096, 16, 16, 4},  {1, 8192, 16, 16, 4},  {4, 2048, 32, 8, 16}};
+void ab_timing(const char* const* names, const std::vector<Run>& shapes = kAbShapes) {
   Bufs b = timing_bufs(D);
   std::vector<std::vector<float>> ms(shapes.size(), std::vector<float>(V::kCount, 1e30f));
   for (size_t s = 0; s < shapes.size(); ++s) {
@@ -318,7 +323,7 @@ void ab_timing(const char* const* names) {
     // keeping the first variant's first samples, taken before the clocks settled.
     std::vector<float> warm_up(V::kCount, 1e30f);
     V::time_all(shapes[s], b, warm_up.data(), 0);
-    for (int round = 0; round < 4; ++round) V::time_all(shapes[s], b, ms[s].data(), round);
+    for (int round = 0; round < g_rounds; ++round) V::time_all(shapes[s], b, ms[s].data(), round);
   }
   g_max_ctas = 0;
   printf("\n== forward A/B, bf16 D=%d, %s; TFLOPS on visible pairs (ratio to %s)\n", D,
@@ -342,9 +347,12 @@ void ab_timing(const char* const* names) {
 // Mode `trace`: where a work item's time goes (tests/cuda/trace_stats.h says what each column is):
 // the shipped config with kTrace (common.cuh Traced), one launch on the persistent grid after three
 // untraced ones, bf16 D = 128, 16K tokens, H = 16, block 16 at n = 1K / 2K / 8K and block 4 at 1K.
-void trace() {
+// Mode `trace-narrow`: the same for the narrow-diagonal kernels the backend runs at n <= 1K
+// (FwdShipped NARROW = true; a noisy item's narrow first visit falls inside "first K"), D = 128
+// and 64, beside the plain kernel at n = 1K.
+template <class Cfg>
+void trace_runs(const char* cfg_label, std::initializer_list<Run> runs) {
   using namespace dlm::sm90;
-  using Cfg = Traced<FwdShipped<cutlass::bfloat16_t, 128, kBatchedStart>>;
   using u64 = unsigned long long;
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -353,22 +361,39 @@ void trace() {
   CK(cudaMalloc(&dbuf, slots * sizeof(u64)));
   CK(cudaMemcpyToSymbol(g_trace<u64>, &dbuf, sizeof(dbuf)));
   std::vector<u64> h(slots);
-  Bufs b = timing_bufs(128);
+  Bufs b = timing_bufs(Cfg::D);
   g_max_ctas = sms;
-  trace_stats::header();
-  for (const Run r : {Run{8, 1024, 16, 16, 16}, Run{4, 2048, 16, 16, 16}, Run{1, 8192, 16, 16, 16},
-                      Run{8, 1024, 16, 16, 4}}) {
+  for (const Run r : runs) {
     CK(cudaMemset(dbuf, 0, slots * sizeof(u64)));
     const float ms = time_on<Cfg>(r, b, 1);
     CK(cudaMemcpy(h.data(), dbuf, slots * sizeof(u64), cudaMemcpyDeviceToHost));
     const int items = r.B * r.H * dlm::block_diffusion(2 * r.n, r.bs).fwd_tiles(Cfg::BM, Cfg::BN).count();
-    char label[32];
-    snprintf(label, sizeof(label), "n %d, block %d", r.n, r.bs);
+    char label[64];
+    snprintf(label, sizeof(label), "%s n %d, block %d", cfg_label, r.n, r.bs);
     trace_stats::row(label, h, std::min(sms, items), items, 1000.0 * ms);
   }
   g_max_ctas = 0;
   free_timing_bufs(b);
   CK(cudaFree(dbuf));
+}
+
+void trace() {
+  using namespace dlm::sm90;
+  trace_stats::header();
+  trace_runs<Traced<FwdShipped<cutlass::bfloat16_t, 128, kBatchedStart>>>(
+      "D 128", {Run{8, 1024, 16, 16, 16}, Run{4, 2048, 16, 16, 16}, Run{1, 8192, 16, 16, 16},
+                Run{8, 1024, 16, 16, 4}});
+}
+
+void trace_narrow() {
+  using namespace dlm::sm90;
+  using bf16 = cutlass::bfloat16_t;
+  trace_stats::header();
+  trace_runs<Traced<FwdShipped<bf16, 128, kBatchedStart>>>("D 128 plain", {Run{8, 1024, 16, 16, 16}});
+  trace_runs<Traced<FwdShipped<bf16, 128, kBatchedStart, true>>>(
+      "D 128 narrow", {Run{8, 1024, 16, 16, 16}, Run{8, 1024, 16, 16, 4}});
+  trace_runs<Traced<FwdShipped<bf16, 64, kBatchedStart, true>>>("D 64 narrow", {Run{8, 1024, 16, 16, 16}});
+  trace_runs<Traced<FwdShipped<bf16, 64, kBatchedStart>>>("D 64 plain", {Run{4, 2048, 16, 16, 16}});
 }
 
 // ------------------------------------------------------------------ varlen: packed samples
@@ -779,6 +804,53 @@ int main(int argc, char** argv) {
   if (v == "trace" || v == "trace-sched") {  // trace-sched: the CTAs walk the balanced schedule
     g_schedule = v == "trace-sched";
     trace();
+    return 0;
+  }
+  if (v == "trace-narrow") {
+    trace_narrow();
+    return 0;
+  }
+  if (v == "q2-narrow") {  // two Q buffers for the narrow-diagonal kernels at n = 1K (what the
+    using namespace dlm::sm90;  // backend runs there): checks, then an A/B of 12 rounds with A/A arms
+    CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
+    // One Q buffer, as the narrow kernels were until session 35, against two (FwdShipped's now).
+    using Narrow = FwdConfig<bf16, 128, kFwdBlockM, fwd_block_n(128), kFwdStages, true, kBatchedStart, 1,
+                             fwd_smem_o(128), true, fwd_stale_max(128), true>;
+    using Narrow2Q = FwdShipped<bf16, 128, kBatchedStart, true>;
+    using Narrow64 = FwdConfig<bf16, 64, kFwdBlockM, fwd_block_n(64), kFwdStages, true, kBatchedStart, 1,
+                               fwd_smem_o(64), true, fwd_stale_max(64), true>;
+    using Narrow64_2Q = FwdShipped<bf16, 64, kBatchedStart, true>;
+    static_assert(Narrow2Q::QSTAGES == 2 && Narrow64_2Q::QSTAGES == 2, "the shipped narrow kernels' two Q buffers");
+    for (int ctas : {3, 0}) {
+      g_max_ctas = ctas;
+      ab_checks<Narrow2Q>("narrow 2 Q bf16 D=128");
+      ab_checks<Narrow64_2Q>("narrow 2 Q bf16 D=64");
+    }
+    g_max_ctas = 0;
+    printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
+    if (g_failed) return 1;
+    g_rounds = 12;
+    const std::vector<Run> n1k = {{8, 1024, 16, 16, 16}, {8, 1024, 16, 16, 4}, {8, 1024, 32, 8, 16}};
+    static const char* names[] = {"narrow", "narrow 2 Q", "narrow again", "narrow 2 Q again"};
+    ab_timing<Variants<Narrow, Narrow2Q, Narrow, Narrow2Q>>(names, n1k);
+    ab_timing<Variants<Narrow64, Narrow64_2Q, Narrow64, Narrow64_2Q>, 64>(names, n1k);
+    return 0;
+  }
+  if (v == "q2-plain") {  // the same for the plain kernels at n = 2K / 4K (the backend's there)
+    using namespace dlm::sm90;
+    CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
+    using Plain = FwdShipped<bf16, 128, kBatchedStart>;
+    using Plain2Q = FwdConfig<bf16, 128, kFwdBlockM, fwd_block_n(128), kFwdStages, true, kBatchedStart, 2,
+                              fwd_smem_o(128), true, fwd_stale_max(128)>;
+    using Plain64 = FwdShipped<bf16, 64, kBatchedStart>;
+    using Plain64_2Q = FwdConfig<bf16, 64, kFwdBlockM, fwd_block_n(64), kFwdStages, true, kBatchedStart, 2,
+                                 fwd_smem_o(64), true, fwd_stale_max(64)>;
+    g_rounds = 12;
+    const std::vector<Run> shapes = {{4, 2048, 16, 16, 16}, {4, 2048, 16, 16, 4}, {2, 4096, 16, 16, 16},
+                                     {4, 2048, 32, 8, 16}};
+    static const char* names[] = {"plain", "plain 2 Q", "plain again", "plain 2 Q again"};
+    ab_timing<Variants<Plain, Plain2Q, Plain, Plain2Q>>(names, shapes);
+    ab_timing<Variants<Plain64, Plain64_2Q, Plain64, Plain64_2Q>, 64>(names, shapes);
     return 0;
   }
   if (v == "epi-ab") {  // the item's end (csrc/NOTES.md "Session 17"): two Q buffers, with the O /
