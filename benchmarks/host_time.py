@@ -12,7 +12,9 @@ host's yardstick: the host's speed moves between machines and runs, the ratio mu
 ``--profile`` compares the kernels' GPU time per step with the wall, and
 ``--gaps`` lists a step's kernels with the GPU's idle time before each, ours and cuDNN's
 causal-on-halves step (session 20: at n = 1K ours idled 200-450 us per profiled step before its
-backward's first kernel, the host still in the backward's Python; cuDNN's 20-40 us).
+backward's first kernel, the host still in the backward's Python; cuDNN's 20-40 us; session 35:
+1518 us against cuDNN's 90). ``--nodes`` splits a step's host time (step_nodes; not yet run on a
+GPU: session 35 ran out of device time).
 bf16, H=16, D=128 (``--head-dim``), 16K tokens, block_size 16, the default backend. Needs a CUDA
 GPU.
 """
@@ -69,6 +71,10 @@ def main(argv=None) -> int:
     p.add_argument("--gaps", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS batched steps, ours and cuDNN's causal on the halves: "
                         "per kernel of a step, its mean duration and the GPU's idle time before it")
+    p.add_argument("--nodes", action="store_true",
+                   help="also split a batched step's host time (best bursts): a trivial C++ and a "
+                        "trivial Python autograd node's step, our forward with grad, our step, and "
+                        "our backend's backward called on the main thread (no autograd engine)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.host_time needs a CUDA GPU")
@@ -156,7 +162,53 @@ def main(argv=None) -> int:
         for name, case in (("dlm_ops", "batched"), ("cuDNN causal on halves", "cuDNN causal halves")):
             inputs, run = cases[case]
             step_gaps(name, lambda: _step(run, inputs), a.gaps)
+    if a.nodes:
+        step_nodes(*cases["batched"][0], n, a.calls)
     return 0
+
+
+class _PythonNode(torch.autograd.Function):
+    """A Python autograd node doing as little as a node can (one kernel each way)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def step_nodes(q, k, v, n: int, calls: int) -> None:
+    """Where a batched step's host time goes (session 35: the step's best burst was 0.82 ms where
+    the forward alone took 0.08 and the backward op alone 0.22, and cuDNN's whole step 0.38): the
+    autograd engine's own cost with a C++ and with a Python node (on CUDA the engine runs a
+    backward on its device thread, and a Python node's there needs the GIL), our forward with grad
+    (the autograd.Function and its saved tensors), our step, and our backend's backward called
+    directly on the main thread (our Python and the extension without the engine)."""
+    x = torch.randn(1024, device=q.device, requires_grad=True)
+    gx = torch.ones_like(x)
+    dout = torch.ones_like(q)
+    with torch.no_grad():
+        out, lse = dlm_ops.diffusion_attn_func(q, k, v, 16, return_lse=True)
+    ops = dlm_ops.ops.diffusion
+    impl = ops.select(ops._problem(q, k, 0.0, False, False), None)
+    mask = ops.SequenceMask.block_diffusion(2 * n, 16)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    rows = {
+        "engine, trivial C++ node": lambda: torch.autograd.grad(x * 2, (x,), gx),
+        "engine, trivial Python node": lambda: torch.autograd.grad(_PythonNode.apply(x), (x,), gx),
+        "ours, forward with grad": lambda: dlm_ops.diffusion_attn_func(q, k, v, 16),
+        "ours, step": lambda: torch.autograd.grad(dlm_ops.diffusion_attn_func(q, k, v, 16),
+                                                  (q, k, v), dout),
+        f"ours, {impl.name} backend's bwd on the main thread": lambda: impl.bwd(
+            dout, qd, kd, vd, out, lse, None, mask, q.shape[-1] ** -0.5, 0.0, False),
+    }
+    print("host time per call, best burst (ms): where the step's goes")
+    print("| call | burst | median burst |\n|---|---|---|")
+    for name, f in rows.items():
+        _, _, burst, median = per_call(f, calls)
+        print(f"| {name} | {burst:.3f} | {median:.3f} |")
 
 
 def _step(run, inputs) -> None:

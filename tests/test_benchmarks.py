@@ -76,6 +76,21 @@ def test_host_time_says_it_needs_a_gpu(monkeypatch):
         host_time.main(["--calls", "1"])
 
 
+def test_host_time_nodes_rows_run(monkeypatch, capsys):
+    """host_time --nodes (step_nodes) on the CPU with the torch backend: every row runs and prints
+    (the GPU's syncs stubbed out: the rows' calls are what this checks, not their times)."""
+    from benchmarks import host_time
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    q, k, v = (torch.randn(1, 64, 2, 16, requires_grad=True) for _ in range(3))
+    host_time.step_nodes(q, k, v, 32, calls=1)
+    out = capsys.readouterr().out
+    for row in ("trivial C++ node", "trivial Python node", "forward with grad", "ours, step",
+                "backend's bwd on the main thread"):
+        assert row in out
+    assert out.count("\n| ") == 6  # the header and five rows
+
+
 def test_rounds_vary_the_measurement_order(monkeypatch):
     """A fixed order within rounds let a position's GPU state favour one contender (session 7:
     up to 15 % in the kernel A/Bs); every (contender, mode) must open some round, every round
