@@ -204,7 +204,7 @@ def step_nodes(q, k, v, n: int, calls: int) -> None:
         f"ours, {impl.name} backend's bwd on the main thread": lambda: impl.bwd(
             dout, qd, kd, vd, out, lse, None, mask, q.shape[-1] ** -0.5, 0.0, False),
     }
-    print("host time per call, best burst (ms): where the step's goes")
+    print("host time per call, best burst (ms): where a step's host time goes")
     print("| call | burst | median burst |\n|---|---|---|")
     for name, f in rows.items():
         _, _, burst, median = per_call(f, calls)
