@@ -73,8 +73,9 @@ def main(argv=None) -> int:
                         "per kernel of a step, its mean duration and the GPU's idle time before it")
     p.add_argument("--nodes", action="store_true",
                    help="also split a batched step's host time (best bursts): a trivial C++ and a "
-                        "trivial Python autograd node's step, our forward with grad, our step, and "
-                        "our backend's backward called on the main thread (no autograd engine)")
+                        "trivial Python autograd node's step, our forward with grad, our step (also "
+                        "with the backward on the calling thread), and our backend's backward "
+                        "called on the main thread (no autograd engine)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.host_time needs a CUDA GPU")
@@ -179,13 +180,21 @@ class _PythonNode(torch.autograd.Function):
         return g * 2
 
 
+def _single_threaded(f):
+    """f() with autograd's multithreading off: the engine runs a CUDA backward on the calling
+    thread instead of its device thread (no hand-over of the GIL to that thread)."""
+    with torch.autograd.set_multithreading_enabled(False):
+        return f()
+
+
 def step_nodes(q, k, v, n: int, calls: int) -> None:
     """Where a batched step's host time goes (session 35: the step's best burst was 0.82 ms where
     the forward alone took 0.08 and the backward op alone 0.22, and cuDNN's whole step 0.38): the
     autograd engine's own cost with a C++ and with a Python node (on CUDA the engine runs a
     backward on its device thread, and a Python node's there needs the GIL), our forward with grad
-    (the autograd.Function and its saved tensors), our step, and our backend's backward called
-    directly on the main thread (our Python and the extension without the engine)."""
+    (the autograd.Function and its saved tensors), our step, the same with the backward on the
+    calling thread (autograd's multithreading off), and our backend's backward called directly on
+    the main thread (our Python and the extension without the engine)."""
     x = torch.randn(1024, device=q.device, requires_grad=True)
     gx = torch.ones_like(x)
     dout = torch.ones_like(q)
@@ -201,6 +210,8 @@ def step_nodes(q, k, v, n: int, calls: int) -> None:
         "ours, forward with grad": lambda: dlm_ops.diffusion_attn_func(q, k, v, 16),
         "ours, step": lambda: torch.autograd.grad(dlm_ops.diffusion_attn_func(q, k, v, 16),
                                                   (q, k, v), dout),
+        "ours, step, the backward on the calling thread": lambda: _single_threaded(
+            lambda: torch.autograd.grad(dlm_ops.diffusion_attn_func(q, k, v, 16), (q, k, v), dout)),
         f"ours, {impl.name} backend's bwd on the main thread": lambda: impl.bwd(
             dout, qd, kd, vd, out, lse, None, mask, q.shape[-1] ** -0.5, 0.0, False),
     }
