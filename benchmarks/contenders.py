@@ -81,6 +81,26 @@ def ours(case: Case, backend: str | None = None):
                                                               backend=backend), (q, k, v))
 
 
+def ours_python_node(case: Case):
+    """``ours`` with the backward as the Python autograd node (cutlass_diffusion.NATIVE_BACKWARD
+    off), as before session 36: the C++ node's A/B in one process."""
+    from dlm_ops.backends import cutlass_diffusion
+
+    def python_node(f):
+        if f is None:
+            return None
+
+        def g():
+            cutlass_diffusion.NATIVE_BACKWARD = False
+            try:
+                return f()
+            finally:
+                cutlass_diffusion.NATIVE_BACKWARD = True
+        return g
+
+    return {mode: (python_node(setup), python_node(fn)) for mode, (setup, fn) in ours(case).items()}
+
+
 def causal_halves(case: Case, sdp_backend: SDPBackend):
     """SDPA causal over the 2B halves of n tokens (GQA expanded up front, not timed)."""
     shape = (2 * case.batch, case.heads, case.n, case.head_dim)
@@ -261,6 +281,7 @@ CONTENDERS = {
     # CUTLASS backward at D=64/128; Triton elsewhere); the other two force one backend.
     "dlm_ops triton": lambda c: ours(c, "triton"),
     "dlm_ops cutlass": lambda c: ours(c, "cutlass"),  # forced: both sm90 kernels where they cover
+    "dlm_ops python node": ours_python_node,
     "cudnn causal halves": lambda c: causal_halves(c, SDPBackend.CUDNN_ATTENTION),
     "flash causal halves": lambda c: causal_halves(c, SDPBackend.FLASH_ATTENTION),
     "flex BD3": flex,

@@ -13,8 +13,9 @@ host's yardstick: the host's speed moves between machines and runs, the ratio mu
 ``--gaps`` lists a step's kernels with the GPU's idle time before each, ours and cuDNN's
 causal-on-halves step (session 20: at n = 1K ours idled 200-450 us per profiled step before its
 backward's first kernel, the host still in the backward's Python; cuDNN's 20-40 us; session 35:
-1518 us against cuDNN's 90). ``--nodes`` splits a step's host time (step_nodes; not yet run on a
-GPU: session 35 ran out of device time).
+1518 us against cuDNN's 90). ``--nodes`` splits a step's host time (step_nodes; session 36: the
+Python node's backward on the autograd engine's device thread was the step's excess, hence
+cutlass_diffusion.NATIVE_BACKWARD, the C++ node, whose A/B against the Python node is a row).
 bf16, H=16, D=128 (``--head-dim``), 16K tokens, block_size 16, the default backend. Needs a CUDA
 GPU.
 """
@@ -187,6 +188,17 @@ def _single_threaded(f):
         return f()
 
 
+def _python_node(f):
+    """f() with the backward as the Python autograd node (cutlass_diffusion.NATIVE_BACKWARD off)."""
+    from dlm_ops.backends import cutlass_diffusion
+
+    cutlass_diffusion.NATIVE_BACKWARD = False
+    try:
+        return f()
+    finally:
+        cutlass_diffusion.NATIVE_BACKWARD = True
+
+
 def step_nodes(q, k, v, n: int, calls: int) -> None:
     """Where a batched step's host time goes (session 35: the step's best burst was 0.82 ms where
     the forward alone took 0.08 and the backward op alone 0.22, and cuDNN's whole step 0.38): the
@@ -211,6 +223,8 @@ def step_nodes(q, k, v, n: int, calls: int) -> None:
         "ours, step": lambda: torch.autograd.grad(dlm_ops.diffusion_attn_func(q, k, v, 16),
                                                   (q, k, v), dout),
         "ours, step, the backward on the calling thread": lambda: _single_threaded(
+            lambda: torch.autograd.grad(dlm_ops.diffusion_attn_func(q, k, v, 16), (q, k, v), dout)),
+        "ours, step, the Python node (NATIVE_BACKWARD off)": lambda: _python_node(
             lambda: torch.autograd.grad(dlm_ops.diffusion_attn_func(q, k, v, 16), (q, k, v), dout)),
         f"ours, {impl.name} backend's bwd on the main thread": lambda: impl.bwd(
             dout, qd, kd, vd, out, lse, None, mask, q.shape[-1] ** -0.5, 0.0, False),

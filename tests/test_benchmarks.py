@@ -86,9 +86,10 @@ def test_host_time_nodes_rows_run(monkeypatch, capsys):
     host_time.step_nodes(q, k, v, 32, calls=1)
     out = capsys.readouterr().out
     for row in ("trivial C++ node", "trivial Python node", "forward with grad", "ours, step",
-                "the backward on the calling thread", "backend's bwd on the main thread"):
+                "the backward on the calling thread", "the Python node",
+                "backend's bwd on the main thread"):
         assert row in out
-    assert out.count("\n| ") == 7  # the header and six rows
+    assert out.count("\n| ") == 8  # the header and seven rows
 
 
 def test_rounds_vary_the_measurement_order(monkeypatch):

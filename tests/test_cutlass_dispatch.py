@@ -625,3 +625,82 @@ def test_short_halves_walk_slot_major(fake, monkeypatch, b, nn, h, hkv, d, ds, w
         plans = SequenceMask(nn, nn, 16).bwd_tiles(bm, bn)
         expected = order_schedule(plans, _order(plans), b * hkv, h // hkv, 132, bm, bn, chunk, block)
         assert bwd["dkdv_schedule"].tolist() == expected
+
+
+class NodeExtension(DsExtension):
+    """An extension with the C++ autograd node: its plan records the keywords it is built with,
+    attach_bwd the plan (no graph is built here: the GPU tests run the node)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bwd_kwargs = []
+
+    def BwdPlan(self, **kw):  # noqa: N802 (the extension's class)
+        return kw
+
+    def attach_bwd(self, q, k, v, out, lse, plan):
+        self.calls.append(("attach_bwd", plan))
+        return out, lse
+
+    def bwd(self, *tensors, **kw):
+        self.bwd_kwargs.append(kw)
+        super().bwd(*tensors, **kw)
+
+
+@pytest.mark.parametrize("layout,b,nn,nc,d,hkv,layout_id", [
+    ("batched", 2, 256, 256, 128, 4, cd.AS_GIVEN),     # the dS backward
+    ("batched", 2, 256, 256, 64, 2, cd.AS_GIVEN),      # D = 64: the two-kernel dQ
+    ("batched", 3, 200, 200, 128, 2, cd.AS_PACKED),    # off the grid: packed
+    ("batched", 2, 0, 331, 128, 1, cd.AS_GIVEN),       # block-causal, odd
+    ("varlen", 0, 0, 0, 128, 2, cd.AS_ONE_BATCH),
+    ("varlen", 0, 0, 0, 64, 2, cd.AS_ONE_BATCH),
+])
+def test_native_plan_is_the_python_launch(fake, monkeypatch, layout, b, nn, nc, d, hkv, layout_id):
+    """fwd_with_grad plans the backward the node will run (BwdPlan's keywords) exactly as the
+    Python backward launches it (ext.bwd's keywords): one plan, two executors. The dS scratch's
+    size is the one the Python executor allocates; the backward's STATS count at the plan."""
+    ext = NodeExtension()
+    monkeypatch.setattr(cd, "_EXT", ext)
+    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    backend = cd.CutlassDiffusionBackend()
+    if layout == "varlen":
+        q, k, v, mask = _packed([0, 100, 37, 0, 256], 4, hkv, d)
+        out, lse = backend.varlen_fwd_with_grad(q, k, v, mask, 0.125, 0.0, False)
+        counted = dict(cd.STATS)
+        backend.varlen_bwd(torch.randn_like(q), q, k, v, out, lse, None, mask, 0.125, 0.0, False)
+        key = "varlen_bwd"
+    else:
+        q, k, v = _batched(b, nn, nc, 4, hkv, d)
+        mask = SequenceMask(nn, nc, 16)
+        out, lse = backend.fwd_with_grad(q, k, v, mask, 0.125, 0.0, False)
+        counted = dict(cd.STATS)
+        backend.bwd(torch.randn_like(q), q, k, v, out, lse, None, mask, 0.125, 0.0, False)
+        key = "bwd"
+    assert counted[key] == 1 and cd.STATS[key] == 2 and cd.STATS[key + "_fallback"] == 0
+    plan = dict(ext.calls)["attach_bwd"]
+    launched = ext.bwd_kwargs[-1]
+    scratch = launched.pop("ds_scratch")
+    assert plan.pop("layout") == layout_id and plan.pop("poison") is True  # conftest's poison
+    assert plan.pop("ds_elems") == (0 if scratch is None else scratch.numel())
+    assert plan.keys() == launched.keys()
+    for name, value in plan.items():
+        same = torch.equal(value, launched[name]) if isinstance(value, torch.Tensor) else (
+            value == launched[name])
+        assert same, name
+
+
+def test_native_backward_off_runs_no_node(fake, monkeypatch):
+    """NATIVE_BACKWARD False, an extension without the node, a softcap or a call Triton takes:
+    fwd_with_grad declines (the Python node then runs the backward)."""
+    q, k, v = _batched(2, 256, 256, 4, 4, 128)
+    mask = SequenceMask(256, 256, 16)
+    backend = cd.CutlassDiffusionBackend()
+    assert backend.fwd_with_grad(q, k, v, mask, 0.125, 0.0, False) is None  # FakeExtension: none
+    ext = NodeExtension()
+    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    assert backend.fwd_with_grad(q, k, v, mask, 0.125, 0.5, False) is None  # softcap: Triton's
+    assert backend.fwd_with_grad(q[..., :48], k[..., :48], v[..., :48], mask, 0.125, 0.0,
+                                 False) is None  # D = 48: Triton's
+    monkeypatch.setattr(cd, "NATIVE_BACKWARD", False)
+    assert backend.fwd_with_grad(q, k, v, mask, 0.125, 0.0, False) is None
+    assert not [c for c in ext.calls if c[0] == "attach_bwd"]

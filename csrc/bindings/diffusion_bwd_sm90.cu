@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bindings/diffusion_bwd_sm90.h"
 #include "bindings/sm90_common.h"
 #include "hopper/diffusion_bwd.cuh"
 
@@ -152,15 +153,21 @@ struct LaunchBwd {
 // dkdv_order_chunk / dkdv_order_block (the dS backward's dK/dV kernel only; others walk the plain
 // order): its work_order arguments, chunk 0 the plain order; a dkdv_schedule must be built for the
 // same two.
-void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
-         torch::Tensor lse, std::optional<torch::Tensor> dlse, torch::Tensor dq, torch::Tensor dk,
-         torch::Tensor dv, torch::Tensor lse2, torch::Tensor delta, torch::Tensor dkdv_order,
-         torch::Tensor dq_order, int64_t n_noisy, int64_t block_size, double scale,
-         std::optional<torch::Tensor> dkdv_sample, std::optional<torch::Tensor> dq_sample,
-         std::optional<torch::Tensor> cu_seqlens, bool persistent_dkdv,
-         std::optional<torch::Tensor> ds_scratch, std::optional<torch::Tensor> ds_slots, int64_t ds_visits,
-         std::optional<torch::Tensor> dkdv_schedule, int64_t dkdv_order_chunk, int64_t dkdv_order_block,
-         std::optional<torch::Tensor> ds_rows, int64_t ds_k_tiles) {
+}  // namespace
+
+namespace dlm_bindings {
+
+void diffusion_bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                   torch::Tensor out, torch::Tensor lse, std::optional<torch::Tensor> dlse,
+                   torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, torch::Tensor lse2,
+                   torch::Tensor delta, torch::Tensor dkdv_order, torch::Tensor dq_order,
+                   int64_t n_noisy, int64_t block_size, double scale,
+                   std::optional<torch::Tensor> dkdv_sample, std::optional<torch::Tensor> dq_sample,
+                   std::optional<torch::Tensor> cu_seqlens, bool persistent_dkdv,
+                   std::optional<torch::Tensor> ds_scratch, std::optional<torch::Tensor> ds_slots,
+                   int64_t ds_visits, std::optional<torch::Tensor> dkdv_schedule,
+                   int64_t dkdv_order_chunk, int64_t dkdv_order_block,
+                   std::optional<torch::Tensor> ds_rows, int64_t ds_k_tiles) {
   const bool varlen = cu_seqlens.has_value();
   dlm_bindings::check_work_order(dkdv_order_chunk, dkdv_order_block);
   TORCH_CHECK(ds_scratch.has_value() || dkdv_order_chunk == 0, "dkdv_order_chunk: the dS backward only");
@@ -274,9 +281,8 @@ void bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   C10_CUDA_CHECK(err);
 }
 
-}  // namespace
+int64_t bwd_scratch_pad() { return dlm::sm90::kVarlenScratchPad; }
 
-namespace dlm_bindings {
 void add_bwd(pybind11::module_& m) {
   m.def("bwd_tile_orders", &bwd_tile_orders);
   m.def("varlen_bwd_tile_orders", &varlen_bwd_tile_orders);
@@ -286,7 +292,7 @@ void add_bwd(pybind11::module_& m) {
         pybind11::arg("block_size"), pybind11::arg("head_dim"), pybind11::arg("slots"),
         pybind11::arg("group"), pybind11::arg("ctas"), pybind11::arg("order_chunk") = 0,
         pybind11::arg("order_block") = 0);
-  m.def("bwd", &bwd, pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
+  m.def("bwd", &diffusion_bwd, pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
         pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("dlse"), pybind11::arg("dq"),
         pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("lse2"), pybind11::arg("delta"),
         pybind11::arg("dkdv_order"), pybind11::arg("dq_order"), pybind11::arg("n_noisy"),
@@ -297,7 +303,7 @@ void add_bwd(pybind11::module_& m) {
         pybind11::arg("ds_visits") = 0, pybind11::arg("dkdv_schedule") = pybind11::none(),
         pybind11::arg("dkdv_order_chunk") = 0, pybind11::arg("dkdv_order_block") = 0,
         pybind11::arg("ds_rows") = pybind11::none(), pybind11::arg("ds_k_tiles") = 0);
-  m.attr("scratch_pad") = dlm::sm90::kVarlenScratchPad;  // floats past lse2 / delta (the kernels zero them)
+  m.attr("scratch_pad") = bwd_scratch_pad();  // floats past lse2 / delta (the kernels zero them)
   m.def("ds_block", &ds_block, pybind11::arg("head_dim"));
 }
 }  // namespace dlm_bindings

@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 
 from ..geometry import SequenceMask
-from . import cutlass, register
+from . import base, cutlass, register
 from .cutlass import sm_count as _sm_count
 from .base import DETERMINISTIC, GQA, VARLEN, Capabilities, new_output
 from .triton_backend import TritonBackend
@@ -58,6 +58,7 @@ SOURCES = [
     "bindings/diffusion_sm90.cpp",
     "bindings/diffusion_fwd_sm90.cu",
     "bindings/diffusion_bwd_sm90.cu",
+    "bindings/diffusion_autograd_sm90.cpp",
 ] + [f"hopper/diffusion_{d}{layout}_{t}_d{h}.cu"
      for d, dims in (("fwd", (64, 128, 256)), ("bwd", (64, 128, 256)))
      for layout in ("", "_varlen")  # batched, packed samples: one instantiation per unit
@@ -284,26 +285,27 @@ def _ds_block_of(ext, head_dim: int) -> int:
     return ext.ds_block(head_dim)
 
 
-def _ds_scratch(q: torch.Tensor, block: int, slots: int, visits: int) -> torch.Tensor | None:
-    """The dS^T scratch of ``1 + slots * visits`` blocks, or None past DS_SCRATCH_MAX_BYTES or where
-    the kernels' 32-bit row numbers (key_tile rows per block) would overflow."""
+def _ds_scratch_elems(q: torch.Tensor, block: int, slots: int, visits: int) -> int:
+    """Elements of the dS^T scratch, ``1 + slots * visits`` blocks, or 0 past DS_SCRATCH_MAX_BYTES or
+    where the kernels' 32-bit row numbers (key_tile rows per block) would overflow."""
     blocks = 1 + slots * visits
     if blocks * block * q.element_size() > DS_SCRATCH_MAX_BYTES or blocks * (block // DS_QUERY_TILE) >= 2**31:
-        return None
-    return torch.empty(blocks * block, dtype=q.dtype, device=q.device)
+        return 0
+    return blocks * block
 
 
 def _ds_plan(ext, q: torch.Tensor, mask) -> dict:
-    """The dS backward's arguments of ext.bwd (scratch, slot table, visits) for this batched call,
-    or none where it does not apply (head dim, halves off the tile grid, the scratch's bound)."""
+    """The dS backward's arguments of ext.bwd (slot table, visits) and its scratch's size
+    (``ds_elems``) for this batched call, or none where it does not apply (head dim, halves off the
+    tile grid, the scratch's bound)."""
     block = _ds_block(ext, q.shape[-1])
     if not block or mask.n_noisy % DS_HALF_MULTIPLE or mask.n_clean % DS_HALF_MULTIPLE:
         return {}
     b, _, h, _ = q.shape
     slots, visits = _ds_slots(mask.n_noisy, mask.n_clean, mask.block_size, block // DS_QUERY_TILE,
                               str(q.device))
-    scratch = _ds_scratch(q, block, b * h, visits)
-    return {} if scratch is None else {"ds_scratch": scratch, "ds_slots": slots, "ds_visits": visits}
+    elems = _ds_scratch_elems(q, block, b * h, visits)
+    return {"ds_elems": elems, "ds_slots": slots, "ds_visits": visits} if elems else {}
 
 
 class VarlenTables(NamedTuple):
@@ -349,14 +351,15 @@ def _varlen_ds_slots(cu_seqlens: tuple[int, ...], block_size: int, head_dim: int
 
 def _ds_plan_varlen(ext, q: torch.Tensor, cu_seqlens: tuple[int, ...], block_size: int) -> dict:
     """The dS backward's arguments of ext.bwd for packed samples (q: (1, S, H, D); the packing's host
-    cu_seqlens), or none where it does not apply (head dim, the scratch's bound)."""
+    cu_seqlens) and its scratch's size, or none where it does not apply (head dim, the scratch's
+    bound)."""
     block = _ds_block(ext, q.shape[-1])
     if not block or not hasattr(ext, "varlen_ds_slots"):
         return {}
     slots, rows, visits, width = _varlen_ds_slots(cu_seqlens, block_size, q.shape[-1], str(q.device))
-    scratch = _ds_scratch(q, block, q.shape[2], visits)
-    return {} if scratch is None else {"ds_scratch": scratch, "ds_slots": slots, "ds_visits": visits,
-                                       "ds_rows": rows, "ds_k_tiles": width}
+    elems = _ds_scratch_elems(q, block, q.shape[2], visits)
+    return {} if not elems else {"ds_elems": elems, "ds_slots": slots, "ds_visits": visits,
+                                 "ds_rows": rows, "ds_k_tiles": width}
 
 
 def _scratch(ext, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,6 +372,111 @@ def _scratch(ext, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = -(-rows // 4) * 4 + ext.scratch_pad
     buf = torch.empty((2, width), dtype=torch.float32, device=device)
     return buf[0], buf[1]
+
+
+# The backward's launch is planned from the shapes and the mask alone (BwdCall) and launched by
+# one of two executors that allocate the same tensors and make the same ext.bwd call: _launch_bwd
+# here (the backward op's body, the Python autograd node) and the extension's run_bwd (C++, the
+# autograd node attach_bwd makes; csrc/bindings/diffusion_autograd_sm90.cpp). tests/test_gpu.py
+# holds them to bitwise equal gradients on every layout.
+AS_GIVEN, AS_PACKED, AS_ONE_BATCH = 0, 1, 2  # BwdCall.layout: ext.bwd sees the tensors as given,
+# as one packed batch (1, B S, H, D), or packed samples' (total, H, D) as (1, total, H, D)
+
+# The eager step's backward as a C++ autograd node where the CUTLASS kernels take it (batched and
+# packed calls that want a gradient, outside torch.compile and dispatch modes: ops/eager.py). On
+# CUDA the autograd engine runs a backward on its device thread, and our Python backward there
+# cost the H200's host far more than on the calling thread (benchmarks.host_time --nodes,
+# session 36, n = 1K, D = 128, B = 8, best burst: the step 0.437 ms, the same step with autograd's
+# multithreading off 0.238, the backend's bwd alone on the main thread 0.075; a trivial Python
+# node's step cost only 0.016 more than a C++ node's), so the step at n <= 2K waited on the host.
+# False: the Python node everywhere.
+NATIVE_BACKWARD = True
+
+
+class BwdCall(NamedTuple):
+    """One backward's launch: how its tensors are viewed, the kernels' arguments after the
+    tensors (ext.bwd's keywords, the dS scratch aside) and its size, and the STATS it counts."""
+
+    layout: int  # AS_GIVEN, AS_PACKED or AS_ONE_BATCH
+    args: dict
+    ds_elems: int  # elements of the dS^T scratch (q's dtype); 0: the two-kernel dQ
+    stats: tuple[str, ...]
+
+
+def _bwd_call(layout, q_shape, k_shape, device, n_noisy, block_size, scale, dkdv, dq_tables,
+              longest_half, stats, cu_seqlens=None, ds=None, mask=None) -> BwdCall:
+    """The launch of the three backward kernels on (B, S, H, D) views of shapes q_shape / k_shape;
+    dkdv / dq_tables: (order, sample or None); longest_half: of any sample (the persistent dK/dV
+    rule); ds: _ds_plan's arguments; mask: the batched call's (its persistent dK/dV kernel then
+    walks the balanced schedule)."""
+    ds = dict(ds or {})
+    ds_elems = ds.pop("ds_elems", 0)
+    b, _, _, d = q_shape
+    group = q_shape[2] // k_shape[2]
+    persistent = _persistent_dkdv(longest_half, d, group)
+    schedule, ctas = None, _max_ctas(device)
+    # The dS backward's dK/dV kernel, batched (packed samples walk the plain order: not measured).
+    walk = _walk(longest_half, d, group) if ds and mask is not None else PLAIN_ORDER
+    # The dS backward runs the persistent dK/dV kernel wherever the head dim has one.
+    if (BALANCED_SCHEDULE and mask is not None and d in PERSISTENT_DKDV_HEAD_DIMS
+            and (persistent or ds) and b * k_shape[2] * dkdv[0].numel() > ctas):
+        schedule = _dkdv_schedule(mask.n_noisy, mask.n_clean, mask.block_size, d, b * k_shape[2],
+                                  group, ctas, walk, str(device))
+    args = dict(dkdv_order=dkdv[0], dq_order=dq_tables[0], n_noisy=n_noisy, block_size=block_size,
+                scale=scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1], cu_seqlens=cu_seqlens,
+                persistent_dkdv=persistent, dkdv_schedule=schedule, dkdv_order_chunk=walk[0],
+                dkdv_order_block=walk[1], **ds)
+    return BwdCall(layout, args, ds_elems, stats)
+
+
+def _rows(x, h: int):
+    """A batched (B, H, S) lse or dlse as the packed call's (1, H, B S)."""
+    return None if x is None else x.float().transpose(0, 1).reshape(1, h, -1)
+
+
+def _launch_bwd(ext, call: BwdCall, dout, q, k, v, out, lse, dlse):
+    """Run ``call`` (the Python executor; the extension's run_bwd is the C++ one): dq, dk, dv."""
+    if not cutlass.tma_ready(dout if dout.dim() == 4 else dout[None]):
+        # dout comes from autograd in any layout (an expand, a transpose): one copy makes it
+        # TMA-ready rather than handing the whole backward to Triton. An empty dout (no token) can
+        # keep an expand's zero strides through contiguous().
+        dout = dout.contiguous() if dout.numel() else dout.new_empty(dout.shape)
+    given = (q, k, v)
+    if call.layout == AS_ONE_BATCH:
+        dout, q, k, v, out = (t[None] for t in (dout, q, k, v, out))
+        lse, dlse = lse[None], None if dlse is None else dlse[None]
+    elif call.layout == AS_PACKED:
+        b, s, h, d = q.shape
+        dout, out = (t if t.stride(0) == s * t.stride(1) else t.contiguous() for t in (dout, out))
+        dout, q, k, v, out = (t.view(1, b * s, *t.shape[2:]) for t in (dout, q, k, v, out))
+        lse, dlse = _rows(lse, h), _rows(dlse, h)
+    for key in call.stats:
+        STATS[key] += 1
+    b, s, h, _ = q.shape
+    if b * s * h == 0:
+        # No token (an empty varlen packing; autograd still calls the backward): nothing to
+        # launch, and the zero-size dlse autograd passes is an expand whose strides the
+        # binding's layout checks reject (contiguous() keeps them on an empty tensor).
+        return tuple(torch.empty_like(t) for t in given)
+    lse = lse.float().contiguous()
+    dlse = None if dlse is None else dlse.float().contiguous()
+    dq, dk, dv = new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape)
+    lse2, delta = _scratch(ext, b * h * s, q.device)
+    ds_scratch = (torch.empty(call.ds_elems, dtype=q.dtype, device=q.device) if call.ds_elems
+                  else None)
+    ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, ds_scratch=ds_scratch,
+            **call.args)
+    return tuple(g.view(t.shape) for g, t in zip((dq, dk, dv), given))
+
+
+def _attach(ext, call: BwdCall, q, k, v, out, lse):
+    """(out, lse) of a forward, with ``call`` attached as their C++ autograd node (the backward's
+    STATS are counted here: the node does not come back to Python)."""
+    for key in call.stats:
+        STATS[key] += 1
+    plan = ext.BwdPlan(layout=call.layout, ds_elems=call.ds_elems, poison=base.POISON_OUTPUTS,
+                       **call.args)
+    return ext.attach_bwd(q, k, v, out, lse, plan)
 
 
 class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
@@ -396,15 +504,8 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
                 and all(cutlass.tma_ready(t) for t in tensors))
 
     @staticmethod
-    def _backward_extension(softcap, dout):
-        """(extension or None, dout made TMA-ready). dout comes from autograd in any layout (an
-        expand, a transpose): one copy makes it TMA-ready rather than handing the whole backward
-        to Triton."""
-        ext = _extension() if softcap == 0 else None
-        if ext is not None and not cutlass.tma_ready(dout if dout.dim() == 4 else dout[None]):
-            # An empty dout (no token) can keep an expand's zero strides through contiguous().
-            dout = dout.contiguous() if dout.numel() else dout.new_empty(dout.shape)
-        return ext, dout
+    def _backward_extension(softcap):
+        return _extension() if softcap == 0 else None
 
     def fwd(self, q, k, v, mask, scale, softcap, deterministic):
         ext = _extension() if softcap == 0 else None
@@ -438,103 +539,98 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         STATS["varlen_fwd"] += 1
         return out, lse
 
-    @staticmethod
-    def _run_bwd(ext, dout, q, k, v, out, lse, dlse, n_noisy, block_size, scale, dkdv, dq_tables,
-                 longest_half, cu_seqlens=None, ds=None, mask=None):
-        """The three backward kernels on (B, S, H, D) views; dkdv / dq_tables: (order, sample or
-        None); longest_half: of any sample (the persistent dK/dV rule); ds: _ds_plan's arguments;
-        mask: the batched call's (its persistent dK/dV kernel then walks the balanced schedule)."""
-        b, s, h, _ = q.shape
-        if b * s * h == 0:
-            # No token (an empty varlen packing; autograd still calls the backward): nothing to
-            # launch, and the zero-size dlse autograd passes is an expand whose strides the
-            # binding's layout checks reject (contiguous() keeps them on an empty tensor).
-            return tuple(torch.empty_like(t) for t in (q, k, v))
-        lse = lse.float().contiguous()
-        dlse = None if dlse is None else dlse.float().contiguous()
-        dq, dk, dv = new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape)
-        lse2, delta = _scratch(ext, b * h * s, q.device)
-        d, group = q.shape[-1], q.shape[2] // k.shape[2]
-        persistent = _persistent_dkdv(longest_half, d, group)
-        schedule, ctas = None, _max_ctas(q.device)
-        # The dS backward's dK/dV kernel, batched (packed samples walk the plain order: not measured).
-        walk = _walk(longest_half, d, group) if ds and mask is not None else PLAIN_ORDER
-        # The dS backward runs the persistent dK/dV kernel wherever the head dim has one.
-        if (BALANCED_SCHEDULE and mask is not None and d in PERSISTENT_DKDV_HEAD_DIMS
-                and (persistent or ds) and b * k.shape[2] * dkdv[0].numel() > ctas):
-            schedule = _dkdv_schedule(mask.n_noisy, mask.n_clean, mask.block_size, d, b * k.shape[2],
-                                      group, ctas, walk, str(q.device))
-        ext.bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv[0], dq_tables[0],
-                n_noisy, block_size, scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1],
-                cu_seqlens=cu_seqlens, persistent_dkdv=persistent, dkdv_schedule=schedule,
-                dkdv_order_chunk=walk[0], dkdv_order_block=walk[1], **(ds or {}))
-        return dq, dk, dv
+    # -- the backward: planned from the shapes and the mask, then launched ---------------------
 
-    def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
-        ext, dout = self._backward_extension(softcap, dout)
-        if ext is None or not self._covers(ext, mask, BACKWARD_HEAD_DIMS, q, k, v, dout, out):
-            STATS["bwd_fallback"] += 1
-            return super().bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic)
+    def _plan_bwd(self, ext, q, k, v, mask, scale) -> BwdCall | None:
+        """The batched backward's launch for these inputs (any dout: one copy makes it TMA-ready),
+        or None where it is not the CUTLASS kernels' (Triton's then)."""
+        if not self._covers(ext, mask, BACKWARD_HEAD_DIMS, q, k, v):
+            return None
         ds = _ds_plan(ext, q, mask)
         if not ds:
-            packed = self._bwd_packed(ext, dout, q, k, v, out, lse, dlse, mask, scale)
+            packed = self._plan_packed(ext, q, k, v, mask, scale)
             if packed is not None:
                 return packed
         dkdv_order, dq_order, ds_dq_order = _bwd_tile_orders(mask.n_noisy, mask.n_clean,
                                                              mask.block_size, q.shape[-1],
                                                              str(q.device))
-        if ds:
-            dq_order = ds_dq_order
-        grads = self._run_bwd(ext, dout, q, k, v, out, lse, dlse, mask.n_noisy, mask.block_size,
-                              scale, (dkdv_order, None), (dq_order, None),
-                              max(mask.n_noisy, mask.n_clean), ds=ds, mask=mask)
-        STATS["bwd"] += 1
-        STATS["bwd_ds"] += bool(ds)
-        return grads
+        stats = ("bwd", "bwd_ds") if ds else ("bwd",)
+        return _bwd_call(AS_GIVEN, q.shape, k.shape, q.device, mask.n_noisy, mask.block_size, scale,
+                         (dkdv_order, None), (ds_dq_order if ds else dq_order, None),
+                         max(mask.n_noisy, mask.n_clean), stats, ds=ds, mask=mask)
 
-    def _bwd_packed(self, ext, dout, q, k, v, out, lse, dlse, mask, scale):
+    def _plan_packed(self, ext, q, k, v, mask, scale) -> BwdCall | None:
         """The dS backward of a batched BD3 call whose halves are off the 128 grid, run as the
         packed one over its B samples (equal lengths: the batch viewed as (1, B S, H, D), lse and
         dlse copied to (H, B S), 4 bytes per row and head), or None where that does not apply
         (block-causal masks, tensors whose batch cannot be merged into the rows, the head dim or
         the scratch's bound: the batched two-kernel backward then runs). Session 24: the packed dS
-        backward over 8 halves of 1000 ran 1.13x the batched two-kernel one (H200, bf16, D 128)."""
+        backward over 8 halves of 1000 ran 1.13x the batched two-kernel one (H200, bf16, D 128).
+        dout and out are the backward's own (contiguous) or checked by its caller."""
         b, s, h, d = q.shape
-        tensors = (dout, q, k, v, out)
         # On the 128 grid the batched dS path declined for a reason the packed one shares (its bound).
         if (mask.n_noisy != mask.n_clean or not mask.n_noisy % DS_HALF_MULTIPLE or not b * s
-                or not _ds_block(ext, d) or any(t.stride(0) != s * t.stride(1) for t in tensors)):
+                or not _ds_block(ext, d) or any(t.stride(0) != s * t.stride(1) for t in (q, k, v))):
             return None
         cu = tuple(range(0, b * s + 1, s))
-        q1, k1, v1, dout1, out1 = (x.view(1, b * s, *x.shape[2:]) for x in (q, k, v, dout, out))
-        ds = _ds_plan_varlen(ext, q1, cu, mask.block_size)
+        ds = _ds_plan_varlen(ext, q.view(1, b * s, h, d), cu, mask.block_size)
         if not ds:
             return None
         t = _varlen_tables(cu, mask.block_size, d, str(q.device))
-        rows = lambda x: None if x is None else x.float().transpose(0, 1).reshape(1, h, b * s)
-        grads = self._run_bwd(ext, dout1, q1, k1, v1, out1, rows(lse), rows(dlse), 0, mask.block_size,
-                              scale, t.dkdv, t.ds_dq, t.longest_half, t.cu_seqlens, ds=ds)
-        STATS["bwd"] += 1
-        STATS["bwd_ds"] += 1
-        STATS["bwd_ds_packed"] += 1
-        return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v)))
+        return _bwd_call(AS_PACKED, (1, b * s, h, d), (1, b * s, *k.shape[2:]), q.device, 0,
+                         mask.block_size, scale, t.dkdv, t.ds_dq, t.longest_half,
+                         ("bwd", "bwd_ds", "bwd_ds_packed"), t.cu_seqlens, ds=ds)
+
+    def _plan_varlen_bwd(self, ext, q, k, v, mask, scale) -> BwdCall | None:
+        if not self._covers(ext, None, BACKWARD_HEAD_DIMS, q[None], k[None], v[None]):
+            return None
+        t = _varlen_tables(mask.cu_seqlens, mask.block_size, q.shape[-1], str(q.device))
+        ds = _ds_plan_varlen(ext, q[None], mask.cu_seqlens, mask.block_size)
+        stats = ("varlen_bwd", "varlen_bwd_ds") if ds else ("varlen_bwd",)
+        return _bwd_call(AS_ONE_BATCH, (1, *q.shape), (1, *k.shape), q.device, 0, mask.block_size, scale,
+                         t.dkdv, t.ds_dq if ds else t.dq, t.longest_half, stats, t.cu_seqlens, ds=ds)
+
+    def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
+        ext = self._backward_extension(softcap)
+        call = None if ext is None else self._plan_bwd(ext, q, k, v, mask, scale)
+        if call is None or not cutlass.tma_ready(out):
+            STATS["bwd_fallback"] += 1
+            return super().bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic)
+        return _launch_bwd(ext, call, dout, q, k, v, out, lse, dlse)
 
     def varlen_bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
-        ext, dout = self._backward_extension(softcap, dout)
-        views = [t[None] for t in (q, k, v, dout, out)]
-        if ext is None or not self._covers(ext, None, BACKWARD_HEAD_DIMS, *views):
+        ext = self._backward_extension(softcap)
+        call = None if ext is None else self._plan_varlen_bwd(ext, q, k, v, mask, scale)
+        if call is None or not cutlass.tma_ready(out[None]):
             STATS["varlen_bwd_fallback"] += 1
             return super().varlen_bwd(dout, q, k, v, out, lse, dlse, mask, scale, softcap,
                                       deterministic)
-        t = _varlen_tables(mask.cu_seqlens, mask.block_size, q.shape[-1], str(q.device))
-        q4, k4, v4, dout4, out4 = views
-        ds = _ds_plan_varlen(ext, q4, mask.cu_seqlens, mask.block_size)
-        grads = self._run_bwd(ext, dout4, q4, k4, v4, out4, lse[None],
-                              None if dlse is None else dlse[None], 0, mask.block_size, scale,
-                              t.dkdv, t.ds_dq if ds else t.dq, t.longest_half, t.cu_seqlens, ds=ds)
-        STATS["varlen_bwd"] += 1
-        STATS["varlen_bwd_ds"] += bool(ds)
-        return tuple(g[0] for g in grads)
+        return _launch_bwd(ext, call, dout, q, k, v, out, lse, dlse)
+
+    # -- the eager training step: the backward as a C++ autograd node --------------------------
+
+    def fwd_with_grad(self, q, k, v, mask, scale, softcap, deterministic):
+        """The forward of a call that wants a gradient, its backward attached as a C++ autograd
+        node (the extension's attach_bwd: the planned launch, no Python on the autograd engine's
+        thread; NATIVE_BACKWARD), or None where that does not apply (the caller's Python node)."""
+        ext = self._backward_extension(softcap) if NATIVE_BACKWARD else None
+        if ext is None or not hasattr(ext, "attach_bwd"):
+            return None
+        call = self._plan_bwd(ext, q, k, v, mask, scale)
+        if call is None:
+            return None
+        out, lse = self.fwd(q, k, v, mask, scale, softcap, deterministic)
+        return _attach(ext, call, q, k, v, out, lse)
+
+    def varlen_fwd_with_grad(self, q, k, v, mask, scale, softcap, deterministic):
+        ext = self._backward_extension(softcap) if NATIVE_BACKWARD else None
+        if ext is None or not hasattr(ext, "attach_bwd"):
+            return None
+        call = self._plan_varlen_bwd(ext, q, k, v, mask, scale)
+        if call is None:
+            return None
+        out, lse = self.varlen_fwd(q, k, v, mask, scale, softcap, deterministic)
+        return _attach(ext, call, q, k, v, out, lse)
 
 
 register(CutlassDiffusionBackend())

@@ -128,9 +128,16 @@ def _register_batched(prefix: str, make_mask: Callable[[int, int], SequenceMask]
             return dq, dk, dv, None, None, None, None, None
         return backward
 
+    def native(q, k, v, block_size, softmax_scale, softcap, deterministic, backend):
+        impl = select(_problem(q, k, softcap, deterministic, varlen=False), backend)
+        attach = getattr(impl, "fwd_with_grad", None)
+        return None if attach is None else attach(
+            q, k, v, make_mask(q.shape[1], block_size), _scale(softmax_scale, q), softcap,
+            deterministic)
+
     fwd.register_autograd(backward_with(bwd), setup_context=setup_context)
     # The public function validates first, so its eager way runs the body without the check.
-    return fwd, bwd, EagerOp(prefix, fwd, run, setup_context, backward_with(backward_body))
+    return fwd, bwd, EagerOp(prefix, fwd, run, setup_context, backward_with(backward_body), native)
 
 
 diffusion_attn_fwd, diffusion_attn_bwd, _diffusion_attn = _register_batched(
@@ -258,11 +265,20 @@ def _varlen_backward_with(bwd_call):
     return backward
 
 
+def _varlen_native(q, k, v, cu_seqlens, max_seqlen, block_size, softmax_scale, softcap,
+                   deterministic, backend):
+    impl = select(_problem(q, k, softcap, deterministic, varlen=True), backend)
+    attach = getattr(impl, "varlen_fwd_with_grad", None)
+    return None if attach is None else attach(
+        q, k, v, _varlen_mask(cu_seqlens, q, max_seqlen, block_size), _scale(softmax_scale, q),
+        softcap, deterministic)
+
+
 diffusion_attn_varlen_fwd.register_autograd(_varlen_backward_with(diffusion_attn_varlen_bwd),
                                             setup_context=_varlen_setup_context)
 _diffusion_attn_varlen = EagerOp("diffusion_attn_varlen", diffusion_attn_varlen_fwd,
                                  _varlen_run, _varlen_setup_context,
-                                 _varlen_backward_with(_varlen_backward_body))
+                                 _varlen_backward_with(_varlen_backward_body), _varlen_native)
 
 
 # -- public API --------------------------------------------------------------------------------

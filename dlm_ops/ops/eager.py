@@ -50,13 +50,18 @@ class EagerOp:
     """An op's two ways in: ``op`` (the registered custom op) and its Python body ``forward`` (the
     op's body, or its part after the validation where the public function has validated) with
     ``setup_context`` / ``backward`` (the functions given to ``register_autograd``; the backward
-    must call the backward op's body, not the op, to stay off the dispatcher too). Without a
+    must call the backward op's body, not the op, to stay off the dispatcher too) and, optionally,
+    ``native``: the same forward with a backward the backend runs as a C++ autograd node (on CUDA
+    the autograd engine runs a backward on its device thread, where a Python backward cost the
+    H200's host 0.2-0.4 ms per step: backends/cutlass_diffusion.py NATIVE_BACKWARD). Without a
     ``backward`` only calls that want no gradient run the body (inference-only ops, and ops whose
     backward is itself differentiable, which once_differentiable would cut)."""
 
     def __init__(self, name: str, op, forward: Callable, setup_context: Callable | None = None,
-                 backward: Callable | None = None):
-        self.op, self.forward, self.function = op, forward, None
+                 backward: Callable | None = None, native: Callable | None = None):
+        # native(*args): the forward with its backward attached as a C++ autograd node, or None
+        # where the backend has none for this call (the Python node then).
+        self.op, self.forward, self.function, self.native = op, forward, None, native
         if backward is None:  # calls that want a gradient take the op
             return
 
@@ -80,5 +85,8 @@ class EagerOp:
         if not plain_eager(tensors):
             return self.op(*args)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-            return self.op(*args) if self.function is None else self.function.apply(*args)
+            if self.function is None:
+                return self.op(*args)
+            output = None if self.native is None else self.native(*args)
+            return self.function.apply(*args) if output is None else output
         return self.forward(*args)
