@@ -9,6 +9,8 @@ two causal halves of n), which is why they are the yardstick.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
@@ -81,24 +83,32 @@ def ours(case: Case, backend: str | None = None):
                                                               backend=backend), (q, k, v))
 
 
-def ours_python_node(case: Case):
-    """``ours`` with the backward as the Python autograd node (cutlass_diffusion.NATIVE_BACKWARD
-    off), as before session 36: the C++ node's A/B in one process."""
+@contextlib.contextmanager
+def python_node_backward():
+    """Within: the backward as the Python autograd node (cutlass_diffusion.NATIVE_BACKWARD off),
+    as before session 36."""
     from dlm_ops.backends import cutlass_diffusion
 
-    def python_node(f):
+    before, cutlass_diffusion.NATIVE_BACKWARD = cutlass_diffusion.NATIVE_BACKWARD, False
+    try:
+        yield
+    finally:
+        cutlass_diffusion.NATIVE_BACKWARD = before
+
+
+def python_node(modes):
+    """``modes`` (a contender's) run with the Python autograd node: the C++ node's A/B in one
+    process."""
+    def off(f):
         if f is None:
             return None
 
         def g():
-            cutlass_diffusion.NATIVE_BACKWARD = False
-            try:
+            with python_node_backward():
                 return f()
-            finally:
-                cutlass_diffusion.NATIVE_BACKWARD = True
         return g
 
-    return {mode: (python_node(setup), python_node(fn)) for mode, (setup, fn) in ours(case).items()}
+    return {mode: (off(setup), off(fn)) for mode, (setup, fn) in modes.items()}
 
 
 def causal_halves(case: Case, sdp_backend: SDPBackend):
@@ -264,6 +274,7 @@ VARLEN_CONTENDERS = {
     "dlm_ops triton": lambda c: ours_varlen(c, "triton"),
     "dlm_ops cutlass": lambda c: ours_varlen(c, "cutlass"),
     "dlm_ops batched": lambda c: ours(_batched(c)),
+    "dlm_ops python node": lambda c: python_node(ours_varlen(c)),
     "cudnn causal halves": lambda c: causal_halves(_batched(c), SDPBackend.CUDNN_ATTENTION),
 }
 
@@ -281,7 +292,7 @@ CONTENDERS = {
     # CUTLASS backward at D=64/128; Triton elsewhere); the other two force one backend.
     "dlm_ops triton": lambda c: ours(c, "triton"),
     "dlm_ops cutlass": lambda c: ours(c, "cutlass"),  # forced: both sm90 kernels where they cover
-    "dlm_ops python node": ours_python_node,
+    "dlm_ops python node": lambda c: python_node(ours(c)),
     "cudnn causal halves": lambda c: causal_halves(c, SDPBackend.CUDNN_ATTENTION),
     "flash causal halves": lambda c: causal_halves(c, SDPBackend.FLASH_ATTENTION),
     "flex BD3": flex,

@@ -32,6 +32,7 @@ import dlm_ops
 import dlm_ops.ops.diffusion
 
 from . import host_path
+from .contenders import python_node_backward
 
 
 def per_call(f, calls: int) -> tuple[float, float, float, float]:
@@ -190,13 +191,8 @@ def _single_threaded(f):
 
 def _python_node(f):
     """f() with the backward as the Python autograd node (cutlass_diffusion.NATIVE_BACKWARD off)."""
-    from dlm_ops.backends import cutlass_diffusion
-
-    cutlass_diffusion.NATIVE_BACKWARD = False
-    try:
+    with python_node_backward():
         return f()
-    finally:
-        cutlass_diffusion.NATIVE_BACKWARD = True
 
 
 def step_nodes(q, k, v, n: int, calls: int) -> None:

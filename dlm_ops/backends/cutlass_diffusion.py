@@ -377,8 +377,9 @@ def _scratch(ext, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 # The backward's launch is planned from the shapes and the mask alone (BwdCall) and launched by
 # one of two executors that allocate the same tensors and make the same ext.bwd call: _launch_bwd
 # here (the backward op's body, the Python autograd node) and the extension's run_bwd (C++, the
-# autograd node attach_bwd makes; csrc/bindings/diffusion_autograd_sm90.cpp). tests/test_gpu.py
-# holds them to bitwise equal gradients on every layout.
+# autograd node attach_bwd makes; csrc/bindings/diffusion_autograd_sm90.cpp).
+# tests/test_native_backward.py holds them to bitwise equal gradients on every layout, and
+# test_cutlass_dispatch.py the node's plan to the Python launch's arguments.
 AS_GIVEN, AS_PACKED, AS_ONE_BATCH = 0, 1, 2  # BwdCall.layout: ext.bwd sees the tensors as given,
 # as one packed batch (1, B S, H, D), or packed samples' (total, H, D) as (1, total, H, D)
 
@@ -505,6 +506,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
 
     @staticmethod
     def _backward_extension(softcap):
+        """The extension for a backward, or None (a softcap: Triton's)."""
         return _extension() if softcap == 0 else None
 
     def fwd(self, q, k, v, mask, scale, softcap, deterministic):
@@ -566,7 +568,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         (block-causal masks, tensors whose batch cannot be merged into the rows, the head dim or
         the scratch's bound: the batched two-kernel backward then runs). Session 24: the packed dS
         backward over 8 halves of 1000 ran 1.13x the batched two-kernel one (H200, bf16, D 128).
-        dout and out are the backward's own (contiguous) or checked by its caller."""
+        A dout or out whose batch cannot be merged is copied by the executor."""
         b, s, h, d = q.shape
         # On the 128 grid the batched dS path declined for a reason the packed one shares (its bound).
         if (mask.n_noisy != mask.n_clean or not mask.n_noisy % DS_HALF_MULTIPLE or not b * s
@@ -613,23 +615,20 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         """The forward of a call that wants a gradient, its backward attached as a C++ autograd
         node (the extension's attach_bwd: the planned launch, no Python on the autograd engine's
         thread; NATIVE_BACKWARD), or None where that does not apply (the caller's Python node)."""
-        ext = self._backward_extension(softcap) if NATIVE_BACKWARD else None
-        if ext is None or not hasattr(ext, "attach_bwd"):
-            return None
-        call = self._plan_bwd(ext, q, k, v, mask, scale)
-        if call is None:
-            return None
-        out, lse = self.fwd(q, k, v, mask, scale, softcap, deterministic)
-        return _attach(ext, call, q, k, v, out, lse)
+        return self._with_node(self._plan_bwd, self.fwd, q, k, v, mask, scale, softcap,
+                               deterministic)
 
     def varlen_fwd_with_grad(self, q, k, v, mask, scale, softcap, deterministic):
+        return self._with_node(self._plan_varlen_bwd, self.varlen_fwd, q, k, v, mask, scale,
+                               softcap, deterministic)
+
+    def _with_node(self, plan, forward, q, k, v, mask, scale, softcap, deterministic):
         ext = self._backward_extension(softcap) if NATIVE_BACKWARD else None
-        if ext is None or not hasattr(ext, "attach_bwd"):
-            return None
-        call = self._plan_varlen_bwd(ext, q, k, v, mask, scale)
+        call = None if ext is None or not hasattr(ext, "attach_bwd") else plan(ext, q, k, v, mask,
+                                                                                scale)
         if call is None:
             return None
-        out, lse = self.varlen_fwd(q, k, v, mask, scale, softcap, deterministic)
+        out, lse = forward(q, k, v, mask, scale, softcap, deterministic)
         return _attach(ext, call, q, k, v, out, lse)
 
 
