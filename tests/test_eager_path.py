@@ -284,3 +284,36 @@ def test_gpu_eager_way_is_bitwise_the_op(case):
     direct = _grads(call, (q, k, v), use_lse=True)
     for a, b in zip(through_op, direct):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["diffusion", "block_causal", "varlen"])
+def test_a_backend_node_is_asked_for_plain_eager_calls_with_grad(monkeypatch, name):
+    """A backend with fwd_with_grad (the cutlass one: its backward as a C++ autograd node) is asked
+    for exactly the calls that would take the Python node, and its answer is the call's result;
+    None keeps the Python node. Calls without a gradient and calls through the op never ask."""
+    from dlm_ops.backends import REGISTRIES
+
+    torch_backend = REGISTRIES["diffusion"]["torch"]
+    attr = "varlen_fwd_with_grad" if name == "varlen" else "fwd_with_grad"
+    asked, answer = [], {}
+
+    def fwd_with_grad(q, k, v, mask, scale, softcap, deterministic):
+        asked.append((tuple(q.shape), mask, scale, softcap, deterministic))
+        return answer.get("out")
+
+    monkeypatch.setattr(torch_backend, attr, fwd_with_grad, raising=False)
+    q, k, v = (t.requires_grad_()
+               for t in make_qkv((1, 20, 4, 16), (1, 20, 2, 16), torch.float32, 0))
+    out = CALLS[name](q, k, v, softcap=0.5, deterministic=True)
+    assert len(asked) == 1 and asked[0][3:] == (0.5, True) and out.grad_fn is not None
+    assert "eager" in out.grad_fn.name()  # None: the Python node
+    with torch.no_grad():
+        CALLS[name](q, k, v)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(eager, "plain_eager", lambda tensors: False)
+        CALLS[name](q, k, v)
+    assert len(asked) == 1
+    marker = (torch.zeros(1), torch.zeros(1))
+    answer["out"] = marker
+    out, lse = CALLS[name](q, k, v, return_lse=True)
+    assert out is marker[0] and lse is marker[1]
