@@ -289,6 +289,34 @@ def order_schedule(plans: Sequence[TilePlan], order: Sequence[int], slots: int, 
     return balanced_schedule([area[e] for e, _ in work_order(len(order), slots, chunk, block)], ctas)
 
 
+def varlen_walk(samples: Sequence[int], slots: int, block: int) -> list[int]:
+    """Packed samples' work indices (``entry * slots + slot``, entry ``e`` a tile of sample
+    ``samples[e]``, entries most expensive first over all samples) in the order a balanced schedule
+    hands them out (the header's ``varlen_walk``). ``block`` 0: the plain order. ``block`` >= 1: the
+    batched slot-major walk (chunk 1, ``block`` entries) with (sample, slot) pairs as its slots:
+    round r lists, sample by sample and slot by slot, the items of the sample's own entries ``[r
+    block, r block + block)``, so that the CTAs running side by side share one (sample, head)'s
+    re-read data in L2."""
+    if slots < 1 or block < 0:
+        raise ValueError(f"varlen_walk: slots >= 1 and block >= 0, got {slots}, {block}")
+    if block == 0:
+        return list(range(len(samples) * slots))
+    own: dict[int, list[int]] = {}
+    for e, i in enumerate(samples):
+        own.setdefault(i, []).append(e)
+    lists = [own[i] for i in sorted(own)]
+    longest = max((len(x) for x in lists), default=0)
+    return [e * slots + slot for first in range(0, longest, block) for x in lists for slot in range(slots)
+            for e in x[first:first + block]]
+
+
+def walk_schedule(walk: Sequence[int], costs: Sequence[int], ctas: int) -> list[int]:
+    """``balanced_schedule`` of work handed out in the order ``walk`` (``costs[i]`` is ``walk[i]``'s):
+    the CTAs' lists hold work indices, each CTA's in walk order (the header's ``walk_schedule``)."""
+    out = balanced_schedule(costs, ctas)
+    return out[:ctas + 1] + [walk[i] for i in out[ctas + 1:]]
+
+
 @dataclass(frozen=True)
 class VarlenMask:
     """Packed samples: sample i occupies ``[cu_seqlens[i], cu_seqlens[i+1])``, an even length

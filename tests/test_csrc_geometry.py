@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dlm_ops.backends.cutlass import csrc_dir
 from dlm_ops.geometry import (SequenceMask, VarlenMask, Visit, balanced_schedule, most_expensive_first,
-                              order_schedule, work_order)
+                              order_schedule, varlen_walk, walk_schedule, work_order)
 
 I32, I64 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int64)
 _INT = ctypes.c_int
@@ -31,6 +31,8 @@ SIGNATURES = {
     "dlm_part_runs": [_INT, _INT, _INT, _INT, _INT, _INT, _INT, ctypes.POINTER(ctypes.c_int), I32],
     "dlm_balanced_schedule": [I64, _INT, _INT, I32],
     "dlm_order_schedule": [_INT, _INT, _INT, _INT, _INT, _INT, I32, _INT, _INT, _INT, _INT, _INT, _INT, I32],
+    "dlm_varlen_walk": [I32, _INT, _INT, _INT, _INT, I32],
+    "dlm_walk_schedule": [I32, I64, _INT, _INT, I32],
 }
 
 
@@ -313,6 +315,50 @@ def test_order_schedule_costs_each_item_by_its_entry():
     slot_major = [plans[order[e]].area + fixed for e, _ in walk]
     assert sorted(slot_major) == sorted(plain) and slot_major != plain
     assert order_schedule(plans, order, slots, 1, ctas, 128, 128, 1, 4) == balanced_schedule(slot_major, ctas)
+
+
+@given(st.lists(st.integers(0, 5), max_size=60), st.integers(1, 4), st.integers(0, 7), st.integers(1, 9),
+       st.data())
+def test_varlen_walk_and_its_schedule_header_equal_python(lib, samples, slots, block, ctas, data):
+    """dlm/geometry.h varlen_walk / walk_schedule = geometry's, on entries of up to 6 samples in any
+    order (some empty); the walk lists every work index once, keeps each (sample, slot)'s entries in
+    their order, and its schedule gives each CTA its items in walk order."""
+    entries, count = len(samples), len(samples) * slots
+    sample_t = torch.tensor(samples + [0], dtype=torch.int32)  # held: _p does not keep the tensor alive
+    out = torch.empty((count + 1,), dtype=torch.int32)
+    _call(lib.dlm_varlen_walk, _p(sample_t), entries, 6, slots, block, _p(out))
+    walk = out[:count].tolist()
+    assert walk == varlen_walk(samples, slots, block)
+    assert sorted(walk) == list(range(count))
+    for i in set(samples):
+        for slot in range(slots):
+            mine = [w // slots for w in walk if w % slots == slot and samples[w // slots] == i]
+            assert mine == [e for e in range(entries) if samples[e] == i]
+    costs = data.draw(st.lists(st.integers(0, 1000), min_size=count, max_size=count))
+    walk_t = torch.tensor(walk + [0], dtype=torch.int32)
+    cost_t = torch.tensor(costs + [0], dtype=torch.int64)
+    sched = torch.empty((ctas + 1 + count,), dtype=torch.int32)
+    _call(lib.dlm_walk_schedule, _p(walk_t), _p(cost_t), count, ctas, _p(sched))
+    got = sched.tolist()
+    assert got == walk_schedule(walk, costs, ctas)
+    position = {w: i for i, w in enumerate(walk)}
+    for items in _walks(got, ctas):
+        assert [position[w] for w in items] == sorted(position[w] for w in items)
+    assert sorted(w for items in _walks(got, ctas) for w in items) == list(range(count))
+
+
+@pytest.mark.parametrize("n,block_size,batch,heads,block", [(512, 16, 4, 3, 2), (1024, 4, 8, 2, 4), (256, 7, 3, 5, 1)])
+def test_varlen_walk_of_equal_samples_is_the_batched_slot_major_walk(n, block_size, batch, heads, block):
+    """Packed samples of equal length walk their (tile, sample, head) items as the batched
+    slot-major WorkOrder (chunk 1, `block` entries) walks its (tile, b, head) ones."""
+    plans = SequenceMask(n, n, block_size).bwd_tiles(64, 128)
+    order = most_expensive_first([p.area for p in plans])
+    entries = [(t, i) for i in range(batch) for t in range(len(plans))]  # the bindings' varlen_entries
+    by_cost = most_expensive_first([plans[t].area for t, _ in entries])
+    tile, sample = zip(*[entries[e] for e in by_cost])
+    packed = [(tile[w // heads], sample[w // heads], w % heads) for w in varlen_walk(sample, heads, block)]
+    batched = [(order[e], slot // heads, slot % heads) for e, slot in work_order(len(order), batch * heads, 1, block)]
+    assert packed == batched
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dkdv"])

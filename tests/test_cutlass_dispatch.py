@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from dlm_ops.backends import cutlass_diffusion as cd
 from dlm_ops.backends.triton_backend import TritonBackend
-from dlm_ops.geometry import SequenceMask, VarlenMask, most_expensive_first, order_schedule
+from dlm_ops.geometry import (SCHEDULE_ITEM_HALF_TILES, SequenceMask, VarlenMask, most_expensive_first,
+                              order_schedule, varlen_walk, walk_schedule)
 
 
 def _order(plans):
@@ -88,6 +89,15 @@ class FakeExtension:
         chunk, block = (None, 1) if order_chunk == 0 else (order_chunk, order_block)
         return _i32(order_schedule(plans, _order(plans), slots, group, ctas, bm, bn, chunk, block))
 
+    def varlen_dkdv_schedule(self, cu, bs, d, slots, group, ctas, order_block=0):
+        bm, bn = 128 if d == 64 else 64, 64 if d > 128 else 128
+        samples = [m.bwd_tiles(bm, bn) for _, m in VarlenMask(tuple(cu), bs).samples]
+        tile, sample = entries(cu, bs, lambda m: m.bwd_tiles(bm, bn))
+        walk = varlen_walk(sample, slots, order_block)
+        fixed = SCHEDULE_ITEM_HALF_TILES * bm * bn // 2
+        costs = [group * samples[sample[w // slots]][tile[w // slots]].area + fixed for w in walk]
+        return _i32(walk_schedule(walk, costs, ctas))
+
     def fwd(self, q, k, v, out, lse, order, n_noisy, block_size, scale, max_ctas, tile_sample=None,
             cu_seqlens=None, order_chunk=0, order_block=0, narrow_diag=False):
         self.calls.append(("fwd", dict(q=q, out=out, lse=lse, order=order, n_noisy=n_noisy,
@@ -125,7 +135,7 @@ def fake(monkeypatch):
     for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd"):
         monkeypatch.setattr(TritonBackend, name, lambda self, *a, _n=name: ("triton", _n))
     caches = (cd._tile_order, cd._bwd_tile_orders, cd._varlen_tables, cd._varlen_ds_slots,
-              cd._dkdv_schedule)
+              cd._dkdv_schedule, cd._varlen_dkdv_schedule)
     for cached in caches:
         cached.cache_clear()
     monkeypatch.setattr(cd, "STATS", dict.fromkeys(cd.STATS, 0))
@@ -555,6 +565,40 @@ def test_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced
         assert bwd["dkdv_schedule"] is None
     if balanced and (b, nn, d) in ((8, 1024, 128), (4, 1024, 64)):  # the cases it is for: built
         assert bwd["dkdv_schedule"] is not None
+
+
+@pytest.mark.parametrize("balanced", [True, False])
+@pytest.mark.parametrize("halves,h,hkv,d,ds,block", [
+    ([512] * 8, 4, 4, 128, True, 4),            # the dS backward, short halves: slot-major by sample
+    ([512, 100, 0, 700, 300, 512], 4, 4, 128, True, 4),
+    ([2048, 2048], 4, 4, 128, True, 0),          # long halves: the plain order
+    ([512] * 8, 16, 4, 128, True, 0),            # GQA: the plain order
+    ([512] * 8, 4, 4, 64, False, 0),             # D = 64: persistent without dS, the plain order
+    ([128, 64], 2, 2, 128, True, None),          # fewer items than CTAs: the snake
+    ([512] * 8, 4, 4, 256, True, None),          # D = 256: no persistent dK/dV kernel
+])
+def test_packed_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced, halves, h, hkv, d,
+                                                            ds, block):
+    """Packed backwards hand the persistent dK/dV kernel the balanced schedule of their work on the
+    SM count's grid (geometry.varlen_walk / walk_schedule; `block` entries per round, 0 the plain
+    order) when it has more items than CTAs, and the kernel decodes the plain order; BALANCED_SCHEDULE
+    False, few items or no persistent kernel: none (the snake)."""
+    ext = DsExtension()
+    monkeypatch.setattr(cd, "_EXT", ext)
+    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    monkeypatch.setattr(cd, "BALANCED_SCHEDULE", balanced)
+    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", cd.DS_SCRATCH_MAX_BYTES if ds else 0)
+    q, k, v, mask = _packed(halves, h, hkv, d)
+    backend = cd.CutlassDiffusionBackend()
+    out, lse = backend.varlen_fwd(q, k, v, mask, 0.125, 0.0, False)
+    backend.varlen_bwd(torch.randn_like(q), q, k, v, out, lse, None, mask, 0.125, 0.0, False)
+    bwd = dict(ext.calls)["bwd"]
+    assert bwd["dkdv_walk"] == cd.PLAIN_ORDER and (bwd["ds_scratch"] is not None) == ds
+    if balanced and block is not None:
+        want = ext.varlen_dkdv_schedule(list(mask.cu_seqlens), 16, d, hkv, h // hkv, 132, block)
+        assert torch.equal(bwd["dkdv_schedule"], want)
+    else:
+        assert bwd["dkdv_schedule"] is None
 
 
 @pytest.mark.parametrize("b,nn,h,hkv,d,bs,narrow", [

@@ -536,6 +536,42 @@ def test_cutlass_balanced_schedule_is_bitwise_the_snake(monkeypatch, d, heads):
 
 
 @_SM90
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", [(16, 16), (16, 4)])
+def test_cutlass_packed_balanced_schedule_is_bitwise_the_snake(monkeypatch, d, heads):
+    """Packed samples' balanced schedule (cutlass_diffusion._varlen_dkdv_schedule), in the plain
+    order and slot-major by sample, hands the persistent dK/dV kernel's items to other CTAs, never
+    with other arithmetic: the gradients bitwise equal to the snake's, on a packing of unequal and
+    odd samples (a zero-length one among them) with more work items than SMs."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    h, hkv = heads
+    halves = [1024, 1024, 0, 700, 333, 1024]
+    cu = torch.tensor([0] + [2 * sum(halves[:i + 1]) for i in range(len(halves))], device="cuda",
+                      dtype=torch.int32)
+    q, k, v = (t[0] for t in _qkv(1, int(cu[-1]), h, hkv, d, torch.bfloat16, seed=13))
+    dout = torch.randn_like(q)
+
+    def grads(balanced, walk):
+        monkeypatch.setattr(cd, "BALANCED_SCHEDULE", balanced)
+        monkeypatch.setattr(cd, "_walk", lambda longest_half, head_dim, group: walk)
+        cd._varlen_dkdv_schedule.cache_clear()
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        before = cd.STATS["varlen_bwd"]
+        g = torch.autograd.grad(dlm_ops.diffusion_attn_varlen_func(*x, cu, 2048, 16), x, dout)
+        assert cd.STATS["varlen_bwd"] == before + 1  # CUTLASS ran
+        return g, cd._varlen_dkdv_schedule.cache_info().currsize
+
+    snake, none = grads(False, cd.PLAIN_ORDER)
+    assert none == 0
+    for walk in (cd.PLAIN_ORDER, cd.SHORT_HALF_ORDER):
+        balanced, built = grads(True, walk)
+        assert built == 1
+        for name, a, b in zip(("dq", "dk", "dv"), balanced, snake):
+            assert torch.equal(a, b), (walk, name)
+
+
+@_SM90
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("heads", [(8, 8), (16, 4)])
 def test_cutlass_slot_major_walk_is_bitwise_the_plain_order(monkeypatch, heads, d):

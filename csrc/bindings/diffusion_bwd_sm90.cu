@@ -61,6 +61,38 @@ torch::Tensor dkdv_schedule(int64_t n_noisy, int64_t n_clean, int64_t block_size
                                        static_cast<int>(group), static_cast<int>(ctas));
 }
 
+// The balanced schedule of the persistent dK/dV kernel's packed work (varlen_bwd_tile_orders' first
+// entries x `slots` = Hkv, each item walking `group` query heads; work index e * slots + slot, the
+// plain order the kStartVarlen kernel decodes) on `ctas` CTAs (the SM count, fewer than the items),
+// handed out in dlm/geometry.h varlen_walk's order of `order_block` entries per round (0: the plain
+// order), costed as order_schedule costs the batched work. A CPU int32 tensor.
+torch::Tensor varlen_dkdv_schedule(std::vector<int64_t> cu_seqlens, int64_t block_size, int64_t head_dim,
+                                   int64_t slots, int64_t group, int64_t ctas, int64_t order_block) {
+  TORCH_CHECK(slots >= 1 && group >= 1 && ctas >= 1 && order_block >= 0 && order_block < INT32_MAX,
+              "varlen_dkdv_schedule: slots, group, ctas >= 1 and order_block >= 0");
+  const int d = static_cast<int>(head_dim), bm = bwd_block_m(d), bn = bwd_block_n(d);
+  const auto plans_of = [bm, bn](const dlm::SequenceMask& m) { return m.bwd_tiles(bm, bn); };
+  const auto entries = dlm_bindings::varlen_entries(cu_seqlens, block_size, plans_of);
+  const int count = static_cast<int>(entries[0].numel());
+  TORCH_CHECK(count * slots < INT32_MAX, "varlen_dkdv_schedule: fewer than 2^31 work items");
+  const std::vector<int32_t> cu(cu_seqlens.begin(), cu_seqlens.end());
+  const dlm::VarlenMask mask{cu.data(), static_cast<int>(cu.size()) - 1, static_cast<int>(block_size)};
+  const int32_t* tile = entries[0].data_ptr<int32_t>();
+  const int32_t* sample = entries[1].data_ptr<int32_t>();
+  const std::vector<int32_t> walk =
+      dlm::varlen_walk(sample, count, mask.num_samples, static_cast<int>(slots), static_cast<int>(order_block));
+  const int64_t fixed = int64_t{dlm::kScheduleItemHalfTiles} * bm * bn / 2;
+  std::vector<int64_t> cost(walk.size());
+  for (size_t i = 0; i < walk.size(); ++i) {
+    const int e = walk[i] / static_cast<int>(slots);
+    cost[i] = group * plans_of(mask.sample(sample[e])).area(tile[e]) + fixed;
+  }
+  const std::vector<int32_t> sched = dlm::walk_schedule(walk, cost.data(), static_cast<int>(ctas));
+  auto out = torch::empty({static_cast<int64_t>(sched.size())}, torch::dtype(torch::kInt32));
+  std::copy(sched.begin(), sched.end(), out.data_ptr<int32_t>());
+  return out;
+}
+
 // Elements per dS^T block of the dS backward (64 queries x the dK/dV kernel's key tile), 0 for a head
 // dim the path does not cover.
 int64_t ds_block(int64_t head_dim) {
@@ -147,9 +179,10 @@ struct LaunchBwd {
 // of q's dtype with at least (1 + B * H * ds_visits) * ds_block(D) elements; batched, ds_slots the
 // (S / 64) x (S / key tile) int32 slot table and dq_order the third of bwd_tile_orders; packed
 // samples, ds_slots / ds_rows / ds_visits / ds_k_tiles from varlen_ds_slots and dq_order / dq_sample
-// its fifth and sixth of varlen_bwd_tile_orders. dkdv_schedule (batched):
-// dkdv_schedule's for this call's B * Hkv slots on min(SM count, items) CTAs, on the device, walked
-// where the dK/dV kernel that runs is the persistent one (ignored otherwise); none: the snake.
+// its fifth and sixth of varlen_bwd_tile_orders. dkdv_schedule: dkdv_schedule's (batched) or
+// varlen_dkdv_schedule's (packed samples) for this call's B * Hkv slots on min(SM count, items)
+// CTAs, on the device, walked where the dK/dV kernel that runs is the persistent one (ignored
+// otherwise); none: the snake.
 // dkdv_order_chunk / dkdv_order_block (the dS backward's dK/dV kernel only; others walk the plain
 // order): its work_order arguments, chunk 0 the plain order; a dkdv_schedule must be built for the
 // same two.
@@ -271,7 +304,7 @@ void diffusion_bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::
     TORCH_CHECK(items < INT32_MAX, "dkdv_schedule: fewer than 2^31 work items");
     int ctas = static_cast<int>(items);  // the persistent launch's grid: min(items, SM count)
     C10_CUDA_CHECK(dlm::sm90::cap_at_sm_count(ctas));
-    TORCH_CHECK(!varlen && ctas < items, "dkdv_schedule: batched calls with more work items than SMs");
+    TORCH_CHECK(ctas < items, "dkdv_schedule: calls with more work items than SMs");
     dlm_bindings::check_schedule(*dkdv_schedule, dev, ctas, items);
     a.dkdv_schedule = dkdv_schedule->data_ptr<int32_t>();
   }
@@ -291,6 +324,9 @@ void add_bwd(pybind11::module_& m) {
   m.def("dkdv_schedule", &dkdv_schedule, pybind11::arg("n_noisy"), pybind11::arg("n_clean"),
         pybind11::arg("block_size"), pybind11::arg("head_dim"), pybind11::arg("slots"),
         pybind11::arg("group"), pybind11::arg("ctas"), pybind11::arg("order_chunk") = 0,
+        pybind11::arg("order_block") = 0);
+  m.def("varlen_dkdv_schedule", &varlen_dkdv_schedule, pybind11::arg("cu_seqlens"), pybind11::arg("block_size"),
+        pybind11::arg("head_dim"), pybind11::arg("slots"), pybind11::arg("group"), pybind11::arg("ctas"),
         pybind11::arg("order_block") = 0);
   m.def("bwd", &diffusion_bwd, pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
         pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("dlse"), pybind11::arg("dq"),

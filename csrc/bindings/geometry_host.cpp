@@ -180,4 +180,22 @@ int dlm_order_schedule(int nn, int nc, int bs, int block_m, int block_n, int tra
   return 0;
 }
 
+// out (entries * slots int32): varlen_walk of entries of samples sample[] (each in [0, num_samples)).
+int dlm_varlen_walk(const int32_t* sample, int entries, int num_samples, int slots, int block, int32_t* out) {
+  if (entries < 0 || num_samples < 0 || slots < 1 || block < 0) return -1;
+  for (int e = 0; e < entries; ++e)
+    if (sample[e] < 0 || sample[e] >= num_samples) return -1;
+  const std::vector<int32_t> walk = dlm::varlen_walk(sample, entries, num_samples, slots, block);
+  std::copy(walk.begin(), walk.end(), out);
+  return 0;
+}
+
+// out (ctas + 1 + count int32): walk_schedule of the count work indices `walk` costing cost[].
+int dlm_walk_schedule(const int32_t* walk, const int64_t* cost, int count, int ctas, int32_t* out) {
+  if (count < 0 || ctas < 1) return -1;
+  const std::vector<int32_t> sched = dlm::walk_schedule(std::vector<int32_t>(walk, walk + count), cost, ctas);
+  std::copy(sched.begin(), sched.end(), out);
+  return 0;
+}
+
 }  // extern "C"

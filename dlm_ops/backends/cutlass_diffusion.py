@@ -177,6 +177,21 @@ def _dkdv_schedule(n_noisy: int, n_clean: int, block_size: int, head_dim: int, s
     return _EXT.dkdv_schedule(n_noisy, n_clean, block_size, head_dim, slots, group, ctas, *walk).to(device)
 
 
+# Packed samples' persistent dK/dV kernel walks a balanced schedule too (dlm/geometry.h
+# varlen_walk / walk_schedule), handed out slot-major by (sample, head) where a batched call of
+# those halves would walk slot-major (_walk), in the plain order otherwise; the kernel decodes the
+# plain order either way. Until session 37 packings walked the snake over the plain order: ncu read
+# the dK/dV kernel's DRAM traffic at 8 x 1K 792 MB packed against 430 MB batched. Session 37
+# (benchmarks.packed_bwd_kernels, H200, bf16, D = 128, 16K tokens): the kernel 1.138 -> 1.108x the
+# batched one's time at 8 x 1K, 1.145 -> 1.121x at 2 x 4K (the plain order's schedule 1.121 /
+# 1.123x), a mixed packing of 9 samples 1.005x the snake (level); gradients bitwise the snake's.
+@lru_cache(maxsize=64)
+def _varlen_dkdv_schedule(cu_seqlens: tuple[int, ...], block_size: int, head_dim: int, slots: int, group: int,
+                          ctas: int, block: int, device: str) -> torch.Tensor:
+    return _EXT.varlen_dkdv_schedule(list(cu_seqlens), block_size, head_dim, slots, group, ctas,
+                                     block).to(device)
+
+
 # Short halves walk their batched work slot-major: WorkOrder chunk 1, blocks of 4 entries (hopper/
 # common.cuh work_order; (chunk, block), (0, 0) the plain entry-major order), so that the CTAs
 # running side by side work on one (batch, head) slot's 4 dearest tiles and share its K / V (the
@@ -365,7 +380,7 @@ def _ds_plan_varlen(ext, q: torch.Tensor, cu_seqlens: tuple[int, ...], block_siz
 def _scratch(ext, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """lse2 and delta for the backward, one allocation: ``rows`` floats each plus the
     ``ext.scratch_pad`` floats the odd-length / varlen dK/dV kernel reads past the end (its lse2 /
-    delta bulk copies start at the aligned float at or before a tile's first row), which the
+    delta TMA boxes span a tile's BM rows from its first row), which the
     preprocess kernel zeroes so that masked queries keep dS = 0 (a fill here was one more launch
     per backward: session 20, the step at n = 1K is near host-bound); each starts 16-byte aligned
     (width a multiple of 4)."""
@@ -405,24 +420,31 @@ class BwdCall(NamedTuple):
 
 
 def _bwd_call(layout, q_shape, k_shape, device, n_noisy, block_size, scale, dkdv, dq_tables,
-              longest_half, stats, cu_seqlens=None, ds=None, mask=None) -> BwdCall:
+              longest_half, stats, cu_seqlens=None, ds=None, mask=None, packing=None) -> BwdCall:
     """The launch of the three backward kernels on (B, S, H, D) views of shapes q_shape / k_shape;
     dkdv / dq_tables: (order, sample or None); longest_half: of any sample (the persistent dK/dV
-    rule); ds: _ds_plan's arguments; mask: the batched call's (its persistent dK/dV kernel then
-    walks the balanced schedule)."""
+    rule); ds: _ds_plan's arguments; mask: the batched call's, or packing: the packed call's host
+    cu_seqlens (its persistent dK/dV kernel then walks the balanced schedule)."""
     ds = dict(ds or {})
     ds_elems = ds.pop("ds_elems", 0)
     b, _, _, d = q_shape
     group = q_shape[2] // k_shape[2]
     persistent = _persistent_dkdv(longest_half, d, group)
     schedule, ctas = None, _max_ctas(device)
-    # The dS backward's dK/dV kernel, batched (packed samples walk the plain order: not measured).
-    walk = _walk(longest_half, d, group) if ds and mask is not None else PLAIN_ORDER
+    # The dS backward's dK/dV kernel: batched calls decode the walk, packed ones the plain order
+    # (their schedule walks by samples, _varlen_dkdv_schedule).
+    walk = _walk(longest_half, d, group) if ds else PLAIN_ORDER
     # The dS backward runs the persistent dK/dV kernel wherever the head dim has one.
-    if (BALANCED_SCHEDULE and mask is not None and d in PERSISTENT_DKDV_HEAD_DIMS
-            and (persistent or ds) and b * k_shape[2] * dkdv[0].numel() > ctas):
-        schedule = _dkdv_schedule(mask.n_noisy, mask.n_clean, mask.block_size, d, b * k_shape[2],
-                                  group, ctas, walk, str(device))
+    if (BALANCED_SCHEDULE and d in PERSISTENT_DKDV_HEAD_DIMS and (persistent or ds)
+            and b * k_shape[2] * dkdv[0].numel() > ctas):
+        if mask is not None:
+            schedule = _dkdv_schedule(mask.n_noisy, mask.n_clean, mask.block_size, d, b * k_shape[2],
+                                      group, ctas, walk, str(device))
+        elif packing is not None:
+            schedule = _varlen_dkdv_schedule(packing, block_size, d, k_shape[2], group, ctas, walk[1],
+                                             str(device))
+    if mask is None:
+        walk = PLAIN_ORDER
     args = dict(dkdv_order=dkdv[0], dq_order=dq_tables[0], n_noisy=n_noisy, block_size=block_size,
                 scale=scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1], cu_seqlens=cu_seqlens,
                 persistent_dkdv=persistent, dkdv_schedule=schedule, dkdv_order_chunk=walk[0],
@@ -581,7 +603,7 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         t = _varlen_tables(cu, mask.block_size, d, str(q.device))
         return _bwd_call(AS_PACKED, (1, b * s, h, d), (1, b * s, *k.shape[2:]), q.device, 0,
                          mask.block_size, scale, t.dkdv, t.ds_dq, t.longest_half,
-                         ("bwd", "bwd_ds", "bwd_ds_packed"), t.cu_seqlens, ds=ds)
+                         ("bwd", "bwd_ds", "bwd_ds_packed"), t.cu_seqlens, ds=ds, packing=cu)
 
     def _plan_varlen_bwd(self, ext, q, k, v, mask, scale) -> BwdCall | None:
         if not self._covers(ext, None, BACKWARD_HEAD_DIMS, q[None], k[None], v[None]):
@@ -590,7 +612,8 @@ class CutlassDiffusionBackend(cutlass.Sm90Backend, TritonBackend):
         ds = _ds_plan_varlen(ext, q[None], mask.cu_seqlens, mask.block_size)
         stats = ("varlen_bwd", "varlen_bwd_ds") if ds else ("varlen_bwd",)
         return _bwd_call(AS_ONE_BATCH, (1, *q.shape), (1, *k.shape), q.device, 0, mask.block_size, scale,
-                         t.dkdv, t.ds_dq if ds else t.dq, t.longest_half, stats, t.cu_seqlens, ds=ds)
+                         t.dkdv, t.ds_dq if ds else t.dq, t.longest_half, stats, t.cu_seqlens, ds=ds,
+                         packing=mask.cu_seqlens)
 
     def bwd(self, dout, q, k, v, out, lse, dlse, mask, scale, softcap, deterministic):
         ext = self._backward_extension(softcap)

@@ -347,6 +347,43 @@ inline std::vector<int32_t> order_schedule(const TilePlans& plans, const int32_t
   return out;
 }
 
+// Packed samples' work (kStartVarlen kernels: entry e is a tile of sample sample[e], entries most
+// expensive first over all samples, work index w = e * slots + slot, the plain order they decode)
+// listed in the order a balanced schedule should hand it out. block 0: w = 0, 1, ... (the plain
+// order). block >= 1: as the batched slot-major WorkOrder (chunk 1, `block` entries) with (sample,
+// slot) pairs as its slots: round r lists, sample by sample and slot by slot, that slot's items of
+// the sample's entries [r block, r block + block) (a sample's own entries in their order), so the
+// CTAs running side by side work on one (sample, head) and share what it re-reads in L2 (the dK/dV
+// kernel: Q / dO). With equal samples this is the batched walk item for item. Returns the work
+// indices (entries * slots, a permutation).
+inline std::vector<int32_t> varlen_walk(const int32_t* sample, int entries, int num_samples, int slots, int block) {
+  std::vector<int32_t> walk;
+  walk.reserve(static_cast<size_t>(entries) * slots);
+  if (block <= 0) {
+    for (int w = 0; w < entries * slots; ++w) walk.push_back(w);
+    return walk;
+  }
+  std::vector<std::vector<int32_t>> own(static_cast<size_t>(num_samples));
+  for (int e = 0; e < entries; ++e) own[sample[e]].push_back(e);
+  size_t longest = 0;
+  for (const auto& list : own) longest = list.size() > longest ? list.size() : longest;
+  for (size_t first = 0; first < longest; first += block)
+    for (const auto& list : own)
+      for (int slot = 0; slot < slots; ++slot)
+        for (size_t j = first; j < list.size() && j < first + block; ++j) walk.push_back(list[j] * slots + slot);
+  return walk;
+}
+
+// balanced_schedule of work handed out in the order `walk` (work indices; cost[i] is walk[i]'s):
+// the CTAs' lists hold work indices, each CTA's in walk order (scheduled_index's layout).
+inline std::vector<int32_t> walk_schedule(const std::vector<int32_t>& walk, const int64_t* cost, int ctas) {
+  const int count = static_cast<int>(walk.size());
+  std::vector<int32_t> out(ctas + 1 + static_cast<size_t>(count));
+  balanced_schedule(cost, count, ctas, out.data());
+  for (int i = ctas + 1; i < ctas + 1 + count; ++i) out[i] = walk[out[i]];
+  return out;
+}
+
 // The schedule: order[] = indices 0..count-1 of `area`, largest area first, ties in index order
 // (a stable sort, as triton_backend.tile_tables does), so the most expensive tiles start in the
 // first wave and do not finish last. Index work tiles sample by sample, tile by tile.
