@@ -380,7 +380,7 @@ def _ds_plan_varlen(ext, q: torch.Tensor, cu_seqlens: tuple[int, ...], block_siz
 def _scratch(ext, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """lse2 and delta for the backward, one allocation: ``rows`` floats each plus the
     ``ext.scratch_pad`` floats the odd-length / varlen dK/dV kernel reads past the end (its lse2 /
-    delta TMA boxes span a tile's BM rows from its first row), which the
+    delta bulk copies start at the aligned float at or before a tile's first row), which the
     preprocess kernel zeroes so that masked queries keep dS = 0 (a fill here was one more launch
     per backward: session 20, the step at n = 1K is near host-bound); each starts 16-byte aligned
     (width a multiple of 4)."""
@@ -431,9 +431,10 @@ def _bwd_call(layout, q_shape, k_shape, device, n_noisy, block_size, scale, dkdv
     group = q_shape[2] // k_shape[2]
     persistent = _persistent_dkdv(longest_half, d, group)
     schedule, ctas = None, _max_ctas(device)
-    # The dS backward's dK/dV kernel: batched calls decode the walk, packed ones the plain order
-    # (their schedule walks by samples, _varlen_dkdv_schedule).
+    # The dS backward's dK/dV kernel walks slot-major where _walk says so: batched calls decode that
+    # walk in the kernel, packed ones decode the plain order and get it from their schedule.
     walk = _walk(longest_half, d, group) if ds else PLAIN_ORDER
+    decoded = walk if mask is not None else PLAIN_ORDER
     # The dS backward runs the persistent dK/dV kernel wherever the head dim has one.
     if (BALANCED_SCHEDULE and d in PERSISTENT_DKDV_HEAD_DIMS and (persistent or ds)
             and b * k_shape[2] * dkdv[0].numel() > ctas):
@@ -443,12 +444,10 @@ def _bwd_call(layout, q_shape, k_shape, device, n_noisy, block_size, scale, dkdv
         elif packing is not None:
             schedule = _varlen_dkdv_schedule(packing, block_size, d, k_shape[2], group, ctas, walk[1],
                                              str(device))
-    if mask is None:
-        walk = PLAIN_ORDER
     args = dict(dkdv_order=dkdv[0], dq_order=dq_tables[0], n_noisy=n_noisy, block_size=block_size,
                 scale=scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1], cu_seqlens=cu_seqlens,
-                persistent_dkdv=persistent, dkdv_schedule=schedule, dkdv_order_chunk=walk[0],
-                dkdv_order_block=walk[1], **ds)
+                persistent_dkdv=persistent, dkdv_schedule=schedule, dkdv_order_chunk=decoded[0],
+                dkdv_order_block=decoded[1], **ds)
     return BwdCall(layout, args, ds_elems, stats)
 
 
