@@ -520,6 +520,26 @@ CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
   __syncthreads();
 }
 
+// kFreeFirstTurn (a config that declares `static constexpr bool kFreeFirstTurn = true`: FreeFirstTurn<
+// Base>): an item's first S, which has no P V beside it, takes no turn: each consumer issues it as
+// soon as its Q and K are there, and the turns run on from the item's second S (kTurnBarrier: the
+// pairs stay matched, since both consumers skip the same visit). With strict turns consumer 0's
+// second S waited for consumer 1's first, and consumer 1 reaches it only after its own last P V and
+// epilogue, half a tile after consumer 0's; now consumer 0 runs its first two visits meanwhile.
+// Measured on the block-sparse forward with two Q buffers (tests/cuda/block_sparse_fwd_standalone.cu
+// `end-ab`, H200, bf16 D = 128, H = 32/8, 8 rounds; csrc/NOTES.md "Session 38"): 1.033 / 1.034 /
+// 1.006x the one-Q shipped kernel at 16K and density 0.1 / 0.3 / 0.5, 1.036 / 1.020 / 1.009x at 32K,
+// 1.024x at 64K / 0.1, where two Q buffers alone read 1.019 / 1.022 / 1.005x, 1.023 / 1.006 / 1.008x,
+// 1.013x and the bound (two Q, no O store at all) 1.046x at 16K / 0.1.
+template <class Cfg, class = void>
+inline constexpr bool free_first_turn_of = false;
+template <class Cfg>
+inline constexpr bool free_first_turn_of<Cfg, std::void_t<decltype(Cfg::kFreeFirstTurn)>> = Cfg::kFreeFirstTurn;
+template <class Base>
+struct FreeFirstTurn : Base {
+  static constexpr bool kFreeFirstTurn = true;
+};
+
 // The consumer warpgroups of the v5 forward loop (csrc/NOTES.md; hopper/diffusion_fwd.cuh says why
 // each piece is there): per work item, S = Q K^T, the online softmax and O += P V over the item's
 // key tiles with FlashAttention-3's in-warpgroup overlap and ping-pong turns, then the epilogue.
@@ -543,6 +563,7 @@ template <class Cfg, template <class, class> class Side, bool kTail = false, cla
           class... SideArgs>
 CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss, int consumer,
                                int num_items, SideArgs const&... side_args) {
+  constexpr bool kFreeFirst = free_first_turn_of<Cfg>;
   using Elem = typename Cfg::Elem;
   constexpr int BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -597,7 +618,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       const bool masked = kernel.may_mask(tile) && kernel.masked(wi, tile);
       Barrier::wait(&ss.k_full[stage], phase);
       if (j > 0) Barrier::wait(&ss.v_full[prev], prev_phase);
-      if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
+      if (Cfg::kPingPong && (!kFreeFirst || j > 0)) named_barrier_sync(kTurnBarrier + consumer);
       if (j == 0) trace_event<Cfg>(item, ev + 2);
       // S_j = Q K_j^T, then (FlashAttention-3's in-warpgroup overlap) O += P_{j-1} V_{j-1}
       // behind it: the softmax of S_j below runs while the tensor cores do that P V.
@@ -608,7 +629,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
       // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
       // serialize the wgmmas (warning C7514; nvcc 13.0). The other consumer's S then queues behind
       // our P V, which keeps the tensor cores busy all the same.
-      if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
+      if (Cfg::kPingPong && (!kFreeFirst || j > 0)) named_barrier_arrive(kTurnBarrier + 1 - consumer);
       warpgroup_fence_operand(acc_s);
       Barrier::arrive(&ss.k_empty[stage]);
 

@@ -44,6 +44,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "hopper/attn_common.cuh"
 
@@ -92,12 +93,17 @@ inline bool block_sparse_fwd_supports(int block_q, int block_k, int d) {
 // softmax: online_softmax_tile_ilp, with a stale max at D = 128 (fwd_stale_max): harness softmax-ab
 // (session 16, bf16 D = 128, S 16K-64K, densities 0.1-0.5, medians over both orders) 1.044-1.052x
 // over the one-chain softmax at every point (four chains alone 0.994-1.014x); at D = 64 four chains
-// 1.011-1.057x, with the stale max 0.962-1.005x. One Q
-// buffer: two (the persistent producer loading the next item's Q during this one; 224 KB of smem
-// at D = 128) measured 0.985-1.005x (session 15); a third K / V stage in place of the O staging
-// 0.96-1.03x.
+// 1.011-1.057x, with the stale max 0.962-1.005x. At D = 128 two Q buffers (the persistent producer
+// loads the next item's Q during this one; 224 KB of smem) and an item's first S without a turn
+// (attn_common.cuh FreeFirstTurn, which says why): 1.006-1.036x at every measured point (session
+// 38), where two Q buffers alone had measured 0.985-1.005x (session 15) and 1.005-1.023x (session
+// 38). D = 64 keeps one Q buffer and strict turns (not measured with them). A third K / V stage in
+// place of the O staging measured 0.96-1.03x.
 template <class Elem, int D>
-using SparseFwdConfig = FwdConfig<Elem, D, 128, 128, 2, true, kStartTile, 1, true, true, fwd_stale_max(D)>;
+using SparseFwdBase = FwdConfig<Elem, D, 128, 128, 2, true, kStartTile, D >= 128 ? 2 : 1, true, true,
+                                fwd_stale_max(D)>;
+template <class Elem, int D>
+using SparseFwdConfig = std::conditional_t<D >= 128, FreeFirstTurn<SparseFwdBase<Elem, D>>, SparseFwdBase<Elem, D>>;
 
 template <class Cfg>
 struct SparseFwdParams {

@@ -20,6 +20,7 @@
 //   ./sparse_fwd softmax-ab  # FwdConfig SOFTMAX_ILP_ / STALE_MAX_ (the softmax in four chains, the
 //                         # O rescale skipped while the max is stale): checks + A/B
 //   ./sparse_fwd epi-ab   # the item's end: two Q buffers, the O store knocked out (A/B)
+//   ./sparse_fwd end-ab   # the item's end: the first S without a turn, two Q buffers (checks + A/B)
 //   ./sparse_fwd split-ab # the split tail (the last round's items in parts): checks + A/B
 //   ./sparse_fwd trace    # where an item's time goes: clock64 stamps at fixed points of each item
 //                         # (common.cuh Traced), per-phase means in microseconds at four shapes
@@ -56,10 +57,9 @@ int g_failed = 0;
 #define SPARSE_SMEM_O 1
 #endif
 template <class Elem, int D>
-using HarnessCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 1, SPARSE_SMEM_O,
-                                        true, dlm::sm90::fwd_stale_max(D)>;
-static_assert(!SPARSE_SMEM_O || std::is_same_v<HarnessCfg<bf16, 128>, dlm::sm90::SparseFwdConfig<bf16, 128>>);
-static_assert(!SPARSE_SMEM_O || std::is_same_v<HarnessCfg<bf16, 64>, dlm::sm90::SparseFwdConfig<bf16, 64>>);
+using HarnessCfg = std::conditional_t<
+    SPARSE_SMEM_O != 0, dlm::sm90::SparseFwdConfig<Elem, D>,
+    dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, 1, false, true, dlm::sm90::fwd_stale_max(D)>>;
 
 // Dense cuDNN SDPA (non-causal) on the H200 at B = 1, H = 32/8, D = 128 (benchmarks/results/
 // h200_sparse_quick.md): the denominator of the goal, time / (dense time x density) <= 1.15.
@@ -778,6 +778,35 @@ int epi_ab() {
   return 0;
 }
 
+// Mode `end-ab`: ways through the end of a work item (csrc/NOTES.md "Session 38"). Session 17's
+// bound (two Q buffers + no O store: +4.5-5.3 % at 16K / 10 %) against what each alone gave (two Q
+// +0.3-1.1 %, no store +3-4 %) said the path that binds at an item's end runs through consumer 1's
+// last P V and epilogue: it ends half a tile after consumer 0's, and consumer 0's second S waited
+// for consumer 1's first. Session 38 shipped the first S without a turn with two Q buffers at D = 128
+// (attn_common.cuh FreeFirstTurn); this times it against session 37's kernel (one Q, strict turns),
+// two Q alone, the free turn alone and the bound. Session 38 also measured, and deleted, the
+// epilogue deferred under the next item's first S (1.030x at 16K / 0.1 against the free turn's
+// 1.033x, level or below elsewhere) and Q released as soon as an item's last S is ready (1.018x).
+template <class Elem, int D, int QSTAGES>
+using TurnCfg = dlm::sm90::FreeFirstTurn<EpiCfg<Elem, D, QSTAGES>>;
+
+int end_ab() {
+  using namespace dlm::sm90;
+  checks<bf16, 128, TurnCfg<bf16, 128, 1>>("bf16 1Q free");
+  checks<fp16, 64, TurnCfg<fp16, 64, 2>>("fp16 D64 2Q free");
+  printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
+  if (g_failed) return 1;
+  static const char* const names[5] = {"s37 (1Q)", "2Q", "1Q free", "2Q free (shipped)", "2Q no store"};
+  ab_table(names, [](int v, const SparseFwdArgs& a, int sms) {
+    if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 1>>(a, sms));
+    if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 2>>(a, sms));
+    if (v == 2) CK(launch_block_sparse_fwd_cfg<TurnCfg<bf16, 128, 1>>(a, sms));
+    if (v == 3) CK(launch_block_sparse_fwd_cfg<TurnCfg<bf16, 128, 2>>(a, sms));
+    if (v == 4) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 2>, kProbeNoStore>>(a, sms));
+  });
+  return 0;
+}
+
 // Mode `split-ab`: the split tail (csrc/NOTES.md "Session 22"; block_sparse_fwd.cuh tail_part):
 // the last round's items split into up to 2 / 4 / 8 parts over the CTAs it leaves idle, against
 // the plain persistent launch; the counters' memset timed with each split launch, as the binding
@@ -818,6 +847,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "epi-ab") return epi_ab();
+  if (mode == "end-ab") return end_ab();
   if (mode == "split-ab") return split_ab();
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
