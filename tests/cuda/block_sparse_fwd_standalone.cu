@@ -19,8 +19,8 @@
 //   ./sparse_fwd waves    # 16K / 10 % at H = 28..36: does time follow the persistent grid's waves?
 //   ./sparse_fwd softmax-ab  # FwdConfig SOFTMAX_ILP_ / STALE_MAX_ (the softmax in four chains, the
 //                         # O rescale skipped while the max is stale): checks + A/B
-//   ./sparse_fwd epi-ab   # the item's end: two Q buffers, the O store knocked out (A/B)
-//   ./sparse_fwd end-ab   # the item's end: the first S without a turn, two Q buffers (checks + A/B)
+//   ./sparse_fwd end-ab   # the item's end: two Q buffers, the first S without a turn, the O store
+//                         # knocked out (checks + A/B, then the trace; `epi-ab` until session 38)
 //   ./sparse_fwd split-ab # the split tail (the last round's items in parts): checks + A/B
 //   ./sparse_fwd trace    # where an item's time goes: clock64 stamps at fixed points of each item
 //                         # (common.cuh Traced), per-phase means in microseconds at four shapes
@@ -748,62 +748,45 @@ void trace(const char* name) {
   CK(cudaFree(dbuf));
 }
 
-// Mode `epi-ab`: the end of an item (csrc/NOTES.md "Session 17"). The trace showed consumer 0's
-// last P V + epilogue (~1.7 us) and the next item's Q load (issued when both consumers have
-// finished their last S: ~1.5 us from issue to ready) covering each other, which is why neither
-// two Q buffers alone (session 15) nor the store knockout alone (session 12, which in fact knocked
-// nothing out on the TMA-store path: store_item now honours it) moved the time. Configs: shipped;
-// two Q buffers; the knockout; both (what removing the item's end could give). Session 17 also
-// timed the O staging written with stmatrix (FwdConfig STSM_O_, deleted): 0.997-1.015x here,
-// 0.99-1.02x in the diffusion forward. Checks of two Q buffers first (the knockouts' results are
+// Mode `end-ab` (also `epi-ab`, its name until session 38): ways through the end of a work item.
+// Session 17 (csrc/NOTES.md): the trace showed consumer 0's last P V + epilogue (~1.7 us) and the
+// next item's Q load (issued when both consumers have finished their last S: ~1.5 us from issue to
+// ready) covering each other; two Q buffers alone gained 0.3-1.1 %, the O / lse store knocked out
+// alone (kProbeNoStore; store_item honours it since session 17) 3-4 %, both 4.5-5.3 % at 16K / 10 %.
+// Session 38 read that as the path through consumer 1's last P V and epilogue (it ends half a tile
+// after consumer 0's, and consumer 0's second S waited for consumer 1's first) and shipped the first
+// S without a turn with two Q buffers at D = 128 (attn_common.cuh FreeFirstTurn). Configs: session
+// 37's kernel (one Q, strict turns), two Q, the free turn with one and with two Q (shipped), and the
+// knockouts with one and two Q (the bound); then the trace of the shipped kernel. Session 17 also
+// timed the O staging written with stmatrix (deleted: 0.997-1.015x), session 38 the epilogue deferred
+// under the next item's first S (deleted: 1.030x at 16K / 0.1 against the free turn's 1.033x) and Q
+// released as soon as an item's last S is ready (1.018x). Checks first (the knockouts' results are
 // wrong by design).
 template <class Elem, int D, int QSTAGES>
 using EpiCfg = dlm::sm90::FwdConfig<Elem, D, 128, 128, 2, true, dlm::sm90::kStartTile, QSTAGES, true, true,
                                     dlm::sm90::fwd_stale_max(D)>;
-
-int epi_ab() {
-  using namespace dlm::sm90;
-  checks<bf16, 128, EpiCfg<bf16, 128, 2>>("bf16 2 Q");
-  checks<fp16, 64, EpiCfg<fp16, 64, 2>>("fp16 D64 2 Q");
-  printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
-  if (g_failed) return 1;
-  static const char* const names[4] = {"shipped", "2 Q", "no store", "2 Q + no store"};
-  ab_table(names, [](int v, const SparseFwdArgs& a, int sms) {
-    if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 1>>(a, sms));
-    if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 2>>(a, sms));
-    if (v == 2) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 1>, kProbeNoStore>>(a, sms));
-    if (v == 3) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 2>, kProbeNoStore>>(a, sms));
-  });
-  trace<EpiCfg<bf16, 128, 2>>("trace: 2 Q");
-  return 0;
-}
-
-// Mode `end-ab`: ways through the end of a work item (csrc/NOTES.md "Session 38"). Session 17's
-// bound (two Q buffers + no O store: +4.5-5.3 % at 16K / 10 %) against what each alone gave (two Q
-// +0.3-1.1 %, no store +3-4 %) said the path that binds at an item's end runs through consumer 1's
-// last P V and epilogue: it ends half a tile after consumer 0's, and consumer 0's second S waited
-// for consumer 1's first. Session 38 shipped the first S without a turn with two Q buffers at D = 128
-// (attn_common.cuh FreeFirstTurn); this times it against session 37's kernel (one Q, strict turns),
-// two Q alone, the free turn alone and the bound. Session 38 also measured, and deleted, the
-// epilogue deferred under the next item's first S (1.030x at 16K / 0.1 against the free turn's
-// 1.033x, level or below elsewhere) and Q released as soon as an item's last S is ready (1.018x).
 template <class Elem, int D, int QSTAGES>
 using TurnCfg = dlm::sm90::FreeFirstTurn<EpiCfg<Elem, D, QSTAGES>>;
+static_assert(std::is_same_v<TurnCfg<bf16, 128, 2>, dlm::sm90::SparseFwdConfig<bf16, 128>>, "the shipped arm");
 
 int end_ab() {
   using namespace dlm::sm90;
+  checks<bf16, 128, EpiCfg<bf16, 128, 2>>("bf16 2Q");
   checks<bf16, 128, TurnCfg<bf16, 128, 1>>("bf16 1Q free");
   checks<fp16, 64, TurnCfg<fp16, 64, 2>>("fp16 D64 2Q free");
   printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
   if (g_failed) return 1;
-  static const char* const names[5] = {"s37 (1Q)", "2Q", "1Q free", "2Q free (shipped)", "2Q no store"};
+  static const char* const names[6] = {"s37 (1Q)", "2Q", "1Q free", "2Q free (shipped)", "1Q no store",
+                                       "2Q no store"};
   ab_table(names, [](int v, const SparseFwdArgs& a, int sms) {
     if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 1>>(a, sms));
     if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 128, 2>>(a, sms));
     if (v == 2) CK(launch_block_sparse_fwd_cfg<TurnCfg<bf16, 128, 1>>(a, sms));
     if (v == 3) CK(launch_block_sparse_fwd_cfg<TurnCfg<bf16, 128, 2>>(a, sms));
-    if (v == 4) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 2>, kProbeNoStore>>(a, sms));
+    if (v == 4) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 1>, kProbeNoStore>>(a, sms));
+    if (v == 5) CK(launch_block_sparse_fwd_cfg<Probe<EpiCfg<bf16, 128, 2>, kProbeNoStore>>(a, sms));
   });
+  trace<HarnessCfg<bf16, 128>>("trace: shipped");
   return 0;
 }
 
@@ -846,8 +829,7 @@ int main(int argc, char** argv) {
     trace<HarnessCfg<bf16, 128>>("trace: shipped");
     return 0;
   }
-  if (mode == "epi-ab") return epi_ab();
-  if (mode == "end-ab") return end_ab();
+  if (mode == "end-ab" || mode == "epi-ab") return end_ab();
   if (mode == "split-ab") return split_ab();
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
