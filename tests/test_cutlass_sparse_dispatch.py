@@ -100,13 +100,16 @@ class FakeExtension:
 
     @staticmethod
     def key_len_fwd(q, k, v, idx, counts, block_q, block_k, scale, key_len):
-        """The kernel with key_len (block_sparse_fwd.cuh): item (b, h, qb) sees the keys of its
-        listed blocks below key_len[b, h]; idx may be one list shared by every item. Asserts the
-        contract the binding cannot check without a sync: key_len in [0, Sk], listed blocks below
-        ceil(key_len / block_k), list slots for every count."""
+        """The kernel with key_len, the column form (block_sparse_fwd.cuh KeyLenConsumerSide):
+        item (b, h, qb) sees the keys of its listed blocks below key_len[b, h], and the list is
+        one arange shared by every item (the binding checks that it is shared; the kernel takes
+        its entries as their indices). Asserts the contract the binding cannot check without a
+        sync: the arange, key_len in [0, Sk], listed blocks below ceil(key_len / block_k), list
+        slots for every count."""
         b, sq, h, _ = q.shape
         nqb, sk = counts.shape[-1], k.shape[1]
-        lists = idx.expand(b, h, nqb, idx.shape[-1]) if idx.dim() == 1 else idx
+        assert idx.dim() == 1 and torch.equal(idx.cpu(), torch.arange(idx.numel(), dtype=idx.dtype))
+        lists = idx.expand(b, h, nqb, idx.shape[-1])
         assert ((key_len >= 0) & (key_len <= sk)).all() and (counts <= lists.shape[-1]).all()
         listed = torch.arange(lists.shape[-1]) < counts.unsqueeze(-1)
         limit = (key_len + block_k - 1) // block_k

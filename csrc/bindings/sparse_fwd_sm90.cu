@@ -32,9 +32,11 @@ bool supports(int64_t block_q, int64_t block_k, int64_t d) {
 // Writes out (B, Sq, H, D) and lse (B, H, Sq) fp32; q (B, Sq, H, D), k / v (B, Sk, Hkv, D);
 // kv_block_indices (B, H, nQb, max_blocks), or (max_blocks): one list every item reads, and
 // kv_block_counts (B, H, nQb), int32, contiguous; work_order: None or the (B * H * nQb) items
-// (b * H + h) * nQb + qb, longest list first; key_len: None or (B, H) int32, the keys of (b, h)
-// are [0, key_len[b, h]) (<= Sk, lists below ceil(key_len / 128): the column-sparse forward's
-// gathered keys, dlm_ops/backends/cutlass_sparse.py); max_ctas: 0 one CTA per item, > 0 a
+// (b * H + h) * nQb + qb, longest list first; key_len: None or (B, H) int32, the column form
+// (the column-sparse forward's gathered keys, dlm_ops/backends/cutlass_sparse.py): the keys of
+// (b, h) are [0, key_len[b, h]) (<= Sk), the list must be the shared arange 0 .. max_blocks - 1,
+// which the kernel takes as given instead of reading it, and counts <= ceil(key_len / 128)
+// (block_sparse_fwd.cuh, KeyLenConsumerSide); max_ctas: 0 one CTA per item, > 0 a
 // persistent grid of at most that many CTAs; split_parts (with max_ctas > 0): > 0 splits the last
 // round's items into up to that many parts over the grid (block_sparse_fwd.cuh tail_part), with
 // the caller's scratch: split_partials (fp32, at least split_scratch_floats(d, max_ctas) floats)
@@ -78,6 +80,7 @@ void fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, t
     TORCH_CHECK(key_len->device() == q.device() && key_len->scalar_type() == torch::kInt32 &&
                     key_len->is_contiguous() && key_len->dim() == 2 && key_len->size(0) == b &&
                     key_len->size(1) == h, "key_len: (B, H) contiguous int32 on q's device");
+    TORCH_CHECK(shared, "key_len (the column form) needs the shared list (max_blocks), the arange");
   }
   TORCH_CHECK(b * h * nqb <= INT32_MAX && idx.numel() <= INT32_MAX && sq <= INT32_MAX &&
                   sk <= INT32_MAX, "sizes must fit in int32");

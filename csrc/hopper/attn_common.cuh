@@ -169,11 +169,36 @@ constexpr int kTurnBarrier = 1;
 CUTE_DEVICE void named_barrier_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id)); }
 CUTE_DEVICE void named_barrier_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id)); }
 
+// A key tail: the columns from `hi` on (relative to this thread's first one) are masked in every
+// row, the mask of a tile whose keys end inside it (the sparse forward's short last key block).
+// Passed as the softmax's bounds instead of a per-row interval: the rows share the mask, so
+// mask_key_tail decides each column once (one ISETP) and selects both rows' scores by it. With a
+// per-row interval that returns the same bounds for both rows ptxas kept the 32 column predicates
+// for the second row in a register's bits (two LOP3 per column in one dependent chain, read back
+// per score): the masked tile's max took 307 instructions against 90 unmasked (session 39, SASS
+// of the column form's kernel; the column form runs one such tile per item).
+struct KeyTail {
+  int hi;
+};
+template <class B>
+inline constexpr bool is_key_tail = std::is_same_v<std::decay_t<B>, KeyTail>;
+template <class S, class Coords>
+CUTE_DEVICE void mask_key_tail(S& s, Coords const& tScS_rc, int hi) {
+  CUTE_UNROLL
+  for (int j = 0; j < size<1>(s); ++j) {
+    const bool out = get<1>(tScS_rc(0, j)) - get<1>(tScS_rc(0, 0)) >= hi;  // a constant - hi
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(s); ++i)
+      if (out) s(i, j) = -INFINITY;
+  }
+}
+
 // One tile of the online softmax, in base 2, on the scores this thread holds (two rows): scales
 // by scale_log2, masks (kMasked) as selects, updates the running max and the quad-partial row
 // sums, leaves exp2(s - max) in s and the factor that rescales the accumulator in scale_row.
 // kMasked: `bounds(i, lo, hi)` gives row i's visible keys as the interval [lo, hi) of this
-// thread's columns, relative to its first one (a compare with a constant per bound and score).
+// thread's columns, relative to its first one (a compare with a constant per bound and score), or
+// bounds is a KeyTail (the same tail in every row: mask_key_tail).
 // The mask is decided per tile, as a template argument: v4 tested a runtime `masked` flag inside
 // the element loop, and ptxas kept a BSSY / ISETP / BRA / BSYNC group around every score's mask
 // (64 per tile and thread), FULL tiles included; taking it out of the loop measured 1.46-1.72x
@@ -183,15 +208,17 @@ CUTE_DEVICE void online_softmax_tile(Scores& acc_s, Coords const& tScS_rc, Bound
                                      float scale_log2, float (&row_max)[kRows],
                                      float (&row_sum)[kRows], float (&scale_row)[kRows]) {
   Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
+  constexpr bool kTail = kMasked && is_key_tail<Bounds>, kRowMask = kMasked && !kTail;
+  if constexpr (kTail) mask_key_tail(s, tScS_rc, bounds.hi);  // -inf * scale_log2 stays -inf
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
     float mx = row_max[i];
     [[maybe_unused]] int lo = 0, hi = 0;
-    if constexpr (kMasked) bounds(i, lo, hi);
+    if constexpr (kRowMask) bounds(i, lo, hi);
     CUTE_UNROLL
     for (int j = 0; j < size<1>(s); ++j) {
       float x = s(i, j) * scale_log2;
-      if constexpr (kMasked) {
+      if constexpr (kRowMask) {
         const int k = get<1>(tScS_rc(i, j)) - get<1>(tScS_rc(i, 0));
         x = k < lo || k >= hi ? -INFINITY : x;
       }
@@ -248,16 +275,18 @@ CUTE_DEVICE bool online_softmax_tile_ilp(Scores& acc_s, Coords const& tScS_rc, B
   static_assert(size<1>(decltype(s){}) % kChains == 0, "columns per thread: a multiple of the chains");
   float new_max[kRows];
   bool keep = kStale;
+  constexpr bool kTail = kMasked && is_key_tail<Bounds>, kRowMask = kMasked && !kTail;
+  if constexpr (kTail) mask_key_tail(s, tScS_rc, bounds.hi);
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
     [[maybe_unused]] int lo = 0, hi = 0;
-    if constexpr (kMasked) bounds(i, lo, hi);
+    if constexpr (kRowMask) bounds(i, lo, hi);
     float part[kChains];
     CUTE_UNROLL
     for (int c = 0; c < kChains; ++c) part[c] = -INFINITY;
     CUTE_UNROLL
     for (int j = 0; j < size<1>(s); ++j) {
-      if constexpr (kMasked) {
+      if constexpr (kRowMask) {
         const int k = get<1>(tScS_rc(i, j)) - get<1>(tScS_rc(i, 0));
         if (k < lo || k >= hi) s(i, j) = -INFINITY;
       }

@@ -26,14 +26,16 @@
 // parts over the CTAs it would leave idle, merged by the part that finishes last (a second launch
 // of the kernel, kTail: tail_part, attn_common.cuh finish_part; SparseFwdArgs::split_parts).
 //
-// Per-item key lengths (key_len, optional; the column-sparse forward's: csrc/NOTES.md "Column-sparse
-// forward (issue #5)"). With key_len set, the keys of (b, h) are [0, key_len[b * H + h]) (<= Sk),
-// its lists name blocks below ceil(key_len / 128) only, and the tile of block (key_len - 1) / 128
-// masks its columns from key_len % 128 on: Sk's short last tile, generalised to a tail per item.
-// That is a second kernel per TU (template flag kKeyLen, consumers KeyLenConsumerSide), so the
-// shipped kernel (key_len null) keeps its machine code: no per-item tail in its loop. Lists may
-// also be shared (shared_list: every item reads the one list kv_block_indices[0, max_blocks)), so
-// the column-sparse forward passes one arange instead of B * H * nQb copies of it.
+// Per-item key lengths (key_len, optional): the column form, the column-sparse forward's
+// (csrc/NOTES.md "Column-sparse forward (issue #5)"). With key_len set, the keys of (b, h) are
+// [0, key_len[b * H + h]) (<= Sk) and its items visit the key blocks 0, 1, ..., counts - 1 in that
+// order (counts <= ceil(key_len / 128)): the list is the shared arange (shared_list, which the
+// launch requires; column_gather writes it) and the kernel takes its entries as their indices
+// instead of reading them, so the consumers tell the masked tile (block (key_len - 1) / 128, its
+// columns from key_len % 128 on) by its index, with no load per tile. That is a second kernel per
+// TU (template flag kKeyLen, consumers KeyLenConsumerSide), so the block-sparse kernel (key_len
+// null) keeps its machine code: no per-item tail in its loop. Lists may be shared without key_len
+// too (shared_list: every item reads the one list kv_block_indices[0, max_blocks)).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -67,7 +69,8 @@ struct SparseFwdArgs {
   const int32_t* work_order = nullptr;  // optional: (B*H*nQb) work items, longest list first; null = natural order
   cudaStream_t stream;
   bool shared_list = false;             // kv_block_indices is one list (max_blocks) read by every item
-  const int32_t* key_len = nullptr;     // optional: (B, H) keys per (batch, head), <= seqlen_k; null = seqlen_k
+  const int32_t* key_len = nullptr;     // optional: (B, H) keys per (batch, head), <= seqlen_k; null = seqlen_k;
+                                        // set: the column form (shared_list, read as 0, 1, ...: see above)
   int max_ctas = 0;                     // > 0: a persistent grid of at most that many CTAs; 0: one CTA per item
   // The split tail (tail_part below; needs max_ctas > 0): > 0 splits each of the last round's items
   // into up to this many parts over the grid's CTAs. Then the grid is max_ctas CTAs even with
@@ -196,55 +199,47 @@ struct SparseConsumerSide {
   CUTE_DEVICE bool may_mask(int) const { return k_tail != 0; }
   CUTE_DEVICE bool masked(Item const& item, int j) const { return item.list[j] == last_kb; }
   template <class Coords>
-  CUTE_DEVICE auto bounds(Item const&, int, Coords const& tScS_rc) const {
-    return [k_tail = k_tail, &tScS_rc](int i, int& lo, int& hi) {
-      const int c0 = get<1>(tScS_rc(i, 0));
-      lo = -c0;
-      hi = k_tail - c0;
-    };
+  CUTE_DEVICE KeyTail bounds(Item const&, int, Coords const& tScS_rc) const {
+    return {k_tail - get<1>(tScS_rc(0, 0))};  // the keys from Sk on, in this thread's columns
   }
 };
 
-// The same with a key length per (batch, head), key_len[b * H + h]: the tile of block
-// last_kb = (key_len - 1) / BN masks its keys from k_tail = key_len % BN on (none when 0). Both
-// come with the item (one load of key_len per item); the mask test stays one compare against the
-// listed block, as in SparseConsumerSide. key_len 0 comes with an empty list (out 0, lse -inf).
+// The column form: a key length per (batch, head), key_len[b * H + h], and the implicit list
+// 0, 1, ..., count - 1, so step j of an item (or of a split item's part from entry `first` on)
+// visits key block first + j, and the tile of block last_kb = (key_len - 1) / BN masks its keys
+// from key_len % BN on; last_kb is -1 when key_len is a multiple of BN (no tile masked). Both
+// come with the item (one load of key_len per item); the mask test is one compare of the step's
+// block, with no list entry read per tile (session 39: that read and its 16-bit phi cost the column
+// form's loop ~2 % against the block form's). key_len 0 comes with an empty list (out 0, lse -inf).
 template <class Cfg, class Params>
 struct KeyLenConsumerSide {
   Params const& p;
 
   struct Item {
     int b, h, row_base, row_offset, n_tiles;
-    const int32_t* list;
-    int k_tail, last_kb;
+    int first, k_tail, last_kb;
   };
   template <class Coords>
   CUTE_DEVICE Item item(int w, int consumer, Coords const&) const {
     const SparseItem si = sparse_item(p, w);
-    const int len = p.key_len[si.b * p.heads + si.h];
-    return {si.b, si.h, si.qb * Cfg::BM + consumer * Cfg::kConsumerRows, 0, si.count, si.list,
-            len % Cfg::BN, (len - 1) / Cfg::BN};
+    const int len = p.key_len[si.b * p.heads + si.h], k_tail = len % Cfg::BN;
+    return {si.b, si.h, si.qb * Cfg::BM + consumer * Cfg::kConsumerRows, 0, si.count, 0, k_tail,
+            k_tail != 0 ? len / Cfg::BN : -1};
   }
   CUTE_DEVICE int row_end(Item const&) const { return p.seqlen_q; }
   CUTE_DEVICE int o_rows() const { return p.seqlen_q; }
   CUTE_DEVICE static Item part(Item item, int lo, int hi) {
-    item.list += lo;
+    item.first = lo;
     item.n_tiles = hi - lo;
     return item;
   }
   CUTE_DEVICE bool tail(int num_items, TailPart& tp) const { return tail_part(p, num_items, tp); }
-  CUTE_DEVICE int tile(Item const&, int j) const { return j; }
+  CUTE_DEVICE int tile(Item const& item, int j) const { return item.first + j; }  // its key block
   CUTE_DEVICE bool may_mask(int) const { return true; }  // the tail is per item: masked() decides
-  CUTE_DEVICE bool masked(Item const& item, int j) const {
-    return item.k_tail != 0 && item.list[j] == item.last_kb;
-  }
+  CUTE_DEVICE bool masked(Item const& item, int kb) const { return kb == item.last_kb; }
   template <class Coords>
-  CUTE_DEVICE auto bounds(Item const& item, int, Coords const& tScS_rc) const {
-    return [k_tail = item.k_tail, &tScS_rc](int i, int& lo, int& hi) {
-      const int c0 = get<1>(tScS_rc(i, 0));
-      lo = -c0;
-      hi = k_tail - c0;
-    };
+  CUTE_DEVICE KeyTail bounds(Item const& item, int, Coords const& tScS_rc) const {
+    return {item.k_tail - get<1>(tScS_rc(0, 0))};
   }
 };
 
@@ -309,7 +304,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         Tensor tVgV = tma_v.partition_S(
             local_tile(mV(_, _, kvh, si.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
         for (int j = lo; j < hi; ++j, ++it) {
-          const int kb = si.list[j], stage = it % STAGES, phase = (it / STAGES) & 1;
+          // kKeyLen: the implicit list 0, 1, ... (KeyLenConsumerSide), not read
+          const int kb = kKeyLen ? j : si.list[j], stage = it % STAGES, phase = (it / STAGES) & 1;
           Barrier::wait(&ss.k_empty[stage], phase ^ 1);
           TxBarrier::arrive_and_expect_tx(&ss.k_full[stage], Cfg::kTileBytesKV);
           copy(p.tma_k.with(ss.k_full[stage]), tKgK(_, _, _, kb), tKsK(_, _, _, stage));
@@ -380,6 +376,7 @@ cudaError_t launch_block_sparse_fwd_cfg(const SparseFwdArgs& a, int max_ctas = 0
     for (int i = 0; i < 3; ++i)
       if (st[i] % 8 != 0) return cudaErrorInvalidValue;
   if (!aligned(a.q) || !aligned(a.k) || !aligned(a.v) || !aligned(a.o)) return cudaErrorInvalidValue;
+  if (a.key_len && !a.shared_list) return cudaErrorInvalidValue;  // the column form: one arange
   const int items = a.batch * a.heads * a.num_q_blocks;
   if (items == 0) return cudaSuccess;
   auto ptr = [](const void* x) { return static_cast<const Elem*>(x); };

@@ -1,8 +1,9 @@
 // Standalone check + timing of csrc/hopper/block_sparse_fwd.cuh (issue #5) without torch: random
 // inputs, an fp64 CPU reference on sampled rows (random ascending lists incl. empty ones and all
 // blocks, Sq / Sk not multiples of 128, GQA 32/8 and 4/4, bf16 and fp16, D 64 / 128, a work order,
-// NaN-poisoned outputs; per-(batch, head) key lengths key_len incl. 0, 1, 127, 128, 129 and Sk,
-// with own lists and with one shared list as the column-sparse forward passes it), then CUDA-event timing at the benchmark's shapes (B = 1, H = 32/8, D = 128,
+// NaN-poisoned outputs; the column form: per-(batch, head) key lengths key_len incl. 0, 1, 127,
+// 128, 129 and Sk over the shared arange list, as the column-sparse forward passes them), then
+// CUDA-event timing at the benchmark's shapes (B = 1, H = 32/8, D = 128,
 // S = 16K / 32K / 64K, densities 0.1 / 0.3 / 0.5 / 1.0; per (head, query block) a uniformly random
 // ascending set of round(density * nKb) key blocks, as benchmarks/sparse.py builds them; the
 // column-sparse form also with its gather, hopper/column_gather.cuh, alone and before it). Build
@@ -22,6 +23,8 @@
 //   ./sparse_fwd end-ab   # the item's end: two Q buffers, the first S without a turn, the O store
 //                         # knocked out (checks + A/B, then the trace; `epi-ab` until session 38)
 //   ./sparse_fwd split-ab # the split tail (the last round's items in parts): checks + A/B
+//   ./sparse_fwd column-ab  # the column form's kernel against the block form's at equal tiles:
+//                         # the masked last tile, key_len (timing only)
 //   ./sparse_fwd trace    # where an item's time goes: clock64 stamps at fixed points of each item
 //                         # (common.cuh Traced), per-phase means in microseconds at four shapes
 //   ./sparse_fwd prof     # one persistent launch at 16K, density 0.1 and 0.5, for ncu: the kernel's
@@ -76,15 +79,16 @@ struct Pattern {
 };
 
 // kind "mix": per list empty (15 %), all blocks (15 %) or a random subset of random size;
-// kind "density": round(density * nKb) random blocks everywhere. key_len 1: a length per (b, h)
-// (cycling through 0, 1, 127, 128, 129, Sk and random ones) with own lists; 2: with the shared list.
+// kind "density": round(density * nKb) random blocks everywhere. key_len: the column form, a
+// length per (b, h) (cycling through 0, 1, 127, 128, 129, Sk and random ones), one shared list
+// 0 .. nKb - 1 and every item's count ceil(len / 128) (kind and density unused).
 Pattern make_pattern(int B, int H, int sq, int sk, const char* kind, double density, int pad, std::mt19937& g,
-                     int key_len = 0) {
+                     bool key_len = false) {
   Pattern p;
   p.nqb = (sq + kBlock - 1) / kBlock;
   p.nkb = (sk + kBlock - 1) / kBlock;
   p.max_blocks = p.nkb + pad;
-  p.shared = key_len == 2;
+  p.shared = key_len;
   const size_t lists = (size_t)B * H * p.nqb;
   if (key_len) {
     const int fixed[] = {0, 1, 127, 128, 129, sk};
@@ -104,7 +108,6 @@ Pattern make_pattern(int B, int H, int sq, int sk, const char* kind, double dens
       p.cnt[l] = avail;
       continue;
     }
-    if (key_len) std::iota(all.begin(), all.end(), 0);  // the first avail entries: [0, avail)
     int n;
     if (!strcmp(kind, "density")) {
       n = (int)std::lround(density * avail);
@@ -136,7 +139,7 @@ struct Case {
   int pad;          // max_blocks - nKb
   bool order;       // pass a work order (longest list first)
   int ctas = 0;     // > 0: a persistent grid of this many CTAs (the timing's A/B), else one per item
-  int key_len = 0;  // 0: none; 1: a key length per (b, h), own lists; 2: the same, one shared list
+  bool key_len = false;  // the column form: a key length per (b, h), the shared arange list
   int split = 0;    // > 0 (with ctas > 0): the split tail, up to this many parts per item
 };
 
@@ -293,7 +296,7 @@ void check(const Case& c, const char* name) {
   g_failed += !ok;
   printf("%s %s D=%d B=%d Sq=%d Sk=%d H=%d/%d %s%s%s pad %d ctas %d split %d: %ld rows (%ld empty), max |out err| %.4f, max |lse err| %.5f, bad %ld, unwritten %ld\n",
          ok ? "PASS" : "FAIL", name, D, c.B, c.sq, c.sk, c.H, c.Hkv, c.kind, c.order ? " +order" : "",
-         c.key_len == 1 ? " +key_len" : c.key_len == 2 ? " +key_len shared list" : "", c.pad, c.ctas, c.split, rows,
+         c.key_len ? " +key_len (column form)" : "", c.pad, c.ctas, c.split, rows,
          empty_rows, max_err, max_lse_err, bad, unwritten);
 }
 
@@ -307,11 +310,11 @@ void checks(const char* name) {
   check<Elem, D, Cfg>({1, 1, 1, 2, 1, "density", 1.0, 0, false}, name);     // one query, one key
   check<Elem, D, Cfg>({1, 300, 700, 4, 4, "density", 0.0, 0, false}, name); // every list empty
   check<Elem, D, Cfg>({2, 700, 900, 8, 2, "mix", 0, 0, true, 7}, name);     // persistent: 7 CTAs, ring across items
-  // key_len: lengths 0, 1, 127, 128, 129, Sk, then random, per (b, h)
-  check<Elem, D, Cfg>({2, 300, 700, 8, 8, "mix", 0, 0, true, 0, 1}, name);      // own lists below each length
-  check<Elem, D, Cfg>({1, 257, 1000, 16, 16, "mix", 0, 0, true, 0, 2}, name);   // shared list (column-sparse)
-  check<Elem, D, Cfg>({2, 129, 256, 8, 8, "mix", 0, 0, false, 0, 2}, name);     // Sk a multiple of 128
-  check<Elem, D, Cfg>({2, 700, 900, 8, 8, "mix", 0, 0, true, 7, 2}, name);      // persistent, shared list
+  // the column form (key_len): lengths 0, 1, 127, 128, 129, Sk, then random, per (b, h)
+  check<Elem, D, Cfg>({2, 300, 700, 8, 2, "mix", 0, 0, true, 0, true}, name);     // GQA
+  check<Elem, D, Cfg>({1, 257, 1000, 16, 16, "mix", 0, 0, true, 0, true}, name);  // as the op runs it: Hkv = H
+  check<Elem, D, Cfg>({2, 129, 256, 8, 8, "mix", 0, 0, false, 0, true}, name);    // Sk a multiple of 128
+  check<Elem, D, Cfg>({2, 700, 900, 8, 8, "mix", 0, 0, true, 7, true}, name);     // persistent
   // The split tail: 96 items on 40 CTAs (16 split over 2-3 CTAs each, lists empty, full or not);
   // 32 items on 132 (all split, 4 CTAs each); 6 items on 100 (up to 8 parts of up to 24 tiles);
   // 96 on 7 (5 left, one CTA each: parts of one); key lengths, own and shared lists.
@@ -319,8 +322,8 @@ void checks(const char* name) {
   check<Elem, D, Cfg>({1, 1000, 1300, 4, 4, "density", 0.3, 0, true, 132, 0, 8}, name);
   check<Elem, D, Cfg>({1, 257, 3000, 2, 1, "mix", 0, 0, true, 100, 0, 8}, name);
   check<Elem, D, Cfg>({2, 700, 900, 8, 2, "mix", 0, 0, false, 7, 0, 4}, name);
-  check<Elem, D, Cfg>({2, 300, 700, 8, 8, "mix", 0, 0, true, 132, 1, 6}, name);
-  check<Elem, D, Cfg>({2, 700, 900, 8, 8, "mix", 0, 0, true, 40, 2, 4}, name);
+  check<Elem, D, Cfg>({2, 300, 700, 8, 8, "mix", 0, 0, true, 132, true, 6}, name);
+  check<Elem, D, Cfg>({2, 700, 900, 8, 8, "mix", 0, 0, true, 40, true, 4}, name);
 }
 
 // ------------------------------------------------------------------------------------- timing
@@ -809,6 +812,88 @@ int split_ab() {
   return 0;
 }
 
+// Mode `column-ab`: the column form's kernel against the block form's at the same key tiles (session
+// 38, benchmarks.sparse at 16K / 10 %: 0.81 against 0.75 ms, both 13 tiles per item). Arms, all on
+// the persistent grid with the split tail as the op launches them (bf16, D = 128, H = 32, a work
+// order): the block form (Hkv = 8, random lists of round(d nKb) blocks); the column form as the op
+// runs it (K = round(d S) gathered keys per head, (B, K, H, D), key_len K: the last tile masked);
+// the same with K rounded up to whole tiles (the kKeyLen kernel, no tile masked); the same without
+// key_len (the block-sparse kernel over the shared list). Session 39 (before its changes, csrc/NOTES.md
+// "Session 39"): 0.954 / 0.983 / 1.005x the block form at 16K / 10 %; the gathered keys laid out
+// (B, H, K, D) 0.959x and over Hkv = 8 0.954x, the block form over one shared list 1.001x (arms
+// since deleted). Timing only: the kernels are `checks`'s; the K / V contents are random.
+int column_ab() {
+  using namespace dlm::sm90;
+  constexpr int D = 128, H = 32;
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  static const char* const names[] = {"block", "column (op)", "column whole tiles", "column no key_len"};
+  constexpr int N = sizeof(names) / sizeof(names[0]);
+  printf("\n== column-ab, bf16 D = 128, H = 32, persistent grid of %d CTAs, split tail 4\n| S | density | "
+         "keys | tiles / item | %s ms |", sms, names[0]);
+  for (int v = 1; v < N; ++v) printf(" %s ms (speed vs block) |", names[v]);
+  printf("\n|---|---|---|---|---|");
+  for (int v = 1; v < N; ++v) printf("---|");
+  printf("\n");
+  auto med = [](std::vector<float> x) {
+    std::sort(x.begin(), x.end());
+    return 0.5f * (x[(x.size() - 1) / 2] + x[x.size() / 2]);
+  };
+  struct Shape { int s; double d; };
+  for (const Shape sh : {Shape{16384, 0.1}, Shape{16384, 0.2}, Shape{16384, 0.5}, Shape{32768, 0.1}}) {
+    const int s = sh.s, keys = (int)std::lround(sh.d * s), tiles = (keys + kBlock - 1) / kBlock;
+    const int kpad = tiles * kBlock;
+    // the block form
+    const Case cb{1, s, s, H, 8, "density", sh.d, 0, true};
+    std::mt19937 g(s + (int)(sh.d * 1000));
+    const Pattern pb = make_pattern(cb.B, cb.H, cb.sq, cb.sk, cb.kind, cb.density, cb.pad, g);
+    Bufs<bf16, D> bb;
+    fill_and_time(bb, cb, pb, s, 3);
+    // the column form: kpad gathered rows per head (those past `keys` masked by key_len)
+    const Case cc{1, s, kpad, H, H, "mix", 0, 0, true};
+    Pattern pc;
+    pc.nqb = (s + kBlock - 1) / kBlock;
+    pc.nkb = pc.max_blocks = tiles;
+    pc.shared = true;
+    pc.idx.resize(tiles);
+    std::iota(pc.idx.begin(), pc.idx.end(), 0);
+    pc.cnt.assign((size_t)H * pc.nqb, tiles);
+    pc.lens.assign(H, keys);
+    Bufs<bf16, D> bc;
+    fill_and_time(bc, cc, pc, kpad, 3);
+    int32_t* lens_pad;
+    CK(cudaMalloc(&lens_pad, H * 4));
+    const std::vector<int32_t> hl(H, kpad);
+    CK(cudaMemcpy(lens_pad, hl.data(), H * 4, cudaMemcpyHostToDevice));
+    SparseFwdArgs a[N];
+    a[0] = bb.args;
+    a[1] = bc.args; a[1].seqlen_k = keys;     // key_len = keys (bc.lens)
+    a[2] = bc.args; a[2].key_len = lens_pad;  // Sk = key_len = kpad
+    a[3] = bc.args; a[3].key_len = nullptr;   // Sk = kpad, the block-sparse kernel
+    auto launch = [&](int v) {
+      SparseFwdArgs x = a[v];
+      use_split(x, 4, sms);
+      CK(launch_block_sparse_fwd_cfg<HarnessCfg<bf16, D>>(x, sms));
+    };
+    const int iters = std::max(3, (int)(20.f / time_loop(3, [&] { launch(0); })));
+    for (int v = 0; v < N; ++v) time_loop(iters, [&] { launch(v); });  // warm-up, every arm
+    std::vector<float> t[N];
+    for (int r = 0; r < 8; ++r)
+      for (int i = 0; i < N; ++i) {
+        const int v = r % 2 ? N - 1 - i : (i + r / 2) % N;  // rotated forward, reversed backward
+        t[v].push_back(time_loop(iters, [&] { launch(v); }));
+      }
+    const float m0 = med(t[0]);
+    printf("| %dK | %.1f | %d | %d / %d | %.3f |", s / 1024, sh.d, keys, tiles, pb.cnt[0], m0);
+    for (int v = 1; v < N; ++v) printf(" %.3f (%.3f) |", med(t[v]), m0 / med(t[v]));
+    printf("\n");
+    fflush(stdout);
+    CK(cudaFree(lens_pad));
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "all";
   if (mode == "prof") {
@@ -831,10 +916,11 @@ int main(int argc, char** argv) {
   }
   if (mode == "end-ab" || mode == "epi-ab") return end_ab();
   if (mode == "split-ab") return split_ab();
+  if (mode == "column-ab") return column_ab();
   if (mode == "small") {
     check<bf16, 128>({1, 200, 300, 4, 2, "mix", 0, 1, true}, "bf16");
     check<fp16, 64>({1, 200, 300, 4, 2, "mix", 0, 1, false}, "fp16");
-    check<bf16, 128>({1, 200, 300, 8, 8, "mix", 0, 0, true, 0, 2}, "bf16");
+    check<bf16, 128>({1, 200, 300, 8, 8, "mix", 0, 0, true, 0, true}, "bf16");
     check<bf16, 128>({1, 700, 900, 8, 2, "mix", 0, 0, true, 3}, "bf16");  // persistent: 3 CTAs, 48 items
     check<bf16, 128>({1, 700, 900, 8, 2, "mix", 0, 0, true, 20, 0, 4}, "bf16");  // split tail: 48 on 20
   }
