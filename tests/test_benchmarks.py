@@ -273,3 +273,18 @@ def test_build_ab_selects_cases_and_modes():
     for bad in ("99", "x"):
         with pytest.raises(SystemExit, match="--cases"):
             build_ab.main(["/nowhere", "--cases", bad])
+
+
+def test_sparse_profile_kernel_labels():
+    """benchmarks.sparse_profile names the sparse ops' kernels by their template flags."""
+    from benchmarks.sparse_profile import kernel_label
+
+    plain = ("void dlm::sm90::block_sparse_fwd_kernel<dlm::sm90::FreeFirstTurn<dlm::sm90::FwdConfig<"
+             "cutlass::bfloat16_t, 128, 128, 128, 2, true, 0, 2, true, true, true, false> >, {}, {}>"
+             "(dlm::sm90::SparseFwdParams<dlm::sm90::FreeFirstTurn<...> >)")
+    assert kernel_label(plain.format("false", "false")) == "attention"
+    assert kernel_label(plain.format("true", "false")) == "attention (column form)"
+    assert kernel_label(plain.format("true", "true")) == "attention (column form), split tail"
+    assert kernel_label(plain.format("false", "true")) == "attention, split tail"
+    assert kernel_label("void dlm::sm90::column_gather_detail::column_gather_kernel<uint4>(...)") == "column_gather"
+    assert kernel_label("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>") == "fill"

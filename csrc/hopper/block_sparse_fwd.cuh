@@ -100,13 +100,14 @@ inline bool block_sparse_fwd_supports(int block_q, int block_k, int d) {
 // loads the next item's Q during this one; 224 KB of smem) and an item's first S without a turn
 // (attn_common.cuh FreeFirstTurn, which says why): 1.006-1.036x at every measured point (session
 // 38), where two Q buffers alone had measured 0.985-1.005x (session 15) and 1.005-1.023x (session
-// 38). D = 64 keeps one Q buffer and strict turns (not measured with them). A third K / V stage in
-// place of the O staging measured 0.96-1.03x.
+// 38). D = 64 takes the free turn with one Q buffer: 1.024-1.056x over strict turns at every
+// measured point, where two Q buffers measured 0.97-0.99x with or without it (session 39, harness
+// end-ab64). A third K / V stage in place of the O staging measured 0.96-1.03x.
 template <class Elem, int D>
 using SparseFwdBase = FwdConfig<Elem, D, 128, 128, 2, true, kStartTile, D >= 128 ? 2 : 1, true, true,
                                 fwd_stale_max(D)>;
 template <class Elem, int D>
-using SparseFwdConfig = std::conditional_t<D >= 128, FreeFirstTurn<SparseFwdBase<Elem, D>>, SparseFwdBase<Elem, D>>;
+using SparseFwdConfig = FreeFirstTurn<SparseFwdBase<Elem, D>>;
 
 template <class Cfg>
 struct SparseFwdParams {

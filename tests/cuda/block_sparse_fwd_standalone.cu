@@ -22,6 +22,7 @@
 //                         # O rescale skipped while the max is stale): checks + A/B
 //   ./sparse_fwd end-ab   # the item's end: two Q buffers, the first S without a turn, the O store
 //                         # knocked out (checks + A/B, then the trace; `epi-ab` until session 38)
+//   ./sparse_fwd end-ab64 # the same at D = 64 (shipped: one Q, strict turns): checks + A/B
 //   ./sparse_fwd split-ab # the split tail (the last round's items in parts): checks + A/B
 //   ./sparse_fwd column-ab  # the column form's kernel against the block form's at equal tiles:
 //                         # the masked last tile, key_len (timing only)
@@ -793,6 +794,27 @@ int end_ab() {
   return 0;
 }
 
+// Mode `end-ab64`: session 38's free first turn and two Q buffers at D = 64, where session 38's
+// SparseFwdConfig kept one Q buffer and strict turns (not measured with them then): that config, two
+// Q, the free turn with one Q (shipped since session 39: 1.024-1.056x) and with two (0.97-0.99x,
+// as two Q alone); checks first.
+int end_ab64() {
+  using namespace dlm::sm90;
+  checks<bf16, 64, EpiCfg<bf16, 64, 2>>("bf16 D64 2Q");
+  checks<bf16, 64, TurnCfg<bf16, 64, 2>>("bf16 D64 2Q free");
+  printf("%s: %d failed check(s)\n", g_failed ? "FAILED" : "OK", g_failed);
+  if (g_failed) return 1;
+  static const char* const names[4] = {"s38 (1Q)", "2Q", "1Q free (shipped)", "2Q free"};
+  ab_table<64>(names, [](int v, const SparseFwdArgs& a, int sms) {
+    if (v == 0) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 64, 1>>(a, sms));
+    if (v == 1) CK(launch_block_sparse_fwd_cfg<EpiCfg<bf16, 64, 2>>(a, sms));
+    if (v == 2) CK(launch_block_sparse_fwd_cfg<TurnCfg<bf16, 64, 1>>(a, sms));
+    if (v == 3) CK(launch_block_sparse_fwd_cfg<TurnCfg<bf16, 64, 2>>(a, sms));
+  });
+  return 0;
+}
+static_assert(std::is_same_v<TurnCfg<bf16, 64, 1>, dlm::sm90::SparseFwdConfig<bf16, 64>>, "the shipped D = 64 arm");
+
 // Mode `split-ab`: the split tail (csrc/NOTES.md "Session 22"; block_sparse_fwd.cuh tail_part):
 // the last round's items split into up to 2 / 4 / 8 parts over the CTAs it leaves idle, against
 // the plain persistent launch; the counters' memset timed with each split launch, as the binding
@@ -915,6 +937,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "end-ab" || mode == "epi-ab") return end_ab();
+  if (mode == "end-ab64") return end_ab64();
   if (mode == "split-ab") return split_ab();
   if (mode == "column-ab") return column_ab();
   if (mode == "small") {
