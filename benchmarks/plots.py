@@ -1,6 +1,8 @@
-"""``python -m benchmarks.plots [DIR]``: the README's figures for the inference families, redrawn
-from the JSON rows that ``benchmarks.cached_decode``, ``benchmarks.hybrid``, ``benchmarks.sparse``
-and ``benchmarks.sparse_quality`` wrote into DIR (default benchmarks/results). No GPU needed."""
+"""``python -m benchmarks.plots [DIR [SPARSE_TAG ...]]``: the README's figures for the inference
+families, redrawn from the JSON rows that ``benchmarks.cached_decode``, ``benchmarks.hybrid``,
+``benchmarks.sparse`` and ``benchmarks.sparse_quality`` wrote into DIR (default
+benchmarks/results). Each SPARSE_TAG (a ``benchmarks.sparse --tag``, e.g. h200_sparse_s39_full)
+is drawn as the sparse figure too, into DIR/SPARSE_TAG.png. No GPU needed."""
 
 from __future__ import annotations
 
@@ -80,7 +82,9 @@ def sparse(rows: list[dict], plt, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    folder = Path((argv if argv is not None else sys.argv[1:] or ["benchmarks/results"])[0])
+    args = argv if argv is not None else sys.argv[1:]
+    folder = Path(args[0] if args else "benchmarks/results")
+    tags = list(args[1:])
     try:
         import matplotlib
 
@@ -91,8 +95,12 @@ def main(argv=None) -> int:
         return 1
     drawn = []
     for stem, draw in (("h200_cached_decode", cached_decode), ("h200_hybrid", hybrid),
-                       ("h200_sparse", sparse), ("h200_sparse_quick", sparse)):
+                       ("h200_sparse", sparse), ("h200_sparse_quick", sparse),
+                       *((tag, sparse) for tag in tags)):
         rows = _rows(folder, stem)
+        if not rows and stem in tags:
+            print(f"no rows in {folder / stem}.json")
+            return 1
         if rows:
             draw(rows, plt, folder / f"{stem}.png")
             drawn.append(f"{stem}.png")

@@ -19,8 +19,9 @@ a last round that would leave half the grid idle is split into parts over it (``
 Column-sparse (``column_fwd``): dense attention over each head's listed keys, so the listed K / V
 rows are gathered per query head into (B, K, H, D) buffers (K = kv_indices.shape[-1], static: no
 host sync) and the same kernel runs over them with Hkv = H, every query block listing key blocks
-0 .. ceil(count / 128) - 1 (one shared arange) and key_len = kv_counts (the tile of the last
-listed key masks the rest). Same coverage (D 64 / 128, fp16 / bf16, TMA-ready q), K >= 1. The
+0 .. ceil(count / 128) - 1 (one shared arange, which the kernel takes as given: with key_len it
+visits blocks 0, 1, ... without reading the list, csrc/NOTES.md "Session 39") and key_len =
+kv_counts (the tile of the last listed key masks the rest). Same coverage (D 64 / 128, fp16 / bf16, TMA-ready q), K >= 1. The
 buffers are sized by the list width K, not the counts: cut Sk-wide tables to the longest list.
 The gather and the kernel's plan (key_len, block counts, shared list, work order) are ONE launch
 of the extension's ``column_gather`` (csrc/hopper/column_gather.cuh: 16-byte rows, int32 indices,
