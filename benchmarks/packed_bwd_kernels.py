@@ -10,10 +10,11 @@ import collections
 import statistics
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import dlm_ops
 from dlm_ops.backends import cutlass_diffusion as cd
+
+from .sparse_profile import kernel_times
 
 def short(name):
     for key in ("preprocess", "dkdv", "dq_from_ds", "dq_kernel", "convert"):
@@ -22,19 +23,9 @@ def short(name):
     return "other"
 
 def kernels(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    agg = collections.defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            agg[short(e.name)] += e.device_time / reps
-    agg["bwd total"] = sum(v for k, v in agg.items() if k != "bwd total")
-    return dict(agg)
+    agg, _ = kernel_times(fn, short, reps)
+    agg["bwd total"] = sum(agg.values())
+    return agg
 
 real_walk = cd._walk
 VARIANTS = {

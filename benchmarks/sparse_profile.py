@@ -19,6 +19,7 @@ import sys
 import torch
 
 from . import sparse as bs
+from .__main__ import _time_once
 
 PROFILED_CALLS = 30
 
@@ -35,8 +36,9 @@ def kernel_label(name: str) -> str:
     return name[:50]
 
 
-def kernel_times(fn, calls: int = PROFILED_CALLS) -> tuple[dict, collections.Counter]:
-    """Microseconds of GPU time per call by kernel label, and launches per call."""
+def kernel_times(fn, label=kernel_label, calls: int = PROFILED_CALLS) -> tuple[dict, collections.Counter]:
+    """Microseconds of GPU time per call of ``fn`` by ``label(kernel name)`` under torch.profiler
+    (after 5 warm-up calls), and launches per call."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(5):
@@ -49,21 +51,16 @@ def kernel_times(fn, calls: int = PROFILED_CALLS) -> tuple[dict, collections.Cou
     us, launches = collections.defaultdict(float), collections.Counter()
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            us[kernel_label(e.name)] += e.device_time / calls
-            launches[kernel_label(e.name)] += 1
+            us[label(e.name)] += e.device_time / calls
+            launches[label(e.name)] += 1
     return dict(us), collections.Counter({k: n // calls for k, n in launches.items()})
 
 
 def event_ms(fn, calls: int = 40) -> float:
+    """CUDA-event milliseconds per call over ``calls`` back-to-back calls after 3 warm-up calls."""
     for _ in range(3):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+    return _time_once(None, fn, calls)
 
 
 def profile_case(case: bs.SparseCase, rounds: int = 5) -> list[str]:

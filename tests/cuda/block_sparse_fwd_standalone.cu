@@ -345,6 +345,18 @@ float time_loop(int iters, Launch launch) {
   return ms / iters;
 }
 
+int sm_count() {
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+float median(std::vector<float> x) {  // of an even count: the mean of the middle two
+  std::sort(x.begin(), x.end());
+  return 0.5f * (x[(x.size() - 1) / 2] + x[x.size() / 2]);
+}
+
 template <class Elem, int D>
 float time_launches(const dlm::sm90::SparseFwdArgs& a, int max_ctas, int iters) {
   using Cfg = HarnessCfg<Elem, D>;
@@ -572,18 +584,12 @@ void timing_probe() {
 // config 0's median ms and each other config's speed-up over it (>1: faster), overall and per order.
 template <int D = 128, int N, class Launch>
 void ab_table(const char* const (&names)[N], Launch launch) {
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int sms = sm_count();
   printf("\n== bf16 D = %d\n| S | density | %s ms |", D, names[0]);
   for (int v = 1; v < N; ++v) printf(" %s (order a / b) |", names[v]);
   printf("\n|---|---|---|");
   for (int v = 1; v < N; ++v) printf("---|");
   printf("\n");
-  auto med = [](std::vector<float> x) {
-    std::sort(x.begin(), x.end());
-    return 0.5f * (x[(x.size() - 1) / 2] + x[x.size() / 2]);
-  };
   for_quick_shapes<D>(true, [&](int s, double d, Bufs<bf16, D>& b, const Pattern&, float first) {
       const int iters = std::max(3, (int)(20.f / first));
       auto run = [&](int v) { return time_loop(iters, [&] { launch(v, b.args, sms); }); };
@@ -596,11 +602,11 @@ void ab_table(const char* const (&names)[N], Launch launch) {
           t[v].push_back(ms);
           order[r % 2][v].push_back(ms);
         }
-      const float m0 = med(t[0]);
+      const float m0 = median(t[0]);
       printf("| %dK | %.1f | %.3f |", s / 1024, d, m0);
       for (int v = 1; v < N; ++v)
-        printf(" %.3f (%.3f / %.3f) |", m0 / med(t[v]), med(order[0][0]) / med(order[0][v]),
-               med(order[1][0]) / med(order[1][v]));
+        printf(" %.3f (%.3f / %.3f) |", m0 / median(t[v]), median(order[0][0]) / median(order[0][v]),
+               median(order[1][0]) / median(order[1][v]));
       printf("\n");
       fflush(stdout);
   });
@@ -847,9 +853,7 @@ int split_ab() {
 int column_ab() {
   using namespace dlm::sm90;
   constexpr int D = 128, H = 32;
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int sms = sm_count();
   static const char* const names[] = {"block", "column (op)", "column whole tiles", "column no key_len"};
   constexpr int N = sizeof(names) / sizeof(names[0]);
   printf("\n== column-ab, bf16 D = 128, H = 32, persistent grid of %d CTAs, split tail 4\n| S | density | "
@@ -858,10 +862,6 @@ int column_ab() {
   printf("\n|---|---|---|---|---|");
   for (int v = 1; v < N; ++v) printf("---|");
   printf("\n");
-  auto med = [](std::vector<float> x) {
-    std::sort(x.begin(), x.end());
-    return 0.5f * (x[(x.size() - 1) / 2] + x[x.size() / 2]);
-  };
   struct Shape { int s; double d; };
   for (const Shape sh : {Shape{16384, 0.1}, Shape{16384, 0.2}, Shape{16384, 0.5}, Shape{32768, 0.1}}) {
     const int s = sh.s, keys = (int)std::lround(sh.d * s), tiles = (keys + kBlock - 1) / kBlock;
@@ -906,9 +906,9 @@ int column_ab() {
         const int v = r % 2 ? N - 1 - i : (i + r / 2) % N;  // rotated forward, reversed backward
         t[v].push_back(time_loop(iters, [&] { launch(v); }));
       }
-    const float m0 = med(t[0]);
+    const float m0 = median(t[0]);
     printf("| %dK | %.1f | %d | %d / %d | %.3f |", s / 1024, sh.d, keys, tiles, pb.cnt[0], m0);
-    for (int v = 1; v < N; ++v) printf(" %.3f (%.3f) |", med(t[v]), m0 / med(t[v]));
+    for (int v = 1; v < N; ++v) printf(" %.3f (%.3f) |", median(t[v]), m0 / median(t[v]));
     printf("\n");
     fflush(stdout);
     CK(cudaFree(lens_pad));
