@@ -55,6 +55,7 @@ struct FwdConfig {
   static constexpr bool kSoftmaxIlp = SOFTMAX_ILP_ || STALE_MAX_;
   static constexpr bool kStaleMax = STALE_MAX_;
   static constexpr bool kPingPong = PINGPONG_;  // the consumers take turns at the tensor cores
+  static constexpr bool kFreeFirstTurn = false;  // FreeFirstTurn<FwdConfig<...>> sets it (below)
   static constexpr int kStart = START_;
   static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
   static constexpr int kConsumers = BM / kConsumerRows;
@@ -549,9 +550,9 @@ CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
   __syncthreads();
 }
 
-// kFreeFirstTurn (a config that declares `static constexpr bool kFreeFirstTurn = true`: FreeFirstTurn<
-// Base>): an item's first S, which has no P V beside it, takes no turn: each consumer issues it as
-// soon as its Q and K are there, and the turns run on from the item's second S (kTurnBarrier: the
+// kFreeFirstTurn (FreeFirstTurn<Base> over a FwdConfig, whose own is false): an item's first S,
+// which has no P V beside it, takes no turn: each consumer issues it as soon as its Q and K are
+// there, and the turns run on from the item's second S (kTurnBarrier: the
 // pairs stay matched, since both consumers skip the same visit). With strict turns consumer 0's
 // second S waited for consumer 1's first, and consumer 1 reaches it only after its own last P V and
 // epilogue, half a tile after consumer 0's; now consumer 0 runs its first two visits meanwhile.
@@ -560,10 +561,6 @@ CUTE_DEVICE void init_fwd_barriers(typename Cfg::SharedStorage& ss) {
 // 1.006x the one-Q shipped kernel at 16K and density 0.1 / 0.3 / 0.5, 1.036 / 1.020 / 1.009x at 32K,
 // 1.024x at 64K / 0.1, where two Q buffers alone read 1.019 / 1.022 / 1.005x, 1.023 / 1.006 / 1.008x,
 // 1.013x and the bound (two Q, no O store at all) 1.046x at 16K / 0.1.
-template <class Cfg, class = void>
-inline constexpr bool free_first_turn_of = false;
-template <class Cfg>
-inline constexpr bool free_first_turn_of<Cfg, std::void_t<decltype(Cfg::kFreeFirstTurn)>> = Cfg::kFreeFirstTurn;
 template <class Base>
 struct FreeFirstTurn : Base {
   static constexpr bool kFreeFirstTurn = true;
@@ -592,7 +589,7 @@ template <class Cfg, template <class, class> class Side, bool kTail = false, cla
           class... SideArgs>
 CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss, int consumer,
                                int num_items, SideArgs const&... side_args) {
-  constexpr bool kFreeFirst = free_first_turn_of<Cfg>;
+  constexpr bool kFreeFirst = Cfg::kFreeFirstTurn;
   using Elem = typename Cfg::Elem;
   constexpr int BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
   using Barrier = cutlass::arch::ClusterBarrier;
