@@ -99,6 +99,13 @@ struct DqFromDsParams {
   const int32_t* tile_sample = nullptr;
   const int32_t* cu_seqlens = nullptr;
   const int32_t* ds_rows = nullptr;
+  // L2 policies of the loads (TMA::CacheHintSm90 values). The dS^T blocks are read once: evicted
+  // first, they leave L2 to K, which every query tile of its slot reads. Session 40 (csrc/NOTES.md,
+  // bf16, 16K tokens, 10 alternating rounds): this kernel 1.102 / 1.107 / 1.073 / 1.019x at n = 1K /
+  // 2K / 4K / 8K (D = 128; 1.104x block 4, 1.074x GQA 32/8; D = 256 1.039x), the whole backward
+  // 1.020 / 1.024 / 1.005 / 1.012x (1.023x, 1.026x; D = 256 0.997x). K kept with EVICT_LAST as well
+  // measured no more (1.006-1.008x alone). Runtime fields: the measured binary read them so.
+  uint64_t k_hint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL), ds_hint = uint64_t(TMA::CacheHintSm90::EVICT_FIRST);
 };
 
 template <class Cfg>
@@ -194,7 +201,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             TxBarrier::arrive_and_expect_tx(&ss.full[stage],
                                             Cfg::kTileBytesK + Cfg::kConsumers * Cfg::kBlockBytesDs);
             if constexpr (Cfg::kStart == kStartTile) {
-              copy(p.tma_k.with(ss.full[stage]), tKgK(_, _, _, kt), tKsK(_, _, _, stage));
+              copy(p.tma_k.with(ss.full[stage], 0, TMA::CacheHintSm90(p.k_hint)), tKgK(_, _, _, kt),
+                   tKsK(_, _, _, stage));
             } else {  // rows past the tensor's end read as zeros; past the half, dS^T is 0 there
               const auto at = make_coord(t.offset + plans.other.tile(kt).lo, 0);
               copy(p.tma_k.with(ss.full[stage]),
@@ -207,7 +215,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               int slot;
               if constexpr (Cfg::kStart == kStartTile) slot = slot_rows[c * p.ds_k_tiles + kt];
               else slot = sample_rows[c] ? sample_rows[c][kt] : -1;
-              copy(p.tma_ds.with(ss.full[stage]), tDgD(_, _, _, slot < 0 ? 0 : first_block + slot),
+              copy(p.tma_ds.with(ss.full[stage], 0, TMA::CacheHintSm90(p.ds_hint)),
+                   tDgD(_, _, _, slot < 0 ? 0 : first_block + slot),
                    tDsD(_, _, _, stage * Cfg::kConsumers + c));
             }
           }
