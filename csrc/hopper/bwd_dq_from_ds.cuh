@@ -104,7 +104,8 @@ struct DqFromDsParams {
   // bf16, 16K tokens, 10 alternating rounds): this kernel 1.102 / 1.107 / 1.073 / 1.019x at n = 1K /
   // 2K / 4K / 8K (D = 128; 1.104x block 4, 1.074x GQA 32/8; D = 256 1.039x), the whole backward
   // 1.020 / 1.024 / 1.005 / 1.012x (1.023x, 1.026x; D = 256 0.997x). K kept with EVICT_LAST as well
-  // measured no more (1.006-1.008x alone). Runtime fields: the measured binary read them so.
+  // measured no more (1.006-1.008x alone; k_hint is read by the batched tiles' K loads only).
+  // Runtime fields: the measured binary read them so.
   uint64_t k_hint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL), ds_hint = uint64_t(TMA::CacheHintSm90::EVICT_FIRST);
 };
 
