@@ -60,7 +60,10 @@ struct FwdConfig {
   static constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
   static constexpr int kConsumers = BM / kConsumerRows;
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static_assert(kConsumers == 2, "the register split below assumes two consumer warpgroups");
+  // Three consumers (BM = 192, the diffusion forward only: FlashAttention-3's tile at D = 64) take
+  // the register file as 32 + 3 x 160 per thread, two as 24 + 2 x 240 (setmaxnreg).
+  static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32, kConsumerRegs = kConsumers == 2 ? 240 : 160;
   static constexpr bool kNarrowDiag = NARROW_DIAG_;
   static_assert(!kNarrowDiag || (BM == 128 && BN == 128), "a narrow visit is one consumer's half of a 128-key tile");
 
@@ -169,6 +172,13 @@ CUTE_DEVICE float quad_sum(float x) {
 constexpr int kTurnBarrier = 1;
 CUTE_DEVICE void named_barrier_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id)); }
 CUTE_DEVICE void named_barrier_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id)); }
+// The barrier that hands consumer c's turn to the next one (in a ring of Cfg::kConsumers; with
+// three, consumer 2 pre-arrives on consumer 0's as consumer 1 does with two).
+template <class Cfg>
+CUTE_DEVICE int next_turn(int consumer) {
+  if constexpr (Cfg::kConsumers == 2) return kTurnBarrier + 1 - consumer;
+  else return kTurnBarrier + (consumer + 1 == Cfg::kConsumers ? 0 : consumer + 1);
+}
 
 // A key tail: the columns from `hi` on (relative to this thread's first one) are masked in every
 // row, the mask of a tile whose keys end inside it (the sparse forward's short last key block).
@@ -368,6 +378,8 @@ CUTE_DEVICE void store_o_lse(Params const& p, AccO& acc_o, Coords const& tOcO_rc
 // 1K, +2.5 % at 8K (csrc/NOTES.md, forward v6). Named barriers kOStoreBarrier + consumer (128
 // threads).
 constexpr int kOStoreBarrier = kTurnBarrier + 2;
+template <class Cfg>  // past the turn barriers of Cfg's consumers (kOStoreBarrier with two)
+constexpr int o_store_barrier = kTurnBarrier + Cfg::kConsumers;
 template <class Cfg, class Params, class AccO, class Coords, int kRows>
 CUTE_DEVICE void store_o_lse_tma(Params const& p, typename Cfg::SharedStorage& ss, AccO& acc_o,
                                  Coords const& tOcO_rc, float (&row_sum)[kRows],
@@ -384,7 +396,7 @@ CUTE_DEVICE void store_o_lse_tma(Params const& p, typename Cfg::SharedStorage& s
   const Sw128Stage<kConsumerRows> stage(smem_addr(staging), tid);
   // The buffer is free once this warpgroup's previous store has read it (long done, as a rule).
   if (tid == 0) tma_store_wait<0>();
-  bar_sync(kOStoreBarrier + consumer, 128);
+  bar_sync(o_store_barrier<Cfg> + consumer, 128);
   CUTE_UNROLL
   for (int i = 0; i < kRows; ++i) {
     const float l = quad_sum(row_sum[i]);
@@ -399,7 +411,7 @@ CUTE_DEVICE void store_o_lse_tma(Params const& p, typename Cfg::SharedStorage& s
           l > 0.f ? (row_max[i] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
   }
   tma_store_fence();  // the generic-proxy writes above, visible to the TMA (async proxy)
-  bar_sync(kOStoreBarrier + consumer, 128);
+  bar_sync(o_store_barrier<Cfg> + consumer, 128);
   if (tid == 0) {
     Tensor mO = p.tma_o.get_tma_tensor(make_shape(o_rows, D, p.heads, p.batch));
     Tensor gO = local_tile(domain_offset(make_coord(row_offset + row_base, 0), mO(_, _, h, b)),

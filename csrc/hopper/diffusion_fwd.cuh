@@ -237,7 +237,7 @@ CUTE_DEVICE void narrow_visit(typename Cfg::SharedStorage& ss, SQc const& sQc, S
   if (Cfg::kPingPong) named_barrier_sync(kTurnBarrier + consumer);
   gemm_fresh(mma_s, tSrQ(_, _, _, qbuf), tSrK(_, _, _, stage), acc_s);
   warpgroup_wait<0>();
-  if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
+  if (Cfg::kPingPong) named_barrier_arrive(next_turn<Cfg>(consumer));
   warpgroup_fence_operand(acc_s);
   Barrier::arrive(&ss.k_empty[stage]);
   // Keys past a short tile's end (its half's) stay masked, as in a full visit.
@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   init_fwd_barriers<Cfg>(ss);
 
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
-    cutlass::arch::warpgroup_reg_dealloc<24>();
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (threadIdx.x == 0) {
       trace_event<Cfg>(0, kTraceEvents - 4);  // the CTA's start (harness `trace` only)
       trace_event<Cfg>(0, kTraceEvents - 3);
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // ------------------------------------------------------------------------------------ consumers
   // Not fwd_consumers (attn_common.cuh): with its visit and mask test as that loop's hooks the PTX
   // matched only after rewrites, and ptxas still renamed registers (csrc/NOTES.md "Consumer loop").
-  cutlass::arch::warpgroup_reg_alloc<240>();
+  cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
   const int consumer = warp_group - 1, tid = threadIdx.x % 128;
   typename Cfg::MmaS mma_s;
   typename Cfg::MmaO mma_o;
@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kRows = 2;  // rows per thread (r = 0, 1: lane/4 and lane/4 + 8)
 
   int it = 0;  // the producer's ring position, kept in step
-  if (Cfg::kPingPong && consumer == 1) named_barrier_arrive(kTurnBarrier + 0);  // see kTurnBarrier
+  if (Cfg::kPingPong && consumer == Cfg::kConsumers - 1) named_barrier_arrive(kTurnBarrier + 0);  // see kTurnBarrier
   for (int item = 0, w = walk_item(p.schedule, 0, num_items); w < num_items;
        w = walk_item(p.schedule, ++item, num_items)) {
     const int ev = consumer * 8;  // trace_event's slots, as in fwd_consumers (harness `trace` only)
@@ -418,7 +418,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // Hand the turn over only now: a bar.arrive between the wgmma issue and its wait makes ptxas
       // serialize the wgmmas (warning C7514; nvcc 13.0). The other consumer's S then queues behind
       // our P V, which keeps the tensor cores busy all the same.
-      if (Cfg::kPingPong) named_barrier_arrive(kTurnBarrier + 1 - consumer);
+      if (Cfg::kPingPong) named_barrier_arrive(next_turn<Cfg>(consumer));
       warpgroup_fence_operand(acc_s);
       Barrier::arrive(&ss.k_empty[stage]);
 

@@ -27,6 +27,7 @@
 //   ./fwd_standalone q2-narrow     # two Q buffers for the narrow kernels at n = 1K: checks, then
 //                                  # 12 rounds with A/A arms (D = 128 and 64); q2-plain: the
 //                                  # plain kernels at n = 2K / 4K (timing only)
+//   ./fwd_standalone bm192-64      # D = 64 with three consumer warpgroups (BM = 192): checks, then the A/B
 //   ./fwd_standalone bn256-64      # D = 64 over 256-key tiles: checks, then the A/B
 //   ./fwd_standalone ab64          # D = 64: 3 / 4 stages, no ping-pong, two Q buffers against shipped
 //   ./fwd_standalone order         # WorkOrders (slot-major, L2 chunks) against the plain order on the
@@ -732,6 +733,31 @@ int main(int argc, char** argv) {
     run_d(std::integral_constant<int, 128>{});
     run_d(std::integral_constant<int, 64>{});
     run_d(std::integral_constant<int, 256>{});
+    return 0;
+  }
+  if (v == "bm192-64") {  // D = 64 with three consumer warpgroups (BM = 192: FlashAttention-3's
+    using namespace dlm::sm90;  // tile there; session 40): checks, then the A/B against the shipped
+    // two-consumer kernel. At 160 registers per consumer BN = 128 spills (ptxas: 212 bytes with the
+    // four-chain softmax, 236 with one chain), BN = 112 20 bytes; BN = 96 and 64 fit.
+    CK(cudaDeviceGetAttribute(&g_backend_grid, cudaDevAttrMultiProcessorCount, 0));
+    using Ship = FwdShipped<bf16, 64, kBatchedStart>;
+    using Three96 = FwdConfig<bf16, 64, 192, 96, kFwdStages, true, kBatchedStart, 1, true, true>;
+    using Three64 = FwdConfig<bf16, 64, 192, 64, kFwdStages, true, kBatchedStart, 1, true, true>;
+    static_assert(Three96::kConsumers == 3 && Three96::kConsumerRegs == 160, "three consumers at 160 registers");
+    for (int ctas : {3, 0}) {
+      g_max_ctas = ctas;
+      ab_checks<Three96>("three consumers, BN=96, bf16 D=64");
+      ab_checks<Three64>("three consumers, BN=64, bf16 D=64");
+    }
+    g_max_ctas = 3;
+    odd_checks<FwdConfig<bf16, 64, 192, 96, kFwdStages, true, kStartAny, 1, true, true>,
+               FwdConfig<bf16, 64, 192, 96, kFwdStages, true, kStartVarlen, 1, true, true>>(
+        "three consumers, BN=96, 3 CTAs");
+    g_max_ctas = 0;
+    printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
+    if (g_failed) return 1;
+    static const char* names[] = {"shipped (BM=128)", "BM=192 BN=96", "BM=192 BN=64", "shipped again"};
+    ab_timing<Variants<Ship, Three96, Three64, Ship>, 64>(names);
     return 0;
   }
   if (v == "bn256-64") {  // D = 64 over 256-key tiles (S 64 x 256 per consumer: half the visits,
