@@ -743,11 +743,15 @@ int main(int argc, char** argv) {
     using Ship = FwdShipped<bf16, 64, kBatchedStart>;
     using Three96 = FwdConfig<bf16, 64, 192, 96, kFwdStages, true, kBatchedStart, 1, true, true>;
     using Three64 = FwdConfig<bf16, 64, 192, 64, kFwdStages, true, kBatchedStart, 1, true, true>;
+    using Three96NoPp = FwdConfig<bf16, 64, 192, 96, kFwdStages, false, kBatchedStart, 1, true, true>;  // no turns
+    using Three96S3 = FwdConfig<bf16, 64, 192, 96, 3, true, kBatchedStart, 1, true, true>;  // 3 K / V stages
     static_assert(Three96::kConsumers == 3 && Three96::kConsumerRegs == 160, "three consumers at 160 registers");
     for (int ctas : {3, 0}) {
       g_max_ctas = ctas;
       ab_checks<Three96>("three consumers, BN=96, bf16 D=64");
       ab_checks<Three64>("three consumers, BN=64, bf16 D=64");
+      ab_checks<Three96NoPp>("three consumers, BN=96, no turns, bf16 D=64");
+      ab_checks<Three96S3>("three consumers, BN=96, 3 stages, bf16 D=64");
     }
     g_max_ctas = 3;
     odd_checks<FwdConfig<bf16, 64, 192, 96, kFwdStages, true, kStartAny, 1, true, true>,
@@ -756,8 +760,9 @@ int main(int argc, char** argv) {
     g_max_ctas = 0;
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
     if (g_failed) return 1;
-    static const char* names[] = {"shipped (BM=128)", "BM=192 BN=96", "BM=192 BN=64", "shipped again"};
-    ab_timing<Variants<Ship, Three96, Three64, Ship>, 64>(names);
+    static const char* names[] = {"shipped (BM=128)", "BM=192 BN=96", "BM=192 BN=64", "BN=96 no turns",
+                                  "BN=96 3 stages", "shipped again"};
+    ab_timing<Variants<Ship, Three96, Three64, Three96NoPp, Three96S3, Ship>, 64>(names);
     return 0;
   }
   if (v == "bn256-64") {  // D = 64 over 256-key tiles (S 64 x 256 per consumer: half the visits,
