@@ -608,6 +608,7 @@ CUTE_DEVICE void fwd_consumers(Params const& p, typename Cfg::SharedStorage& ss,
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Cfg::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Cfg::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v), typename Cfg::SmemLayoutVt{});
+  static_assert(Cfg::kConsumers == 2, "the block-sparse consumers take turns in pairs (three: the diffusion forward only)");
   cutlass::arch::warpgroup_reg_alloc<240>();
   const int tid = threadIdx.x % 128;
   typename Cfg::MmaS mma_s;
