@@ -185,6 +185,18 @@ void ab_checks(const char* name) {
   for (int bs : {1, 16, 64}) run<Cfg>({1, 384, 2, 2, bs, true}, true, 0);
 }
 
+// ab_checks of each config, on a persistent grid of 3 CTAs and then one CTA per work item (the
+// grids every A/B mode checks its variants on); names[i] is Cfgs' i-th.
+template <class... Cfgs>
+void ab_checks_on_grids(const char* const* names) {
+  for (int ctas : {3, 0}) {
+    g_max_ctas = ctas;
+    int i = 0;
+    (ab_checks<Cfgs>(names[i++]), ...);
+  }
+  g_max_ctas = 0;
+}
+
 struct Bufs { void *q, *k, *v, *o; float* lse; int32_t* order; };
 
 __global__ void fill_random(cutlass::bfloat16_t* x, size_t n, uint32_t seed) {  // ~N(0, 1)-ish, cheap
@@ -746,13 +758,10 @@ int main(int argc, char** argv) {
     using Three96NoPp = FwdConfig<bf16, 64, 192, 96, kFwdStages, false, kBatchedStart, 1, true, true>;  // no turns
     using Three96S3 = FwdConfig<bf16, 64, 192, 96, 3, true, kBatchedStart, 1, true, true>;  // 3 K / V stages
     static_assert(Three96::kConsumers == 3 && Three96::kConsumerRegs == 160, "three consumers at 160 registers");
-    for (int ctas : {3, 0}) {
-      g_max_ctas = ctas;
-      ab_checks<Three96>("three consumers, BN=96, bf16 D=64");
-      ab_checks<Three64>("three consumers, BN=64, bf16 D=64");
-      ab_checks<Three96NoPp>("three consumers, BN=96, no turns, bf16 D=64");
-      ab_checks<Three96S3>("three consumers, BN=96, 3 stages, bf16 D=64");
-    }
+    static const char* checked[] = {"three consumers, BN=96, bf16 D=64", "three consumers, BN=64, bf16 D=64",
+                                    "three consumers, BN=96, no turns, bf16 D=64",
+                                    "three consumers, BN=96, 3 stages, bf16 D=64"};
+    ab_checks_on_grids<Three96, Three64, Three96NoPp, Three96S3>(checked);
     g_max_ctas = 3;
     odd_checks<FwdConfig<bf16, 64, 192, 96, kFwdStages, true, kStartAny, 1, true, true>,
                FwdConfig<bf16, 64, 192, 96, kFwdStages, true, kStartVarlen, 1, true, true>>(
@@ -795,14 +804,9 @@ int main(int argc, char** argv) {
     using S4 = FwdConfig<bf16, 64, kFwdBlockM, 128, 4, true, kBatchedStart, 1, kO, true, kStale>;
     using NoPP = FwdConfig<bf16, 64, kFwdBlockM, 128, kFwdStages, false, kBatchedStart, 1, kO, true, kStale>;
     using Q2S3 = FwdConfig<bf16, 64, kFwdBlockM, 128, 3, true, kBatchedStart, 2, kO, true, kStale>;
-    for (int ctas : {3, 0}) {
-      g_max_ctas = ctas;
-      ab_checks<S3>("bf16 D=64 3 stages");
-      ab_checks<S4>("bf16 D=64 4 stages");
-      ab_checks<NoPP>("bf16 D=64 no ping-pong");
-      ab_checks<Q2S3>("bf16 D=64 two Q buffers, 3 stages");
-    }
-    g_max_ctas = 0;
+    static const char* checked[] = {"bf16 D=64 3 stages", "bf16 D=64 4 stages", "bf16 D=64 no ping-pong",
+                                    "bf16 D=64 two Q buffers, 3 stages"};
+    ab_checks_on_grids<S3, S4, NoPP, Q2S3>(checked);
     printf("%s: %d check(s) failed\n", g_failed ? "FAILED" : "ALL PASSED", g_failed);
     if (g_failed) return 1;
     // Persistent<>: the shipped grid (one CTA per SM) at every length, as the backend runs it.
