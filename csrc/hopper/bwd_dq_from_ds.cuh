@@ -42,7 +42,7 @@ struct DqFromDsConfig {
   static constexpr bool kPersistent = PERSISTENT_;
   static constexpr int kDsRows = kBwdBlockM;  // queries per dS^T block
   static constexpr int kConsumers = BM / kDsRows, kThreads = 128 * (1 + kConsumers);
-  static_assert(D == 128 || D == 256, "the head dims whose dK/dV kernel stores dS^T");
+  static_assert(D == 64 || D == 128 || D == 256, "the head dims whose dK/dV kernel stores dS^T (64: harness ds64)");
 
   using SmemLayoutK = SwizzledTiles<Elem, BN, D, STAGES>;
   using SmemLayoutKt = SwizzledTilesT<Elem, BN, D, STAGES>;  // K^T: (D, BN, STAGES), D contiguous

@@ -199,9 +199,9 @@ struct DkDvConfig {
   // Tiles at multiples of the tile size (batched halves of multiples of 128) or packed samples
   // (kStartVarlen: each sample's slot table rows from p.ds_rows; keys a tile reads past its half
   // get dS^T = 0, since the dQ kernel multiplies the whole block by the rows of K it loads).
-  static_assert(!STORE_DS_ || ((D_ == 128 || (D_ == 256 && !HANDOFF_)) &&
+  static_assert(!STORE_DS_ || ((D_ == 64 || D_ == 128 || (D_ == 256 && !HANDOFF_)) &&
                                (START_ == kStartTile || START_ == kStartVarlen) && !FUSED_DQ_),
-                "the dS store: D = 128 or 256 (without the hand-over), kStartTile or kStartVarlen tiles");
+                "the dS store: D = 64 (harness ds64), 128 or 256 (without the hand-over), kStartTile or kStartVarlen tiles");
   // TMA_STORE_: the epilogue stages dK / dV in the warpgroup's own (now dead) rows of K / V in
   // shared memory and stores them with TMA (store_rows_tma) instead of 4-byte register stores.
   static constexpr bool kTmaStore = TMA_STORE_;

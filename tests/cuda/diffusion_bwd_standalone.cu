@@ -32,7 +32,7 @@
 //   ./bwd_standalone ds         # dS through HBM (dK/dV stores dS^T, dQ reads it: 5 matmuls): checks,
 //                               # then the A/B against the shipped kernels; ds-small for sanitizers;
 //                               # ds-dq: the dQ-from-dS kernel one CTA per item vs persistent;
-//                               # ds256 (-small): the same at D = 256
+//                               # ds256 (-small): the same at D = 256; ds64: at D = 64
 //   ./bwd_standalone bm128-64   # D = 64 dK/dV over 128-query tiles: checks, then A/Bs
 //   ./bwd_standalone ds-rule    # the dS backward: persistent dK/dV vs per key tile at long halves, GQA
 //   ./bwd_standalone ds-prof    # the shipped dS backward twice at n = 1K, for ncu
@@ -1221,6 +1221,20 @@ int main(int argc, char** argv) {
     if (g_failures) return 1;
     timing_ds<DkDvShipped<bf16, 128, kBatchedStart>, DkDvPersistent<bf16, 128, kBatchedStart>, DkSP, DkSP2,
               DqShipped<bf16, 128, kBatchedStart>, DqS>("persistent dK/dV", "store before", "store behind");
+    return 0;
+  }
+  if (mode == "ds64") {  // the dS backward at D = 64 (64-query dS^T blocks, as at D = 128) against
+    // the shipped D = 64 kernels (the persistent dK/dV kernel over 128-query tiles): checks, then
+    // the A/B. Session 18 had it at 1.07 / 1.00 / 0.95 / 0.93x (n = 1K-8K) against that session's
+    // kernels; both sides have changed since (session 41).
+    using DkSP2 = DkDvStoreDsPersistent<bf16, 64, 2>;
+    using DqS = DqFromDsPersistent<bf16, 64>;
+    checks<bf16, 64, DkSP2, DqS>("dS behind, persistent bf16 D=64", true);
+    checks<fp16, 64, DkDvStoreDsPersistent<fp16, 64, 2>, DqFromDsPersistent<fp16, 64>>("dS behind fp16 D=64", false);
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_ds<DkDvShipped<bf16, 64, kBatchedStart>, DkDvPersistent<bf16, 64, kBatchedStart>, DkSP2, DkSP2,
+              DqShipped<bf16, 64, kBatchedStart>, DqS>("persistent dK/dV (shipped)", "store behind", "store behind again");
     return 0;
   }
   if (mode == "ds-dq") {  // the dQ-from-dS kernel one CTA per item vs persistent (both after the

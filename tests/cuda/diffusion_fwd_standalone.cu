@@ -304,6 +304,9 @@ struct Variants {
   }
 };
 int g_backend_grid = 0;  // ab_timing: the 2K rule's grid (persistent, the SM count, for n <= 2048)
+// ab_timing: the persistent grid at every length (the backend's since session 9: cutlass_diffusion
+// _max_ctas), not the 2K rule that g_backend_grid alone gives.
+bool g_persistent_all = false;
 
 // Buffers for every timing shape below at head dim D (bf16, random): the largest q is GQA 32/8's
 // (k and v are smaller); free with free_timing_bufs.
@@ -331,7 +334,7 @@ void ab_timing(const char* const* names, const std::vector<Run>& shapes = kAbSha
   Bufs b = timing_bufs(D);
   std::vector<std::vector<float>> ms(shapes.size(), std::vector<float>(V::kCount, 1e30f));
   for (size_t s = 0; s < shapes.size(); ++s) {
-    g_max_ctas = shapes[s].n <= 2048 ? g_backend_grid : 0;
+    g_max_ctas = g_persistent_all || shapes[s].n <= 2048 ? g_backend_grid : 0;
     // One untimed round first: the backward harness's A/A controls (session 14) found its best-of
     // keeping the first variant's first samples, taken before the clocks settled.
     std::vector<float> warm_up(V::kCount, 1e30f);
@@ -340,7 +343,10 @@ void ab_timing(const char* const* names, const std::vector<Run>& shapes = kAbSha
   }
   g_max_ctas = 0;
   printf("\n== forward A/B, bf16 D=%d, %s; TFLOPS on visible pairs (ratio to %s)\n", D,
-         g_backend_grid ? "the backend's grid (persistent for n <= 2048)" : "one CTA per work item", names[0]);
+         !g_backend_grid ? "one CTA per work item"
+         : g_persistent_all ? "persistent at every length (the backend's grid)"
+                            : "the 2K rule's grid (persistent for n <= 2048)",
+         names[0]);
   printf("| B | n | H/Hkv | bs |");
   for (int i = 0; i < V::kCount; ++i) printf(" %s |", names[i]);
   printf("\n|---|---|---|---|");
@@ -771,7 +777,15 @@ int main(int argc, char** argv) {
     if (g_failed) return 1;
     static const char* names[] = {"shipped (BM=128)", "BM=192 BN=96", "BM=192 BN=64", "BN=96 no turns",
                                   "BN=96 3 stages", "shipped again"};
+    static const char* grid_names[] = {"shipped (BM=128)", "BM=192 BN=96", "BN=96 no turns", "shipped again"};
     ab_timing<Variants<Ship, Three96, Three64, Three96NoPp, Three96S3, Ship>, 64>(names);
+    // The same on the grid the backend launches (persistent at every length), then one CTA per
+    // item everywhere (session 41: the first table has 4K / 8K on one CTA per item).
+    g_persistent_all = true;
+    ab_timing<Variants<Ship, Three96, Three96NoPp, Ship>, 64>(grid_names);
+    g_persistent_all = false;
+    g_backend_grid = 0;
+    ab_timing<Variants<Ship, Three96, Three96NoPp, Ship>, 64>(grid_names);
     return 0;
   }
   if (v == "bn256-64") {  // D = 64 over 256-key tiles (S 64 x 256 per consumer: half the visits,
