@@ -26,9 +26,6 @@ rounds (the main preset's method, benchmarks/__main__.py), medians, bf16, 16K to
     packed-ds    DS_SCRATCH_MAX_BYTES 0 (the two-kernel backward) against 8 GiB (shipped): batched
                  BD3 halves off the 128 grid, whose dS backward runs as packed samples (session
                  24), at D = 128 and 256.
-    ds64         DS_HEAD_DIMS (128, 256) against (64, 128, 256): the dS backward at D = 64 (64-query
-                 dS^T blocks; the two-kernel one's dK/dV kernel visits 128-query tiles) at n = 1K-8K,
-                 block 16 and 4, GQA 32/8 (session 42: its kernels built, harness `ds64`).
 
 The speed column is the second setting's speed over the first's; the A/A column times the first
 setting a second time, as an arm of its own in the same shuffled rounds, and gives that arm's speed
@@ -104,10 +101,6 @@ KNOBS = {
                       (Case(8, 1000, 16, 16, 128, 16), Case(8, 1000, 16, 16, 128, 4),
                        Case(2, 4000, 16, 16, 128, 16), Case(8, 1000, 32, 8, 128, 16),
                        Case(8, 1000, 16, 16, 256, 16), Case(2, 4000, 16, 16, 256, 16))),
-    "ds64": Knob("DS_HEAD_DIMS", ((128, 256), (64, 128, 256)), ("bwd", "step"),
-                 (Case(8, 1024, 16, 16, 64, 16), Case(4, 2048, 16, 16, 64, 16),
-                  Case(2, 4096, 16, 16, 64, 16), Case(1, 8192, 16, 16, 64, 16),
-                  Case(8, 1024, 16, 16, 64, 4), Case(4, 2048, 32, 8, 64, 16))),
     "split-tail": Knob("SPLIT_PARTS", (0, 4), ("block", "column"),
                        (sparse.SparseCase(16384, 0.1), sparse.SparseCase(16384, 0.3),
                         sparse.SparseCase(32768, 0.1), sparse.SparseCase(65536, 0.1),

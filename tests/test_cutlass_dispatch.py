@@ -355,31 +355,29 @@ class DsExtension(FakeExtension):
 
     @staticmethod
     def ds_block(d):  # 64 queries x the dK/dV kernel's key tile; 0: not at this head dim
-        return {64: 64 * 128, 128: 64 * 128, 256: 64 * 64}.get(d, 0)
+        return {128: 64 * 128, 256: 64 * 64}.get(d, 0)
 
     def varlen_ds_slots(self, cu, bs, d):
         assert self.ds_block(d)  # the binding's check
         return varlen_ds_slots(cu, bs, 64 if d == 256 else 128)
 
 
-@pytest.mark.parametrize("nn,nc,d,max_bytes,dims,takes", [
-    (256, 384, 128, cd.DS_SCRATCH_MAX_BYTES, cd.DS_HEAD_DIMS, True),
-    (0, 256, 128, cd.DS_SCRATCH_MAX_BYTES, cd.DS_HEAD_DIMS, True),      # block-causal (no noisy half)
-    (256, 384, 256, cd.DS_SCRATCH_MAX_BYTES, cd.DS_HEAD_DIMS, True),    # D = 256: 64-key blocks
-    (256, 200, 128, cd.DS_SCRATCH_MAX_BYTES, cd.DS_HEAD_DIMS, False),   # a half off the 128 grid
-    (256, 256, 64, cd.DS_SCRATCH_MAX_BYTES, cd.DS_HEAD_DIMS, False),    # D = 64: built, not asked for
-    (256, 256, 64, cd.DS_SCRATCH_MAX_BYTES, (64, 128, 256), True),      # D = 64 asked for
-    (256, 256, 128, 0, cd.DS_HEAD_DIMS, False),                         # the scratch's bound (0: off)
+@pytest.mark.parametrize("nn,nc,d,max_bytes,takes", [
+    (256, 384, 128, cd.DS_SCRATCH_MAX_BYTES, True),
+    (0, 256, 128, cd.DS_SCRATCH_MAX_BYTES, True),      # block-causal (no noisy half)
+    (256, 384, 256, cd.DS_SCRATCH_MAX_BYTES, True),    # D = 256: 64-key blocks
+    (256, 200, 128, cd.DS_SCRATCH_MAX_BYTES, False),   # a half off the 128 grid
+    (256, 256, 64, cd.DS_SCRATCH_MAX_BYTES, False),    # D = 64: the two-kernel dQ
+    (256, 256, 128, 0, False),                         # the scratch's bound (0: off)
 ])
-def test_ds_backward_where_it_applies(fake, monkeypatch, nn, nc, d, max_bytes, dims, takes):
-    """The dS backward: batched, a head dim of DS_HEAD_DIMS that the extension has (ds_block),
-    halves on the 128 grid, within DS_SCRATCH_MAX_BYTES; its scratch is (1 + B * H * visits) blocks
-    of q's dtype, its table the slot table of the mask, its dQ order the 128-row one."""
+def test_ds_backward_where_it_applies(fake, monkeypatch, nn, nc, d, max_bytes, takes):
+    """The dS backward: batched, D = 128 or 256, halves on the 128 grid, within
+    DS_SCRATCH_MAX_BYTES; its scratch is (1 + B * H * visits) blocks of q's dtype, its table the
+    slot table of the mask, its dQ order the 128-row one."""
     ext = DsExtension()
     monkeypatch.setattr(cd, "_EXT", ext)
     monkeypatch.setattr(cd, "_extension", lambda: ext)
     monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", max_bytes)
-    monkeypatch.setattr(cd, "DS_HEAD_DIMS", dims)
     cd._ds_slots.cache_clear()
     mask = SequenceMask(nn, nc, 16)
     q, k, v = _batched(2, nn, nc, 4, 2, d)

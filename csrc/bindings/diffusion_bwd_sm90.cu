@@ -127,7 +127,7 @@ std::vector<torch::Tensor> varlen_bwd_tile_orders(std::vector<int64_t> cu_seqlen
 std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t> varlen_ds_slots(std::vector<int64_t> cu_seqlens,
                                                                          int64_t block_size, int64_t head_dim) {
   const int d = static_cast<int>(head_dim);
-  TORCH_CHECK(ds_backward_supports(d), "the dS backward: D = 64, 128 or 256");
+  TORCH_CHECK(ds_backward_supports(d), "the dS backward: D = 128 or 256");
   TORCH_CHECK(!cu_seqlens.empty() && cu_seqlens.back() <= INT32_MAX, "cu_seqlens: 1 to 2^31 - 1 tokens");
   const std::vector<int32_t> cu(cu_seqlens.begin(), cu_seqlens.end());
   const dlm::VarlenMask mask{cu.data(), static_cast<int>(cu.size()) - 1, static_cast<int>(block_size)};
@@ -174,7 +174,7 @@ struct LaunchBwd {
 // samples (varlen): B = 1, S = total tokens, the orders and samples from varlen_bwd_tile_orders and
 // cu_seqlens the (num_samples + 1,) int32 offsets on the device; n_noisy is then unused.
 // persistent_dkdv: the persistent dK/dV kernel (D = 64 / 128; other head dims run the one-CTA-per-tile
-// kernel regardless). ds_scratch / ds_slots / ds_visits (D = 64, 128 or 256; batched: both halves
+// kernel regardless). ds_scratch / ds_slots / ds_visits (D = 128 or 256; batched: both halves
 // multiples of 128): the backward with dS through HBM (diffusion_bwd.cuh launch_bwd_ds), ds_scratch
 // of q's dtype with at least (1 + B * H * ds_visits) * ds_block(D) elements; batched, ds_slots the
 // (S / 64) x (S / key tile) int32 slot table and dq_order the third of bwd_tile_orders; packed
@@ -248,7 +248,7 @@ void diffusion_bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::
   if (ds_scratch) {
     const int64_t s = q.size(1), d = q.size(3), block = ds_block(d);
     TORCH_CHECK(block && (varlen || (n_noisy % kDsDqBlockM == 0 && (s - n_noisy) % kDsDqBlockM == 0)),
-                "the dS backward: D = 64, 128 or 256; batched, both halves multiples of ", kDsDqBlockM);
+                "the dS backward: D = 128 or 256; batched, both halves multiples of ", kDsDqBlockM);
     TORCH_CHECK(ds_scratch->device() == dev && ds_scratch->scalar_type() == q.scalar_type() &&
                     ds_scratch->is_contiguous() && reinterpret_cast<uintptr_t>(ds_scratch->data_ptr()) % 16 == 0 &&
                     ds_visits >= 0 && ds_scratch->numel() >= (1 + q.size(0) * q.size(2) * ds_visits) * block,

@@ -282,11 +282,9 @@ cudaError_t launch_convert_dq(const BwdArgs& a) {
 // their dV / dK matmuls (kDsStore = 2; harness `ds`, session 18: the whole backward 1.04-1.05x
 // faster than staging it before them); at D = 128 the persistent one at every length (call 3: the
 // whole backward 1.12-1.21x the shipped one's with it, 1.03-1.06x with one CTA per key tile); at
-// D = 256 the role split, one CTA per key tile (its only dK/dV kernel). D = 64 (session 42): the
-// persistent kernel over 64-query tiles, as at D = 128 (its two-kernel backward visits 128-query
-// tiles); the Python backend asks for it where cutlass_diffusion.DS_HEAD_DIMS lists 64.
+// D = 256 the role split, one CTA per key tile (its only dK/dV kernel).
 constexpr int kDsStore = 2;
-constexpr bool ds_backward_supports(int d) { return d == 64 || d == 128 || d == 256; }
+constexpr bool ds_backward_supports(int d) { return d == 128 || d == 256; }
 template <class Elem, int D, int STORE = kDsStore, int START = kStartTile>
 using DkDvStoreDs = DkDvConfig<Elem, D, kBwdBlockM, bwd_block_n(D), kBwdStages, START, false, false,
                                false, false, STORE>;
@@ -320,7 +318,7 @@ constexpr int kDsDqOrderChunk = -1, kDsDqOrderBlock = 0;
 // sample's rows of the slot table lie; a.dq_sample is then the dQ-from-dS entries' samples).
 template <class Elem, int D, int STORE = kDsStore, int START = kStartTile>
 cudaError_t launch_bwd_ds(const BwdArgs& a) {
-  static_assert(ds_backward_supports(D), "the dS store and the dQ-from-dS kernel: D = 64, 128 or 256");
+  static_assert(ds_backward_supports(D), "the dS store and the dQ-from-dS kernel: D = 128 or 256");
   using DkDv = std::conditional_t<dkdv_persistent_supports(D), DkDvStoreDsPersistent<Elem, D, STORE, START>,
                                   DkDvStoreDs<Elem, D, STORE, START>>;
   if (a.batch * a.heads == 0 || a.seqlen == 0) return cudaSuccess;
@@ -337,7 +335,7 @@ cudaError_t launch_bwd_ds(const BwdArgs& a) {
 // START: kBatchedStart (batched calls) or kStartVarlen (packed samples: batch 1, dkdv_sample,
 // dq_sample and cu_seqlens set). lse2 / delta hold kVarlenScratchPad floats past their B * H * S,
 // zeroed by the preprocess (the kStartAny / kStartVarlen dK/dV kernels read them). Calls with
-// a.ds_scratch set (D = 64, 128 or 256; batched: halves on multiples of 128, the binding checks) run
+// a.ds_scratch set (D = 128 or 256; batched: halves on multiples of 128, the binding checks) run
 // launch_bwd_ds instead.
 template <class Elem, int D, int START = kBatchedStart>
 cudaError_t launch_bwd(const BwdArgs& a) {

@@ -126,7 +126,7 @@ PERSISTENT_DKDV_EVERY_LENGTH = (64,)
 # scratch buffer and the dQ kernel reads it back instead of recomputing S and dP: 5 matmuls per
 # tile pair instead of 7 (6 instead of 8 at D = 256, whose dK/dV kernel computes S^T twice),
 # deterministic (every block written by one CTA, no atomics). Batched calls at the head dims of
-# DS_HEAD_DIMS whose extension has it (ext.ds_block(d) > 0: D = 64, 128, 256) with both halves
+# DS_HEAD_DIMS whose extension has it (ext.ds_block(d) > 0: D = 128, 256) with both halves
 # multiples of DS_HALF_MULTIPLE (the dQ kernel's 128-row tiles start at tile multiples), and (session 24,
 # kStartVarlen instantiations) packed samples of any lengths, whose slot table lists each sample's
 # rows (ext.varlen_ds_slots), while the scratch, 1 + B * H * visits blocks of ext.ds_block(d)
@@ -139,9 +139,10 @@ PERSISTENT_DKDV_EVERY_LENGTH = (64,)
 # The bound is 8 GiB since session 19: at 4 GiB GQA 32/8 at n = 8K (4.4 GB) ran the two-kernel
 # backward, which harness `ds-rule` measured 1.05x slower (the caching allocator keeps the block
 # for the next layer's backward: one scratch per step, not one per layer).
-# The extension has the dS kernels at D = 64 too (session 42: 64-query dS^T blocks of 128 keys, as
-# at D = 128, where the two-kernel backward's dK/dV kernel visits 128-query tiles); the backend
-# takes them only where DS_HEAD_DIMS lists 64 (benchmarks.knob_ab ds64 measures the two).
+# Not at D = 64: its dS kernels (64-query dS^T blocks of 128 keys, as at D = 128; harness `ds64`)
+# ran the backward 0.79-0.87x the two-kernel one, whose dK/dV kernel visits 128-query tiles, at
+# n = 1K-8K (session 43, H100: the dK/dV kernel with the dS store 1.5x slower, the dQ-from-dS one
+# only 1.1-1.35x faster), so the extension does not build them.
 DS_HEAD_DIMS = (128, 256)
 DS_HALF_MULTIPLE = 128
 DS_QUERY_TILE = 64  # queries per dS^T block: the dK/dV kernel's query tile
