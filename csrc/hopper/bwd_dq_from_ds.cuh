@@ -30,23 +30,13 @@ namespace dlm::sm90 {
 // with TMA (store_rows_tma), where the register stores' 4-byte STGs took 13 % of the kernel's stall
 // samples at n = 1K (ncu). The buffer is reused one item later, after that store has read it.
 // 224 KB of shared memory at D = 128, 208 KB at D = 256.
-// PAIRED_ (session 45, BD3 halves of equal length, kStartTile, D = 128): an item is the noisy query
-// tile t with the clean tile t of the same blocks. Both see the clean key tiles 0..t (the noisy one
-// all but the last, or part of it), so each of those K tiles is loaded once for four dS^T blocks
-// where the unpaired kernel loads it twice (session 40's knockout: the K loads are 10-25 % of this
-// kernel, L2-bound). Each consumer keeps one accumulator per query tile (2 x 64 registers at D = 128);
-// a stage holds K and four dS^T blocks (96 KB), so the ring has two stages. The visits of each query
-// tile come in the unpaired kernel's order, so dQ is bitwise the same.
 template <class Elem_, int D_ = 128, int STAGES_ = 3, bool PERSISTENT_ = false, bool TMA_STORE_ = false,
-          int START_ = kStartTile, bool PAIRED_ = false>
+          int START_ = kStartTile>
 struct DqFromDsConfig {
   using Elem = Elem_;
   static constexpr int kStart = START_;
   static_assert(START_ == kStartTile || START_ == kStartVarlen, "the dS store's tilings");
   static constexpr bool kTmaStore = TMA_STORE_;
-  // The query tiles of one item (1, or 2 when PAIRED_): each a lane of the accumulators and dS^T blocks.
-  static constexpr int kLanes = PAIRED_ ? 2 : 1;
-  static_assert(!PAIRED_ || (START_ == kStartTile && D_ <= 128), "pairs: batched halves, two accumulators");
   // BN: the dK/dV kernel's key tile, one dS^T block's keys.
   static constexpr int D = D_, BM = kDsDqBlockM, BN = ds_dq_block_n(D), STAGES = STAGES_;
   static constexpr bool kPersistent = PERSISTENT_;
@@ -57,12 +47,8 @@ struct DqFromDsConfig {
   using SmemLayoutK = SwizzledTiles<Elem, BN, D, STAGES>;
   using SmemLayoutKt = SwizzledTilesT<Elem, BN, D, STAGES>;  // K^T: (D, BN, STAGES), D contiguous
   // (64 queries, BN keys) per consumer and stage, queries contiguous: 128-byte rows of one key.
-  // Block (lane l, consumer c) of stage s: index (s * kLanes + l) * kConsumers + c.
   using SmemLayoutDs = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                              Shape<Int<kDsRows>, Int<BN>, Int<kLanes * kConsumers * STAGES>>{}));
-  static constexpr int ds_block(int stage, int lane, int consumer) {
-    return (stage * kLanes + lane) * kConsumers + consumer;
-  }
+                                              Shape<Int<kDsRows>, Int<BN>, Int<kConsumers * STAGES>>{}));
   using MmaDq = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kDsRows>, Int<D>, Int<BN>>,
                                  GMMA::Major::MN, GMMA::Major::MN>()));
@@ -123,22 +109,10 @@ struct DqFromDsParams {
   uint64_t k_hint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL), ds_hint = uint64_t(TMA::CacheHintSm90::EVICT_FIRST);
 };
 
-// A visit's lanes (bit l: query tile l of the item) as a compile-time mask: how many, and f(Int<l>)
-// for each.
-template <int LANES>
-CUTE_HOST_DEVICE constexpr int lane_count(Int<LANES>) {
-  return (LANES & 1) + (LANES >> 1 & 1);
-}
-template <int LANES, class F>
-CUTE_DEVICE void for_each_lane(Int<LANES>, F&& f) {
-  if constexpr (LANES & 1) f(Int<0>{});
-  if constexpr (LANES & 2) f(Int<1>{});
-}
-
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     diffusion_bwd_dq_from_ds_kernel(__grid_constant__ const DqFromDsParams<Cfg> p) {
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES, kLanes = Cfg::kLanes;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, D = Cfg::D, STAGES = Cfg::STAGES;
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
@@ -150,19 +124,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   const int slots = p.batch * p.heads, num_items = slots * p.entries;
   struct Item {
-    int b, h, bh, qt[kLanes];
+    int b, h, bh, qt;
     int offset, ds_row, seqlen;  // kStartVarlen: the sample's packed row 0, first slot-table row, length
   };
   auto item_at = [&](int w) {
     int e, bh;
     p.order.decode(w, p.entries, e, bh);
-    Item t{bh / p.heads, bh % p.heads, bh, {}, 0, 0, 0};
-    if constexpr (kLanes == 2) {  // entry e: the pair of noisy tile nt - 1 - e, longest first
-      const int nt = p.mask.fwd_tiles(BM, BN).own.num_noisy();
-      t.qt[0] = nt - 1 - e, t.qt[1] = 2 * nt - 1 - e;
-    } else {
-      t.qt[0] = p.tile_order[e];
-    }
+    Item t{bh / p.heads, bh % p.heads, bh, p.tile_order[e], 0, 0, 0};
     if constexpr (Cfg::kStart == kStartVarlen) {
       const int sample = p.tile_sample[e];
       t.offset = p.cu_seqlens[sample], t.ds_row = p.ds_rows[sample];
@@ -181,31 +149,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int i = 0, w = snake_item(0); w < num_items; w = snake_item(++i)) f(item_at(w));
     } else {
       f(item_at(blockIdx.x));
-    }
-  };
-  // f(kt, lanes) for the item's key tiles, lanes (a compile-time Int) the bit mask of its query tiles
-  // that see key tile kt. One query tile: its runs in order. A pair: each tile's own visits keep
-  // their order (so dQ is bitwise the unpaired kernel's), and the clean key tiles both see (the noisy
-  // tile's run 1 and the clean tile's run 0 start at the first clean key tile, and the noisy one ends
-  // first) are loaded once for both. The lanes are constants so that no wgmma is predicated:
-  // ptxas serializes the wgmmas of a stage that branches around one (advisory C7515).
-  // Producer and consumers walk it alike.
-  auto for_each_visit = [&](const TilePlans& plans, const Item& t, auto&& f) {
-    const TileRuns a = plans.runs(t.qt[0]);
-    if constexpr (kLanes == 1) {
-      for (int r = 0; r < 2; ++r)
-        for (int kt = run_begin(a, r); kt < run_end(a, r); ++kt) f(kt, Int<1>{});
-    } else {
-      const TileRuns c = plans.runs(t.qt[1]);
-      const int ab = run_begin(a, 1), ae = run_end(a, 1), cb = run_begin(c, 0), ce = run_end(c, 0);
-      // [lo, hi): the clean key tiles both tiles see (empty: lo >= hi).
-      const int lo = ab > cb ? ab : cb, hi = imin(ae, ce);
-      for (int kt = run_begin(a, 0); kt < run_end(a, 0); ++kt) f(kt, Int<1>{});
-      for (int kt = ab; kt < imin(ae, lo); ++kt) f(kt, Int<1>{});
-      for (int kt = cb; kt < imin(ce, lo); ++kt) f(kt, Int<2>{});
-      for (int kt = lo; kt < hi; ++kt) f(kt, Int<3>{});
-      for (int kt = cute::max(ab, hi); kt < ae; ++kt) f(kt, Int<1>{});
-      for (int kt = cute::max(cb, hi); kt < ce; ++kt) f(kt, Int<2>{});
     }
   };
   const int warp_group = threadIdx.x / 128;
@@ -229,57 +172,56 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Tensor mDs = p.tma_ds.get_tma_tensor(make_shape(int(Cfg::kDsRows), int(BN), blocks));
       auto tma_ds = p.tma_ds.get_slice(0);
       Tensor tDgD = tma_ds.partition_S(mDs);  // (TMA, 1, 1, blocks)
-      Tensor tDsD = tma_ds.partition_D(sDs);  // (TMA, 1, 1, lanes * consumers * STAGES)
+      Tensor tDsD = tma_ds.partition_D(sDs);  // (TMA, 1, 1, consumers * STAGES)
       int it = 0;  // the ring position, continued across items
       for_each_item([&](const Item t) {
         const int kvh = t.h / (p.heads / p.kv_heads);
         const TilePlans plans = plans_of(t);
+        const TileRuns runs = plans.runs(t.qt);
         Tensor tKgK = tma_k.partition_S(
             local_tile(mK(_, _, kvh, t.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, 0)));
-        // kStartTile: consumer c's slot-table row of query tile qt is 2 qt + c. kStartVarlen: the
-        // dK/dV kernel's 64-query tile at q_tile.lo + 64 c of the sample (tiles are cut from each
-        // half's start, so it is one of them), or none past the half (block 0).
-        [[maybe_unused]] const int32_t* slot_rows[kLanes];
+        // kStartTile: consumer c's slot-table row is 2 qt + c. kStartVarlen: the dK/dV kernel's
+        // 64-query tile at q_tile.lo + 64 c of the sample (tiles are cut from each half's start,
+        // so it is one of them), or none past the half (block 0).
+        [[maybe_unused]] const int32_t* slot_rows = p.ds_slots + t.qt * Cfg::kConsumers * p.ds_k_tiles;
         [[maybe_unused]] const int32_t* sample_rows[Cfg::kConsumers];
         if constexpr (Cfg::kStart == kStartVarlen) {
-          const Interval q_tile = plans.tile(t.qt[0]);
+          const Interval q_tile = plans.tile(t.qt);
           const Tiling ds_tiling{plans.n_noisy, plans.n_clean, Cfg::kDsRows};
           for (int c = 0; c < Cfg::kConsumers; ++c) {
             const int lo = q_tile.lo + c * Cfg::kDsRows;
             sample_rows[c] = lo < q_tile.hi ? p.ds_slots + int64_t(t.ds_row + ds_tiling.index_of(lo)) * p.ds_k_tiles
                                             : nullptr;
           }
-        } else {
-          for (int l = 0; l < kLanes; ++l) slot_rows[l] = p.ds_slots + t.qt[l] * Cfg::kConsumers * p.ds_k_tiles;
         }
         const int first_block = 1 + t.bh * p.ds_visits;
-        for_each_visit(plans, t, [&](int kt, auto lanes) {
-          const int stage = it % STAGES, phase = (it / STAGES) & 1;
-          ++it;
-          Barrier::wait(&ss.empty[stage], phase ^ 1);
-          TxBarrier::arrive_and_expect_tx(
-              &ss.full[stage], Cfg::kTileBytesK + lane_count(lanes) * Cfg::kConsumers * Cfg::kBlockBytesDs);
-          if constexpr (Cfg::kStart == kStartTile) {
-            copy(p.tma_k.with(ss.full[stage], 0, TMA::CacheHintSm90(p.k_hint)), tKgK(_, _, _, kt),
-                 tKsK(_, _, _, stage));
-          } else {  // rows past the tensor's end read as zeros; past the half, dS^T is 0 there
-            const auto at = make_coord(t.offset + plans.other.tile(kt).lo, 0);
-            copy(p.tma_k.with(ss.full[stage]),
-                 tma_k.partition_S(local_tile(domain_offset(at, mK(_, _, kvh, t.b)), Shape<Int<BN>, Int<D>>{},
-                                              make_coord(0, 0))),
-                 tKsK(_, _, _, stage));
-          }
-          for_each_lane(lanes, [&](auto l) {
+        for (int r = 0; r < 2; ++r) {
+          for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
+            const int stage = it % STAGES, phase = (it / STAGES) & 1;
+            Barrier::wait(&ss.empty[stage], phase ^ 1);
+            TxBarrier::arrive_and_expect_tx(&ss.full[stage],
+                                            Cfg::kTileBytesK + Cfg::kConsumers * Cfg::kBlockBytesDs);
+            if constexpr (Cfg::kStart == kStartTile) {
+              copy(p.tma_k.with(ss.full[stage], 0, TMA::CacheHintSm90(p.k_hint)), tKgK(_, _, _, kt),
+                   tKsK(_, _, _, stage));
+            } else {  // rows past the tensor's end read as zeros; past the half, dS^T is 0 there
+              const auto at = make_coord(t.offset + plans.other.tile(kt).lo, 0);
+              copy(p.tma_k.with(ss.full[stage]),
+                   tma_k.partition_S(local_tile(domain_offset(at, mK(_, _, kvh, t.b)), Shape<Int<BN>, Int<D>>{},
+                                                make_coord(0, 0))),
+                   tKsK(_, _, _, stage));
+            }
             for (int c = 0; c < Cfg::kConsumers; ++c) {
               // A 64-row half that no dK/dV visit covers (slot -1) reads block 0, all zeros.
               int slot;
-              if constexpr (Cfg::kStart == kStartTile) slot = slot_rows[l][c * p.ds_k_tiles + kt];
+              if constexpr (Cfg::kStart == kStartTile) slot = slot_rows[c * p.ds_k_tiles + kt];
               else slot = sample_rows[c] ? sample_rows[c][kt] : -1;
               copy(p.tma_ds.with(ss.full[stage], 0, TMA::CacheHintSm90(p.ds_hint)),
-                   tDgD(_, _, _, slot < 0 ? 0 : first_block + slot), tDsD(_, _, _, Cfg::ds_block(stage, l, c)));
+                   tDgD(_, _, _, slot < 0 ? 0 : first_block + slot),
+                   tDsD(_, _, _, stage * Cfg::kConsumers + c));
             }
-          });
-        });
+          }
+        }
       });
     }
     return;
@@ -290,68 +232,58 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int consumer = warp_group - 1, tid = threadIdx.x % 128;
   typename Cfg::MmaDq mma;
   auto thr = mma.get_thread_slice(tid);
-  Tensor tArD = thr.partition_fragment_A(sDs);   // descriptors: (MMA, M, K, lanes * consumers * STAGES)
+  Tensor tArD = thr.partition_fragment_A(sDs);   // descriptors: (MMA, M, K, consumers * STAGES)
   Tensor tBrK = thr.partition_fragment_B(sKt);   // (MMA, N = D, K = BN, STAGES)
-  using Acc = decltype(partition_fragment_C(mma, Shape<Int<Cfg::kDsRows>, Int<D>>{}));
-  Acc acc[kLanes];  // indexed by unrolled loops only, so it stays in registers
+  Tensor acc = partition_fragment_C(mma, Shape<Int<Cfg::kDsRows>, Int<D>>{});
   Tensor tQcQ = thr.partition_C(make_identity_tensor(Shape<Int<Cfg::kDsRows>, Int<D>>{}));
   int it = 0;  // the producer's ring position, kept in step
   for_each_item([&](const Item t) {
     const TilePlans plans = plans_of(t);
-    // Cleared and fenced here, outside any wgmma's flight: a lane whose first visit comes after the
-    // other lane's wgmmas have started must not have its zeros rematerialized there (C7515).
-    CUTE_UNROLL
-    for (int l = 0; l < kLanes; ++l) clear(acc[l]), warpgroup_fence_operand(acc[l]);
-    // Visit j's matmuls are issued before visit j - 1's are waited for, whose stage is then released.
+    const TileRuns runs = plans.runs(t.qt);
+    const Interval q_tile = plans.tile(t.qt);
+    clear(acc);
+    // Visit j's matmul is issued before visit j - 1's is waited for, whose stage is then released.
     const int first = it;
-    for_each_visit(plans, t, [&](int kt, auto lanes) {
-      const int stage = it % STAGES, phase = (it / STAGES) & 1;
-      Barrier::wait(&ss.full[stage], phase);
-      for_each_lane(lanes, [&](auto l) { warpgroup_fence_operand(acc[l]); });
-      warpgroup_arrive();
-      for_each_lane(lanes, [&](auto l) {
+    for (int r = 0; r < 2; ++r) {
+      for (int kt = run_begin(runs, r); kt < run_end(runs, r); ++kt, ++it) {
+        const int stage = it % STAGES, phase = (it / STAGES) & 1;
+        Barrier::wait(&ss.full[stage], phase);
+        warpgroup_fence_operand(acc);
+        warpgroup_arrive();
         CUTE_UNROLL
         for (int kb = 0; kb < size<2>(tArD); ++kb)
-          gemm(mma, tArD(_, _, kb, Cfg::ds_block(stage, l, consumer)), tBrK(_, _, kb, stage), acc[l]);
-      });
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();
-      for_each_lane(lanes, [&](auto l) { warpgroup_fence_operand(acc[l]); });
-      if (it > first) Barrier::arrive(&ss.empty[(it - 1) % STAGES]);
-      ++it;
-    });
-    warpgroup_wait<0>();
-    CUTE_UNROLL
-    for (int l = 0; l < kLanes; ++l) warpgroup_fence_operand(acc[l]);
-    if (it > first) Barrier::arrive(&ss.empty[(it - 1) % STAGES]);  // the item's last visit
-    CUTE_UNROLL
-    for (int l = 0; l < kLanes; ++l) {
-      const Interval q_tile = plans.tile(t.qt[l]);
-      const int row0 = q_tile.lo + consumer * Cfg::kDsRows;
-      // kStartTile: every consumer's 64 rows lie in the tile (tiles at multiples of 128 inside halves
-      // of multiples of 128); kStartVarlen: the rows past the half are not stored, so a consumer
-      // whose rows the tile does not all hold stores from registers.
-      if (Cfg::kTmaStore && (Cfg::kStart == kStartTile || row0 + Cfg::kDsRows <= q_tile.hi)) {
-        if constexpr (Cfg::kTmaStore) {
-          // The previous store (this item's other lane, or the previous item's) has read the buffer
-          // before any thread of this warpgroup writes it.
-          Tensor sDq = make_tensor(make_smem_ptr(ss.dq_store.dq[consumer]), typename Cfg::SmemLayoutDq{});
-          if (tid == 0) tma_store_wait<0>();
-          bar_sync(kGradStoreBarrier + consumer, 128);
-          stage_rows<typename Cfg::Elem, typename Cfg::SmemLayoutDq>(acc[l], p.scale,
-                                                                     smem_addr(ss.dq_store.dq[consumer]), tid);
-          tma_store_fence();
-          bar_sync(kGradStoreBarrier + consumer, 128);
-          if (tid == 0) {
-            store_rows_tma<D>(p.tma_store, sDq, p.seqlen, p.heads, p.batch, t.offset + row0, t.h, t.b);
-            tma_store_arrive();
-          }
-        }
-      } else {
-        typename Cfg::Elem* dq = p.dq + t.b * p.dq_stride_b + t.h * p.dq_stride_h + t.offset * p.dq_stride_s;
-        store_rows(acc[l], tQcQ, p.scale, dq, p.dq_stride_s, row0, q_tile.hi);
+          gemm(mma, tArD(_, _, kb, stage * Cfg::kConsumers + consumer), tBrK(_, _, kb, stage), acc);
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(acc);
+        if (it > first) Barrier::arrive(&ss.empty[(it - 1) % STAGES]);
       }
     }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (it > first) Barrier::arrive(&ss.empty[(it - 1) % STAGES]);  // the item's last visit
+    const int row0 = q_tile.lo + consumer * Cfg::kDsRows;
+    // kStartTile: every consumer's 64 rows lie in the tile (tiles at multiples of 128 inside halves
+    // of multiples of 128); kStartVarlen: the rows past the half are not stored, so a consumer
+    // whose rows the tile does not all hold stores from registers.
+    if constexpr (Cfg::kTmaStore) {
+      if (Cfg::kStart == kStartTile || row0 + Cfg::kDsRows <= q_tile.hi) {
+        // The previous item's store has read the buffer before any thread of this warpgroup writes it.
+        Tensor sDq = make_tensor(make_smem_ptr(ss.dq_store.dq[consumer]), typename Cfg::SmemLayoutDq{});
+        if (tid == 0) tma_store_wait<0>();
+        bar_sync(kGradStoreBarrier + consumer, 128);
+        stage_rows<typename Cfg::Elem, typename Cfg::SmemLayoutDq>(acc, p.scale, smem_addr(ss.dq_store.dq[consumer]), tid);
+        tma_store_fence();
+        bar_sync(kGradStoreBarrier + consumer, 128);
+        if (tid == 0) {
+          store_rows_tma<D>(p.tma_store, sDq, p.seqlen, p.heads, p.batch, t.offset + row0, t.h, t.b);
+          tma_store_arrive();
+        }
+        return;
+      }
+    }
+    typename Cfg::Elem* dq = p.dq + t.b * p.dq_stride_b + t.h * p.dq_stride_h + t.offset * p.dq_stride_s;
+    store_rows(acc, tQcQ, p.scale, dq, p.dq_stride_s, row0, q_tile.hi);
   });
   if constexpr (Cfg::kTmaStore) {
     if (tid == 0) tma_store_wait<0>();  // the last store has read its buffer before the CTA exits

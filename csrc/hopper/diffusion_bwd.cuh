@@ -217,14 +217,10 @@ cudaError_t launch_dq(const BwdArgs& a) {
   return cudaGetLastError();
 }
 
-// Cfg::kLanes == 2 (pairs of noisy and clean query tiles): BD3 halves of equal length, multiples of
-// the query tile (the kStartTile tiling), else cudaErrorInvalidValue; a.dq_order is then unused.
 template <class Cfg>
 cudaError_t launch_dq_from_ds(const BwdArgs& a) {
   using Elem = typename Cfg::Elem;
   constexpr int D = Cfg::D;
-  if (Cfg::kLanes == 2 && (2 * a.n_noisy != a.seqlen || a.n_noisy % Cfg::BM != 0)) return cudaErrorInvalidValue;
-  const int entries = a.dq_tiles / Cfg::kLanes;
   DqFromDsParams<Cfg> p{
       make_tma_rows<Elem, Cfg::BN, D>(static_cast<const Elem*>(a.k), a.seqlen, a.kv_heads, a.batch,
                                       a.k_stride[1], a.k_stride[2], a.k_stride[0]),
@@ -232,7 +228,7 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
       static_cast<Elem*>(a.dq), a.dq_stride[1], a.dq_stride[2], a.dq_stride[0],
       a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale, a.dq_order, a.ds_slots,
-      a.ds_k_tiles ? a.ds_k_tiles : (a.seqlen + Cfg::BN - 1) / Cfg::BN, a.ds_visits, entries,
+      a.ds_k_tiles ? a.ds_k_tiles : (a.seqlen + Cfg::BN - 1) / Cfg::BN, a.ds_visits, a.dq_tiles,
       // A (batch, head) slot re-reads its kv head's K (shared by the group: adjacent slots); the dS
       // blocks it reads are its own.
       work_order(a.batch * a.heads, int64_t{a.seqlen} * D * sizeof(Elem) * a.kv_heads / a.heads,
@@ -243,7 +239,7 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);
   if (configured != cudaSuccess) return configured;
-  int ctas = a.batch * a.heads * entries;
+  int ctas = a.batch * a.heads * a.dq_tiles;
   if constexpr (Cfg::kPersistent) {
     if (const cudaError_t err = cap_at_sm_count(ctas); err != cudaSuccess) return err;
   }
@@ -307,16 +303,6 @@ using DkDvStoreDsPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdSt
 // 1.03 / 1.03 / 1.01x, 1.03x GQA.
 template <class Elem, int D, int START = kStartTile>
 using DqFromDsPersistent = DqFromDsConfig<Elem, D, 3, true, true, START>;
-// The same over (noisy t, clean t) pairs of query tiles, K loaded once for both (PAIRED_; harness
-// `ds-pair`, session 45): BD3 halves of equal length on the kStartTile tiling, D = 128 (two 64 x D
-// accumulators per consumer).
-template <class Elem, int D>
-using DqFromDsPairs = DqFromDsConfig<Elem, D, 2, true, true, kStartTile, true>;
-constexpr bool dq_pairs_supports(int d) { return d == 128; }
-// Whether launch_bwd_ds runs DqFromDsPairs for a: BD3 halves of equal length, whole query tiles.
-inline bool dq_pairs_apply(const BwdArgs& a) {
-  return a.n_noisy > 0 && 2 * a.n_noisy == a.seqlen && a.n_noisy % kDsDqBlockM == 0;
-}
 constexpr int kDsDqOrderChunk = -1, kDsDqOrderBlock = 0;
 
 // Preprocess, dK/dV writing dS^T, dQ from dS. a.ds_scratch: 1 + B * H * a.ds_visits blocks of
@@ -324,8 +310,7 @@ constexpr int kDsDqOrderChunk = -1, kDsDqOrderBlock = 0;
 // no dK/dV visit covers), a.ds_slots: the block of each (64-query tile, key tile) visit of the
 // dK/dV kernel per (batch, head), numbered key tile by key tile in its visit order, -1 where it
 // does not visit (the Python backend builds it from geometry.py: cutlass_diffusion._ds_slots);
-// a.dq_order: the query tiles of fwd_tiles(kDsDqBlockM, ds_dq_block_n(D)) (unread where the dQ
-// kernel runs over pairs of query tiles: dq_pairs_apply, D = 128). a.persistent_dkdv is not
+// a.dq_order: the query tiles of fwd_tiles(kDsDqBlockM, ds_dq_block_n(D)). a.persistent_dkdv is not
 // read, nor a.order_*: the dK/dV kernel walks a.dkdv_order_chunk / a.dkdv_order_block's order
 // (a.dkdv_schedule's, if given), the dQ kernel kDsDqOrderChunk / kDsDqOrderBlock's (the harness
 // times others through launch_dkdv / launch_dq_from_ds). START: kStartTile (batched halves of
@@ -342,8 +327,8 @@ cudaError_t launch_bwd_ds(const BwdArgs& a) {
   dkdv.order_chunk = a.dkdv_order_chunk, dkdv.order_block = a.dkdv_order_block;
   dq.order_chunk = kDsDqOrderChunk, dq.order_block = kDsDqOrderBlock;
   if (err == cudaSuccess && a.dkdv_tiles) err = launch_dkdv<DkDv>(dkdv);
-  if (err != cudaSuccess || !a.dq_tiles) return err;
-  return launch_dq_from_ds<DqFromDsPersistent<Elem, D, START>>(dq);
+  if (err == cudaSuccess && a.dq_tiles) err = launch_dq_from_ds<DqFromDsPersistent<Elem, D, START>>(dq);
+  return err;
 }
 
 // The whole backward: preprocess, dK/dV, dQ (one stream, so each sees the previous one's writes).

@@ -39,9 +39,6 @@
 //   ./bwd_standalone ds-orders  # the dS backward's dK/dV kernel under the L2-chunked work orders
 //   ./bwd_standalone ds-dq-order # the dQ-from-dS kernel in L2 chunks: checks, then the A/B
 //   ./bwd_standalone ds-dq-tma  # the dQ-from-dS kernel's TMA-store epilogue: checks, then the A/B
-//   ./bwd_standalone ds-pair    # the dQ-from-dS kernel over (noisy, clean) pairs of query tiles:
-//                               # checks, dq bitwise the unpaired kernel's, then A/Bs (ds-pair-time:
-//                               # the A/Bs alone; ds-pair-small: for sanitizers)
 //   ./bwd_standalone sched      # the persistent dK/dV kernel's balanced schedule: checks, then the A/B
 //   ./bwd_standalone sched-l2   # the same in L2-friendlier work orders: checks, then the A/B
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
@@ -82,10 +79,6 @@ struct Run {
 };
 
 static int g_failures = 0;
-template <class T>
-struct TypeTag {
-  using type = T;
-};
 // work_order's arguments for every launch here (0, 0: the plain order, as the extension's); the
 // `order` mode checks and times the orders.
 static int g_order_chunk = 0, g_order_block = 0;
@@ -1453,65 +1446,6 @@ int main(int argc, char** argv) {
                med(dq[i]), med(dq[0]) / med(dq[i]));
       printf("\n");
     }
-    return 0;
-  }
-  if (mode == "ds-pair" || mode == "ds-pair-small" || mode == "ds-pair-time") {  // session 45: the
-    // dQ-from-dS kernel over (noisy t, clean t) pairs of query tiles (DqFromDsConfig PAIRED_: K loaded
-    // once for both): checks against fp64 and dq bitwise the unpaired kernel's, then the A/B (both
-    // after the shipped dK/dV kernel, both in launch_bwd_ds's order) with an A/A arm
-    using DkSP = DkDvStoreDsPersistent<bf16, 128>;
-    using DqP = DqFromDsPersistent<bf16, 128>;
-    using DqPair = DqFromDsConfig<bf16, 128, 2, true, true, kStartTile, true>;
-    using DqPair16 = DqFromDsConfig<fp16, 128, 2, true, true, kStartTile, true>;
-    g_dq_shipped_order = true;
-    // BD3 halves of multiples of 128 (the pairs' tiling): blocks inside a tile, across tiles (256,
-    // 1000 > n), bs 1, odd bs, GQA, several items per persistent CTA.
-    const std::vector<Run> runs = {{1, 128, 2, 2, 16},     {2, 256, 4, 2, 16},   {1, 384, 2, 1, 300},
-                                   {1, 256, 2, 1, 1},      {1, 256, 2, 2, 128},  {1, 384, 2, 2, 5},
-                                   {1, 512, 2, 2, 256},    {1, 256, 2, 2, 1000}, {1, 256, 32, 8, 16, false, 3},
-                                   {1, 1024, 2, 1, 16, false, 7}, {2, 2048, 8, 8, 16, false, 61}};
-    // dq of the pairs bitwise the unpaired kernel's (the same visits per tile, in the same order).
-    auto same_dq = [&](const char* name, auto pair_tag, Run r) {
-      using Pair = typename decltype(pair_tag)::type;
-      using Elem = typename Pair::Elem;
-      Problem<Elem> P(r, 128);
-      P.to_device();
-      std::vector<Elem> x(P.nq), y(P.nq);
-      {
-        Bwd<Elem, 128, DkDvStoreDsPersistent<Elem, 128>, DqFromDsPersistent<Elem, 128>> b(P);
-        b.all();
-        CK(cudaDeviceSynchronize());
-        CK(cudaMemcpy(x.data(), P.dq, P.nq * sizeof(Elem), cudaMemcpyDeviceToHost));
-      }
-      CK(cudaMemset(P.dq, 0xff, P.nq * sizeof(Elem)));
-      {
-        Bwd<Elem, 128, DkDvStoreDsPersistent<Elem, 128>, Pair> b(P);
-        b.all();
-        CK(cudaDeviceSynchronize());
-        CK(cudaMemcpy(y.data(), P.dq, P.nq * sizeof(Elem), cudaMemcpyDeviceToHost));
-      }
-      const bool ok = std::memcmp(x.data(), y.data(), P.nq * sizeof(Elem)) == 0;
-      g_failures += !ok;
-      printf("%s %s B=%d n=%d H=%d/%d bs=%d: dq bitwise the unpaired kernel's\n", ok ? "PASS" : "FAIL", name, r.B,
-             r.n, r.H, r.Hkv, r.bs);
-    };
-    if (mode == "ds-pair-small") {  // e.g. under compute-sanitizer
-      check<bf16, 128, DkSP, DqPair>("dS pairs", {1, 256, 2, 2, 16});
-      check<bf16, 128, DkSP, DqPair>("dS pairs", {1, 512, 2, 1, 5});
-      printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
-      return g_failures ? 1 : 0;
-    }
-    if (mode == "ds-pair") {
-      for (const Run& r : runs) check<bf16, 128, DkSP, DqPair>("dS pairs bf16", r);
-      for (const Run& r : runs) same_dq("dS pairs bf16", TypeTag<DqPair>{}, r);
-      for (int i : {0, 1, 4, 9}) check<fp16, 128, DkDvStoreDsPersistent<fp16, 128>, DqPair16>("dS pairs fp16", runs[i]);
-      for (int i : {0, 4, 9}) same_dq("dS pairs fp16", TypeTag<DqPair16>{}, runs[i]);
-      printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
-      if (g_failures) return 1;
-    }
-    const std::vector<Run> bd3(std::begin(kTimingRuns), std::end(kTimingRuns));
-    timing_ab<DkSP, DqP, DkSP, DqP>("A/A", "unpaired", "unpaired", bd3);
-    timing_ab<DkSP, DqP, DkSP, DqPair>("dQ over pairs of query tiles", "unpaired", "pairs", bd3);
     return 0;
   }
   if (mode == "ds-dq-tma" || mode == "ds-dq-tma256") {  // the dQ-from-dS kernel's TMA-store epilogue
