@@ -39,7 +39,6 @@
 //   ./bwd_standalone ds-orders  # the dS backward's dK/dV kernel under the L2-chunked work orders
 //   ./bwd_standalone ds-dq-order # the dQ-from-dS kernel in L2 chunks: checks, then the A/B
 //   ./bwd_standalone ds-dq-tma  # the dQ-from-dS kernel's TMA-store epilogue: checks, then the A/B
-//   ./bwd_standalone pre        # the preprocess in (batch, token, head) order: bitwise checks, timing
 //   ./bwd_standalone sched      # the persistent dK/dV kernel's balanced schedule: checks, then the A/B
 //   ./bwd_standalone sched-l2   # the same in L2-friendlier work orders: checks, then the A/B
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
@@ -1157,152 +1156,6 @@ void varlen_timing() {
   report(label, r.pairs, tf, tb);
 }
 
-
-// ------------------------------------------------------------------- preprocess variants (mode pre)
-// Session 45: the shipped preprocess (bwd_parts.cuh) reads O and dO at ~71 % of the H200's DRAM
-// bandwidth (38 us for 128 MB at 16K tokens, H = 16, D = 128; session 40). Its grid is (row blocks
-// of one head, H, B): a CTA's 16 rows are one head of 16 tokens, 4 KB apart, and each of its 256
-// threads makes two 16-byte loads and exits. Here the rows are ordered (batch, token, head), head
-// fastest, so a CTA reads whole tokens (contiguous where the head stride is D); STEP row blocks per
-// turn with every load issued first, over `ctas` CTAs walking the row blocks with a stride. Same
-// arithmetic per row as the shipped kernel, so delta and lse2 are bitwise equal.
-template <class Elem, int D, int STEP>
-__global__ void __launch_bounds__(dlm::sm90::kPreThreads) pre_token_major(const dlm::sm90::PreParams<Elem> p) {
-  using namespace dlm::sm90;
-  constexpr int kLanes = D / 8, kRows = kPreRows<D>;
-  const int lane = threadIdx.x % kLanes, row = threadIdx.x / kLanes;
-  if (blockIdx.x == 0) {
-    const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seqlen;
-    for (int i = threadIdx.x; i < p.pad_floats; i += kPreThreads) p.lse2[rows + i] = p.delta[rows + i] = 0.f;
-    for (int i = threadIdx.x; i < p.zero_vectors; i += kPreThreads) p.zero[i] = make_uint4(0, 0, 0, 0);
-  }
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.seqlen * p.heads;
-  for (int64_t base = int64_t{blockIdx.x} * kRows * STEP; base < rows; base += int64_t{gridDim.x} * kRows * STEP) {
-    uint4 o[STEP], g[STEP];
-    int b[STEP], s[STEP], h[STEP];
-    CUTE_UNROLL
-    for (int i = 0; i < STEP; ++i) {
-      const int64_t r = base + i * kRows + row;
-      if (r >= rows) continue;
-      const int64_t t = r / p.heads;
-      h[i] = static_cast<int>(r - t * p.heads), s[i] = static_cast<int>(t % p.seqlen), b[i] = static_cast<int>(t / p.seqlen);
-      o[i] = *reinterpret_cast<const uint4*>(p.o + b[i] * p.o_stride[0] + s[i] * p.o_stride[1] + h[i] * p.o_stride[2] + lane * 8);
-      g[i] = *reinterpret_cast<const uint4*>(p.dout + b[i] * p.do_stride[0] + s[i] * p.do_stride[1] +
-                                             h[i] * p.do_stride[2] + lane * 8);
-    }
-    CUTE_UNROLL
-    for (int i = 0; i < STEP; ++i) {
-      if (base + i * kRows + row >= rows) continue;  // whole rows: the shuffles stay within live rows
-      const Elem* oe = reinterpret_cast<const Elem*>(&o[i]);
-      const Elem* ge = reinterpret_cast<const Elem*>(&g[i]);
-      float acc = 0.f;
-      CUTE_UNROLL
-      for (int j = 0; j < 8; ++j) acc += static_cast<float>(oe[j]) * static_cast<float>(ge[j]);
-      CUTE_UNROLL
-      for (int m = kLanes / 2; m > 0; m /= 2) acc += __shfl_xor_sync(row_lanes_mask<kLanes>(threadIdx.x), acc, m);
-      if (lane == 0) {
-        const int64_t out = (static_cast<int64_t>(b[i]) * p.heads + h[i]) * p.seqlen + s[i];
-        if (p.dlse) acc -= p.dlse[b[i] * p.dlse_stride[0] + h[i] * p.dlse_stride[1] + s[i]];
-        p.delta[out] = acc;
-        p.lse2[out] = p.lse[b[i] * p.lse_stride[0] + h[i] * p.lse_stride[1] + s[i]] * 1.4426950408889634f;
-      }
-    }
-  }
-}
-
-// Mode pre: the variants' delta / lse2 bitwise the shipped kernel's (with and without dlse), then
-// each timed (us per launch, medians of 9 alternating rounds of 50 launches) at 16K tokens.
-template <class Elem, int D>
-void preprocess_ab() {
-  using namespace dlm::sm90;
-  int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  struct Arm { const char* name; int step, ctas_per_sm; };  // ctas_per_sm 0: one CTA per STEP row blocks
-  const Arm arms[] = {{"shipped", 0, 0}, {"token-major", 1, 0}, {"token-major x2, 8/SM", 2, 8},
-                      {"token-major x4, 8/SM", 4, 8}, {"token-major x2, 4/SM", 2, 4}, {"shipped again", 0, 0}};
-  constexpr int kArms = sizeof(arms) / sizeof(arms[0]);
-  const std::vector<Run> runs = {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}, {1, 8192, 16, 16, 16},
-                                 {4, 2048, 32, 8, 16}, {3, 300, 5, 5, 16}};
-  for (const Run& r : runs) {
-    Problem<Elem> P(r, D);
-    P.to_device();
-    const int S = P.S;
-    const int64_t rows = (int64_t)r.B * S * r.H;
-    float* dlse = nullptr;
-    CK(cudaMalloc(&dlse, rows * 4));
-    CK(cudaMemcpy(P.o, P.hq.data(), P.nq * sizeof(Elem), cudaMemcpyHostToDevice));  // O := Q's values
-    {
-      std::vector<float> x(rows);
-      for (int64_t i = 0; i < rows; ++i) x[i] = 0.001f * float(i % 977) - 0.3f;
-      CK(cudaMemcpy(P.lse, x.data(), rows * 4, cudaMemcpyHostToDevice));
-      for (auto& e : x) e = -e * 0.5f;
-      CK(cudaMemcpy(dlse, x.data(), rows * 4, cudaMemcpyHostToDevice));
-    }
-    BwdArgs a{};
-    a.o = P.o, a.dout = P.g, a.lse = P.lse, a.lse2 = P.lse2, a.delta = P.delta;
-    const int64_t sq[3] = {(int64_t)S * r.H * D, (int64_t)r.H * D, D};
-    for (int i = 0; i < 3; ++i) a.o_stride[i] = a.do_stride[i] = sq[i];
-    a.lse_stride[0] = a.dlse_stride[0] = (int64_t)r.H * S, a.lse_stride[1] = a.dlse_stride[1] = S;
-    a.batch = r.B, a.seqlen = S, a.heads = r.H, a.stream = nullptr;
-    auto launch = [&](const Arm& arm) {
-      if (!arm.step) { CK((launch_preprocess<Elem, D>(a))); return; }
-      PreParams<Elem> p{static_cast<const Elem*>(a.o), static_cast<const Elem*>(a.dout), a.lse, a.dlse, a.lse2,
-                        a.delta, {sq[0], sq[1], sq[2]}, {sq[0], sq[1], sq[2]}, {a.lse_stride[0], a.lse_stride[1]},
-                        {a.dlse_stride[0], a.dlse_stride[1]}, a.batch, a.seqlen, a.heads, kVarlenScratchPad,
-                        nullptr, 0};
-      const int64_t blocks = (rows + kPreRows<D> - 1) / kPreRows<D>;
-      int64_t ctas = (blocks + arm.step - 1) / arm.step;
-      if (arm.ctas_per_sm && ctas > int64_t{sms} * arm.ctas_per_sm) ctas = int64_t{sms} * arm.ctas_per_sm;
-      auto kernel = arm.step == 1 ? pre_token_major<Elem, D, 1> : arm.step == 2 ? pre_token_major<Elem, D, 2>
-                                                                               : pre_token_major<Elem, D, 4>;
-      kernel<<<static_cast<unsigned>(ctas), kPreThreads>>>(p);
-      CK(cudaGetLastError());
-    };
-    const size_t out_floats = rows + kVarlenScratchPad;
-    for (const float* dl : {(const float*)nullptr, (const float*)dlse}) {
-      a.dlse = dl;
-      std::vector<float> want_d(out_floats), want_l(out_floats), got_d(out_floats), got_l(out_floats);
-      for (int i = 0; i < kArms; ++i) {
-        CK(cudaMemset(P.delta, 0xff, out_floats * 4));
-        CK(cudaMemset(P.lse2, 0xff, out_floats * 4));
-        launch(arms[i]);
-        CK(cudaDeviceSynchronize());
-        std::vector<float>& d = i ? got_d : want_d;
-        std::vector<float>& l = i ? got_l : want_l;
-        CK(cudaMemcpy(d.data(), P.delta, out_floats * 4, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(l.data(), P.lse2, out_floats * 4, cudaMemcpyDeviceToHost));
-        if (!i) {
-          int nan = 0;
-          for (size_t j = 0; j < out_floats; ++j) nan += std::isnan(d[j]) || std::isnan(l[j]);
-          if (nan) ++g_failures, printf("FAIL pre shipped: %d NaN\n", nan);
-          continue;
-        }
-        const bool ok = !std::memcmp(got_d.data(), want_d.data(), out_floats * 4) &&
-                        !std::memcmp(got_l.data(), want_l.data(), out_floats * 4);
-        g_failures += !ok;
-        printf("%s pre %s B=%d n=%d H=%d D=%d%s: delta, lse2 bitwise the shipped kernel's\n", ok ? "PASS" : "FAIL",
-               arms[i].name, r.B, r.n, r.H, D, dl ? " with dlse" : "");
-      }
-    }
-    a.dlse = nullptr;
-    std::vector<float> t[kArms];
-    for (int round = 0; round < 10; ++round)
-      for (int j = 0; j < kArms; ++j) {
-        const int i = round & 1 ? kArms - 1 - j : j;
-        const float ms = time_ms([&] { launch(arms[i]); }, 50);
-        if (round) t[i].push_back(ms);  // round 0: warm-up
-      }
-    printf("pre B=%d n=%d H=%d D=%d (%.0f MB of O and dO):", r.B, r.n, r.H, D, 2e-6 * P.nq * sizeof(Elem));
-    for (int i = 0; i < kArms; ++i) {
-      std::sort(t[i].begin(), t[i].end());
-      const float us = 1e3f * t[i][t[i].size() / 2];
-      printf("  %s %.1f us (%.2f TB/s)", arms[i].name, us, 2e-6 * P.nq * sizeof(Elem) / us);
-    }
-    printf("\n");
-    cudaFree(dlse);
-  }
-}
-
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IONBF, 0);
   using namespace dlm::sm90;
@@ -1594,12 +1447,6 @@ int main(int argc, char** argv) {
       printf("\n");
     }
     return 0;
-  }
-  if (mode == "pre") {  // session 45: the preprocess in (batch, token, head) order: checks, then timing
-    preprocess_ab<bf16, 128>();
-    preprocess_ab<bf16, 64>();
-    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
-    return g_failures ? 1 : 0;
   }
   if (mode == "ds-dq-tma" || mode == "ds-dq-tma256") {  // the dQ-from-dS kernel's TMA-store epilogue
     // (DqFromDsConfig TMA_STORE_; D = 128 measured in session 20 call 1, then shipped): checks (one
