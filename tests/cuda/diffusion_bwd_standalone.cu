@@ -39,6 +39,8 @@
 //   ./bwd_standalone ds-orders  # the dS backward's dK/dV kernel under the L2-chunked work orders
 //   ./bwd_standalone ds-dq-order # the dQ-from-dS kernel in L2 chunks: checks, then the A/B
 //   ./bwd_standalone ds-dq-tma  # the dQ-from-dS kernel's TMA-store epilogue: checks, then the A/B
+//   ./bwd_standalone ds-l2      # timing only: the dQ-from-dS kernel with its dS^T in L2 (the bound
+//                               # of a dQ that follows its dK/dV closely enough to find it there)
 //   ./bwd_standalone sched      # the persistent dK/dV kernel's balanced schedule: checks, then the A/B
 //   ./bwd_standalone sched-l2   # the same in L2-friendlier work orders: checks, then the A/B
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
@@ -1445,6 +1447,53 @@ int main(int argc, char** argv) {
         printf("  %s: bwd %.3f (%.3fx) dQ %.3f (%.3fx);", arms[i].name, med(whole[i]), med(whole[0]) / med(whole[i]),
                med(dq[i]), med(dq[0]) / med(dq[i]));
       printf("\n");
+    }
+    return 0;
+  }
+  if (mode == "ds-l2") {  // session 45: the bound of reading dS^T from L2 in the dQ-from-dS kernel.
+    // Timing only (dq is wrong): the same kernel with the real slot table, and with every slot v of a
+    // (batch, head) read from block v % 8 (8 x 16 KB per slot, 16 MB at 128 slots: L2-resident), so
+    // the dS^T loads hit L2 where the real ones come from DRAM. What a dQ that found its dS^T in L2
+    // (the switching persistent kernel of csrc/NOTES.md Next) could save at most, K loads unchanged.
+    using DkSP = DkDvStoreDsPersistent<bf16, 128>;
+    using DqP = DqFromDsPersistent<bf16, 128>;
+    g_dq_shipped_order = true;
+    printf("== dQ-from-dS with dS^T from DRAM (real slots) and from L2 (slot %% 8; dq wrong), bf16 D=128, 16K tokens, "
+           "us per launch, medians of 9 alternating rounds\n");
+    for (const Run& r : kTimingRuns) {
+      Problem<bf16> P(r, 128);
+      P.to_device();
+      Bwd<bf16, 128, DkSP, DqP> bwd(P);
+      bwd.all();
+      CK(cudaDeviceSynchronize());
+      std::vector<int32_t> slots;
+      ds_slot_table(P.mask, DkSP::BN, slots);
+      for (auto& v : slots) v = v < 0 ? v : v % 8;
+      int32_t* l2_slots = nullptr;
+      CK(cudaMalloc(&l2_slots, slots.size() * 4));
+      CK(cudaMemcpy(l2_slots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+      const int32_t* real = bwd.a.ds_slots;
+      std::vector<float> t[3];
+      for (int round = 0; round < 10; ++round)
+        for (int j = 0; j < 3; ++j) {
+          const int i = round & 1 ? 2 - j : j;
+          float ms;
+          if (i == 2) {
+            ms = time_ms([&] { bwd.all(); }, 10);
+          } else {
+            bwd.a.ds_slots = i ? l2_slots : real;
+            ms = time_ms([&] { bwd.dq(); }, 20);
+            bwd.a.ds_slots = real;
+          }
+          if (round) t[i].push_back(ms);
+        }
+      CK(cudaGetLastError());
+      for (auto& x : t) std::sort(x.begin(), x.end());
+      const float dram = 1e3f * t[0][4], l2 = 1e3f * t[1][4], whole = 1e3f * t[2][4];
+      printf("B=%d n=%d H=%d/%d bs=%d: dQ %.1f us from DRAM, %.1f us from L2 (%.3fx; %.1f us = %.1f %% of the "
+             "backward's %.1f us)\n", r.B, r.n, r.H, r.Hkv, r.bs, dram, l2, dram / l2, dram - l2,
+             100.f * (dram - l2) / whole, whole);
+      cudaFree(l2_slots);
     }
     return 0;
   }
