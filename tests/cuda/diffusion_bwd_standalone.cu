@@ -39,8 +39,9 @@
 //   ./bwd_standalone ds-orders  # the dS backward's dK/dV kernel under the L2-chunked work orders
 //   ./bwd_standalone ds-dq-order # the dQ-from-dS kernel in L2 chunks: checks, then the A/B
 //   ./bwd_standalone ds-dq-tma  # the dQ-from-dS kernel's TMA-store epilogue: checks, then the A/B
-//   ./bwd_standalone ds-l2      # timing only: the dQ-from-dS kernel with its dS^T in L2 (the bound
-//                               # of a dQ that follows its dK/dV closely enough to find it there)
+//   ./bwd_standalone ds-l2      # timing only: dS^T kept in L2, read by the dQ-from-dS kernel and
+//                               # written by the dK/dV kernel (the bounds of a dQ that follows its
+//                               # dK/dV closely enough to find it there, and of discarding it)
 //   ./bwd_standalone sched      # the persistent dK/dV kernel's balanced schedule: checks, then the A/B
 //   ./bwd_standalone sched-l2   # the same in L2-friendlier work orders: checks, then the A/B
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
@@ -1450,16 +1451,19 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  if (mode == "ds-l2") {  // session 45: the bound of reading dS^T from L2 in the dQ-from-dS kernel.
-    // Timing only (dq is wrong): the same kernel with the real slot table, and with every slot v of a
-    // (batch, head) read from block v % 8 (8 x 16 KB per slot, 16 MB at 128 slots: L2-resident), so
-    // the dS^T loads hit L2 where the real ones come from DRAM. What a dQ that found its dS^T in L2
+  if (mode == "ds-l2") {  // session 45: the bound of dS^T kept in L2, both ends. Timing only (the
+    // gradients are wrong). Reads: the dQ-from-dS kernel with the real slot table, and with every slot
+    // v of a (batch, head) read from block v % 8 (8 x 16 KB per slot, 16 MB at 128 slots: L2-resident),
+    // so its dS^T loads hit L2 where the real ones come from DRAM: what a dQ that found its dS^T in L2
     // (the switching persistent kernel of csrc/NOTES.md Next) could save at most, K loads unchanged.
+    // Writes: the dK/dV kernel with every key tile's first slot 0, so its stores land in each slot's
+    // first blocks (at most ~32 MB in all): what its dS^T stores' DRAM write-backs cost, the bound of
+    // discarding the lines a dQ has read.
     using DkSP = DkDvStoreDsPersistent<bf16, 128>;
     using DqP = DqFromDsPersistent<bf16, 128>;
     g_dq_shipped_order = true;
-    printf("== dQ-from-dS with dS^T from DRAM (real slots) and from L2 (slot %% 8; dq wrong), bf16 D=128, 16K tokens, "
-           "us per launch, medians of 9 alternating rounds\n");
+    printf("== dS^T through DRAM (real slots) and kept in L2 (dq: slot %% 8; dK/dV: every first slot 0), bf16 D=128, "
+           "16K tokens, us per launch, medians of 9 alternating rounds; the gradients are wrong\n");
     for (const Run& r : kTimingRuns) {
       Problem<bf16> P(r, 128);
       P.to_device();
@@ -1468,32 +1472,42 @@ int main(int argc, char** argv) {
       CK(cudaDeviceSynchronize());
       std::vector<int32_t> slots;
       ds_slot_table(P.mask, DkSP::BN, slots);
-      for (auto& v : slots) v = v < 0 ? v : v % 8;
-      int32_t* l2_slots = nullptr;
-      CK(cudaMalloc(&l2_slots, slots.size() * 4));
-      CK(cudaMemcpy(l2_slots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+      std::vector<int32_t> l2_read = slots, l2_write = slots;
+      for (auto& v : l2_read) v = v < 0 ? v : v % 8;
+      for (auto& v : l2_write) v = v < 0 ? v : 0;
+      int32_t *d_read = nullptr, *d_write = nullptr;
+      CK(cudaMalloc(&d_read, slots.size() * 4));
+      CK(cudaMalloc(&d_write, slots.size() * 4));
+      CK(cudaMemcpy(d_read, l2_read.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(d_write, l2_write.data(), slots.size() * 4, cudaMemcpyHostToDevice));
       const int32_t* real = bwd.a.ds_slots;
-      std::vector<float> t[3];
+      constexpr int kArms = 5;  // dQ real, dQ from L2, whole backward, dK/dV real, dK/dV writing into L2
+      std::vector<float> t[kArms];
       for (int round = 0; round < 10; ++round)
-        for (int j = 0; j < 3; ++j) {
-          const int i = round & 1 ? 2 - j : j;
+        for (int j = 0; j < kArms; ++j) {
+          const int i = round & 1 ? kArms - 1 - j : j;
           float ms;
           if (i == 2) {
             ms = time_ms([&] { bwd.all(); }, 10);
-          } else {
-            bwd.a.ds_slots = i ? l2_slots : real;
+          } else if (i < 2) {
+            bwd.a.ds_slots = i ? d_read : real;
             ms = time_ms([&] { bwd.dq(); }, 20);
-            bwd.a.ds_slots = real;
+          } else {
+            bwd.a.ds_slots = i == 4 ? d_write : real;
+            ms = time_ms([&] { bwd.dkdv(); }, 20);
           }
+          bwd.a.ds_slots = real;
           if (round) t[i].push_back(ms);
         }
       CK(cudaGetLastError());
       for (auto& x : t) std::sort(x.begin(), x.end());
-      const float dram = 1e3f * t[0][4], l2 = 1e3f * t[1][4], whole = 1e3f * t[2][4];
+      float m[kArms];
+      for (int i = 0; i < kArms; ++i) m[i] = 1e3f * t[i][4];
       printf("B=%d n=%d H=%d/%d bs=%d: dQ %.1f us from DRAM, %.1f us from L2 (%.3fx; %.1f us = %.1f %% of the "
-             "backward's %.1f us)\n", r.B, r.n, r.H, r.Hkv, r.bs, dram, l2, dram / l2, dram - l2,
-             100.f * (dram - l2) / whole, whole);
-      cudaFree(l2_slots);
+             "backward's %.1f us); dK/dV %.1f us storing to DRAM, %.1f us into L2 (%.3fx; %.1f us = %.1f %%)\n",
+             r.B, r.n, r.H, r.Hkv, r.bs, m[0], m[1], m[0] / m[1], m[0] - m[1], 100.f * (m[0] - m[1]) / m[2], m[2],
+             m[3], m[4], m[3] / m[4], m[3] - m[4], 100.f * (m[3] - m[4]) / m[2]);
+      cudaFree(d_read), cudaFree(d_write);
     }
     return 0;
   }
