@@ -272,9 +272,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // set-up, until the plain launch has completed (its writes are not what they read: this keeps
   // the stream's order for whatever comes after). Without a dependent launch both are no-ops.
   if constexpr (kTail)
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    wait_for_prerequisite();
   else
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    allow_dependents();
 
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<24>();
@@ -347,19 +347,8 @@ cudaError_t run_block_sparse_fwd(const SparseFwdParams<Cfg>& p, int ctas, cudaSt
   static const cudaError_t configured =  // once per instantiation: the attribute is per function
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (configured != cudaSuccess) return configured;
-  if constexpr (!kTail) {
-    kernel<<<ctas, Cfg::kThreads, smem, stream>>>(p);
-    return cudaGetLastError();
-  } else {  // a programmatic dependent launch of the plain launch before it (see the kernel)
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(ctas), config.blockDim = dim3(Cfg::kThreads);
-    config.dynamicSmemBytes = smem, config.stream = stream;
-    config.attrs = &attribute, config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, kernel, p);
-  }
+  // The tail launch: a programmatic dependent launch of the plain launch before it (see the kernel).
+  return launch_kernel(kernel, ctas, Cfg::kThreads, smem, stream, kTail, p);
 }
 
 // max_ctas > 0: a persistent grid of at most that many CTAs (each walks its items in the snake

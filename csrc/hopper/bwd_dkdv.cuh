@@ -119,6 +119,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     return make_tensor(make_smem_ptr(buffers[buf]), typename Cfg::SmemLayoutKV{});
   };
 
+  // The dQ kernel after this one (a programmatic dependent launch) may take the SMs this grid's
+  // CTAs leave; it waits for the whole grid's end before it reads anything.
+  allow_dependents();
   if (threadIdx.x == 0) {
     for (int i = 0; i < Cfg::kKvBufs; ++i) {
       Barrier::init(&ss.item_full[i], 1);
@@ -160,6 +163,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         TxBarrier::arrive_and_expect_tx(&ss.kv_full[buf], 2 * Cfg::kTileBytesKV);
         load_tile_pair<Cfg::kStart, BN, D>(ss.kv_full[buf], offset, t.k_tile.lo, p.tma_k, mK(_, _, kvh, b), sK,
                                            p.tma_v, mV(_, _, kvh, b), sV);
+        // Launched as a dependent of the preprocess: K and V are inputs, lse2 / delta its outputs.
+        if (item == 0) wait_for_prerequisite();
         for (int g = 0; g < group; ++g) {
           const int h = kvh * group + g;
           Tensor tQgQ = tma_q.partition_S(
@@ -209,6 +214,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   // ------------------------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<240>();
+  wait_for_prerequisite();  // (a dependent launch) before any store: dK, dV and dS^T
   const int consumer = warp_group - 1, tid = threadIdx.x % 128;
   typename Cfg::MmaSdp mma_sdp;
   typename Cfg::MmaKV mma_kv;

@@ -513,6 +513,9 @@ __global__ void __launch_bounds__(kPreThreads) bwd_preprocess_kernel(const PrePa
   constexpr int kLanes = D / 8;  // threads per row
   const int h = blockIdx.y, lane = threadIdx.x % kLanes;
   const int s = blockIdx.x * kPreRows<D> + threadIdx.x / kLanes;
+  // The dK/dV kernel after it (a programmatic dependent launch) may start its set-up now; it waits
+  // for this grid's end before it loads lse2 / delta.
+  allow_dependents();
   if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
     const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seqlen;
     for (int i = threadIdx.x; i < p.pad_floats; i += kPreThreads) p.lse2[rows + i] = p.delta[rows + i] = 0.f;

@@ -129,6 +129,37 @@ CUTE_DEVICE void trace_event(int item, int event) {
   }
 }
 
+// Programmatic dependent launch (PDL). A kernel launched by launch_kernel with `dependent` set may
+// start while the kernel before it in the stream is still running, once every CTA of that kernel
+// has called allow_dependents() (or exited). Its threads must call wait_for_prerequisite() before
+// they read what that kernel writes or write what it reads: the wait returns when it has completed
+// and its writes are visible (its own prerequisites had completed before it could). Both are no-ops
+// in a kernel launched without the attribute. What it buys: the launch and the set-up (barriers,
+// the first loads of inputs) of each kernel of a chain overlap the end of the one before (the
+// backward's preprocess -> dK/dV -> dQ, csrc/NOTES.md "Session 46"; the sparse forward's split
+// tail, session 22).
+CUTE_DEVICE void allow_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+CUTE_DEVICE void wait_for_prerequisite() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// kernel<<<ctas, threads, smem, stream>>>(params), as a programmatic dependent of the stream's
+// previous kernel where `dependent` is set (the kernel then calls wait_for_prerequisite first).
+template <class Params>
+cudaError_t launch_kernel(void (*kernel)(Params), int ctas, int threads, int smem, cudaStream_t stream,
+                          bool dependent, const Params& p) {
+  if (!dependent) {
+    kernel<<<ctas, threads, smem, stream>>>(p);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(ctas), config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem, config.stream = stream;
+  config.attrs = &attribute, config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, p);
+}
+
 // Named barrier `id` over `threads` threads (id 0 is __syncthreads).
 CUTE_DEVICE void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -99,6 +99,12 @@ struct BwdArgs {
   // launch_bwd_ds only: the dK/dV kernel's work_order arguments (0, 0: the plain order; the
   // balanced schedule, if given, must be built over the same walk).
   int dkdv_order_chunk = 0, dkdv_order_block = 0;
+  // launch_dkdv / launch_dq / launch_dq_from_ds: launched as programmatic dependents of the kernel
+  // before them in the stream (common.cuh launch_kernel), which in launch_bwd / launch_bwd_ds is the
+  // preprocess or the dK/dV kernel: each one's launch and set-up overlap the end of the one before.
+  // The kernels wait for it before they touch its outputs, so this is a speed setting only (false:
+  // plain launches, the harness's A/B arm).
+  bool dependent_launch = true;
 };
 
 // A persistent grid: at most one CTA per SM of the current device.
@@ -179,8 +185,7 @@ cudaError_t launch_dkdv(const BwdArgs& a) {
     if (const cudaError_t err = cap_at_sm_count(ctas); err != cudaSuccess) return err;
     p.schedule = a.dkdv_schedule;
   }
-  kernel<<<ctas, Cfg::kThreads, smem, a.stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(kernel, ctas, Cfg::kThreads, smem, a.stream, a.dependent_launch, p);
 }
 
 // The TMA-store descriptor of dq (B, S, H, D) for the dQ kernels' TMA-store epilogues.
@@ -213,8 +218,8 @@ cudaError_t launch_dq(const BwdArgs& a) {
   constexpr int smem = sizeof(typename Cfg::SharedStorage);
   static const cudaError_t configured = set_smem(kernel, smem);
   if (configured != cudaSuccess) return configured;
-  kernel<<<a.batch * a.heads * a.dq_tiles, Cfg::kThreads, smem, a.stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(kernel, a.batch * a.heads * a.dq_tiles, Cfg::kThreads, smem, a.stream,
+                       a.dependent_launch, p);
 }
 
 template <class Cfg>
@@ -243,8 +248,7 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
   if constexpr (Cfg::kPersistent) {
     if (const cudaError_t err = cap_at_sm_count(ctas); err != cudaSuccess) return err;
   }
-  kernel<<<ctas, Cfg::kThreads, smem, a.stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(kernel, ctas, Cfg::kThreads, smem, a.stream, a.dependent_launch, p);
 }
 
 // The shipped configs with their tiles starting per START (the one place that names the options).

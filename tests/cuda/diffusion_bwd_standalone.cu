@@ -44,6 +44,7 @@
 //                               # dK/dV closely enough to find it there, and of discarding it)
 //   ./bwd_standalone sched      # the persistent dK/dV kernel's balanced schedule: checks, then the A/B
 //   ./bwd_standalone sched-l2   # the same in L2-friendlier work orders: checks, then the A/B
+//   ./bwd_standalone pdl        # dependent launches of the dK/dV and dQ kernels: checks, then the A/B
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -611,6 +612,41 @@ void timing_schedule(const std::vector<Run>& runs = {std::begin(kTimingRuns), st
            r.B, r.n, r.H, r.Hkv, r.bs, med[0], med[1], med[0] / med[1], med[2], med[0] / med[2], kmed[0],
            kmed[1], kmed[0] / kmed[1], kmed[2], kmed[0] / kmed[2]);
   }
+}
+
+// Mode `pdl`: the backward's dK/dV and dQ kernels launched as programmatic dependents of the kernel
+// before them (BwdArgs::dependent_launch, shipped) against plain launches, on the same inputs and
+// binary: arm 0 plain, arm 1 dependent, arm 2 plain again (an A/A control). The whole backward
+// (20 back to back per sample), 10 rounds in alternating order, medians, ratios to arm 0.
+template <class Dk, class Dq>
+void timing_dependent_launch(const char* what, const std::vector<Run>& runs) {
+  constexpr int D = Dk::D;
+  printf("== dependent launches, %s (bf16, D=%d, 16K tokens; whole backward ms: plain | dependent "
+         "(speed) | plain again (speed))\n", what, D);
+  g_schedule = Dk::kPersistent, g_dq_shipped_order = true;  // the shipped walks
+  for (const Run& r : runs) {
+    Problem<bf16> P(r, D);
+    P.to_device();
+    Bwd<bf16, D, Dk, Dq> b0(P), b1(P), b2(P);
+    b0.a.dependent_launch = false, b2.a.dependent_launch = false;
+    Bwd<bf16, D, Dk, Dq>* arms[3] = {&b0, &b1, &b2};
+    std::vector<float> t[3];
+    for (auto* b : arms) time_ms([&] { b->all(); }, 5);  // warm-up
+    for (int round = 0; round < 10; ++round)
+      for (int j = 0; j < 3; ++j) {
+        const int i = round & 1 ? 2 - j : j;
+        t[i].push_back(time_ms([&] { arms[i]->all(); }, 20));
+      }
+    CK(cudaGetLastError());
+    float med[3];
+    for (int i = 0; i < 3; ++i) {
+      std::sort(t[i].begin(), t[i].end());
+      med[i] = 0.5f * (t[i][4] + t[i][5]);
+    }
+    printf("B=%d n=%d H=%d/%d bs=%d: %.4f | %.4f (%.4fx) | %.4f (%.4fx)\n", r.B, r.n, r.H, r.Hkv, r.bs, med[0],
+           med[1], med[0] / med[1], med[2], med[0] / med[2]);
+  }
+  g_schedule = false, g_dq_shipped_order = false;
 }
 
 // Mode `sched-l2`: the dS backward's dK/dV kernel in other work orders (WorkOrder chunk, block)
@@ -1560,6 +1596,27 @@ int main(int argc, char** argv) {
     if (g_failures) return 1;
     timing_schedule<DkSP, DqP>();
     timing_schedule<DkDvPersistent<bf16, 64, kBatchedStart>, DqShipped<bf16, 64, kBatchedStart>>();
+    return 0;
+  }
+  if (mode == "pdl") {  // dependent launches (shipped) against plain ones: checks, then the A/B
+    using DkSP = DkDvStoreDsPersistent<bf16, 128>;
+    using DqP = DqFromDsPersistent<bf16, 128>;
+    using Dk64 = DkDvPersistent<bf16, 64, kBatchedStart>;
+    using Dq64 = DqShipped<bf16, 64, kBatchedStart>;
+    g_schedule = true;
+    checks<bf16, 128, DkSP, DqP>("dS backward, dependent launches, bf16 D=128", true);
+    checks<bf16, 64, Dk64, Dq64>("two-kernel backward, dependent launches, bf16 D=64", false);
+    g_schedule = false;
+    checks<bf16, 256, DkDvStoreDs<bf16, 256>, DqFromDsPersistent<bf16, 256>>(
+        "dS backward, dependent launches, bf16 D=256", false);
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_dependent_launch<DkSP, DqP>("dS backward (shipped at D = 128)", {std::begin(kTimingRuns),
+                                                                            std::end(kTimingRuns)});
+    timing_dependent_launch<Dk64, Dq64>("two-kernel backward (shipped at D = 64)",
+                                        {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}});
+    timing_dependent_launch<DkDvStoreDs<bf16, 256>, DqFromDsPersistent<bf16, 256>>(
+        "dS backward (shipped at D = 256)", {{4, 2048, 16, 16, 16}});
     return 0;
   }
   if (mode == "sched-l2") {  // the dS backward's dK/dV kernel in L2-friendlier orders under the
