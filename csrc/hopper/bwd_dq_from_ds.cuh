@@ -161,8 +161,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  // Launched as a programmatic dependent of the dK/dV kernel (its dS^T): its set-up above ran under that
-  // grid's end; nothing is read or written before it has completed.
+  // Launched as a programmatic dependent of the dK/dV kernel (which writes its dS^T): the set-up
+  // above ran under that grid's end; nothing is read or written before it has completed.
   wait_for_prerequisite();
 
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
