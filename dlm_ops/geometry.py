@@ -232,20 +232,29 @@ def most_expensive_first(areas: Sequence[int]) -> list[int]:
     return sorted(range(len(areas)), key=lambda i: -areas[i])  # sorted() is stable
 
 
-def balanced_schedule(costs: Sequence[int], ctas: int) -> list[int]:
+def balanced_schedule(costs: Sequence[int], ctas: int, tail_rounds: int = 0) -> list[int]:
     """A persistent grid's walk: work indices ``0..len(costs)-1`` in order, each given to the CTA
     with the least cost so far (ties: the lowest CTA); with work most expensive first this is the
-    longest-processing-time rule. Returned as the kernels read it (``scheduled_index`` in the
-    header): ``ctas + 1`` offsets into this same list (CTA c's items are ``out[out[c]:out[c+1]]``),
-    then the items, each CTA's in work order."""
+    longest-processing-time rule. ``tail_rounds`` > 0: the last ``tail_rounds * ctas`` items are
+    handed out most expensive first (ties in work order), so that a walk that is not most
+    expensive first as a whole (L2 chunks of slots, each restarting at the dearest tiles) cannot
+    hand a dear item out last (the header says why). Returned as the kernels read it
+    (``scheduled_index`` in the header): ``ctas + 1`` offsets into this same list (CTA c's items are
+    ``out[out[c]:out[c+1]]``), then the items, each CTA's in work order."""
     if ctas < 1:
         raise ValueError(f"ctas must be >= 1, got {ctas}")
+    count = len(costs)
+    cut = count - min(count, max(tail_rounds, 0) * ctas)
+    hand = list(range(cut)) + sorted(range(cut, count), key=lambda w: -costs[w])  # sorted() is stable
     heap = [(0, c) for c in range(ctas)]  # sorted, hence a heap
-    owned: list[list[int]] = [[] for _ in range(ctas)]
-    for w, cost in enumerate(costs):
+    owner = [0] * count
+    for w in hand:
         load, cta = heapq.heappop(heap)
-        owned[cta].append(w)
-        heapq.heappush(heap, (load + cost, cta))
+        owner[w] = cta
+        heapq.heappush(heap, (load + costs[w], cta))
+    owned: list[list[int]] = [[] for _ in range(ctas)]
+    for w in range(count):
+        owned[owner[w]].append(w)
     offsets = [ctas + 1]
     for items in owned:
         offsets.append(offsets[-1] + len(items))
@@ -277,16 +286,23 @@ def work_order(entries: int, slots: int, chunk: int | None = None, block: int = 
 SCHEDULE_ITEM_HALF_TILES = 3
 
 
+def entry_schedule(entry_costs: Sequence[int], slots: int, ctas: int, chunk: int | None = None, block: int = 1,
+                   tail_rounds: int = 0) -> list[int]:
+    """``balanced_schedule`` of work walked in ``work_order(len(entry_costs), slots, chunk, block)``
+    whose every item of entry ``e`` costs ``entry_costs[e]`` (the header's ``entry_schedule``)."""
+    walk = work_order(len(entry_costs), slots, chunk, block)
+    return balanced_schedule([entry_costs[e] for e, _ in walk], ctas, tail_rounds)
+
+
 def order_schedule(plans: Sequence[TilePlan], order: Sequence[int], slots: int, weight: int, ctas: int,
-                   own: int, other: int, chunk: int | None = None, block: int = 1) -> list[int]:
-    """``balanced_schedule`` of a kernel's work walked in ``work_order(len(order), slots, chunk,
+                   own: int, other: int, chunk: int | None = None, block: int = 1, tail_rounds: int = 0) -> list[int]:
+    """``entry_schedule`` of a kernel's work walked in ``work_order(len(order), slots, chunk,
     block)`` (None: the plain order), entry ``e`` being tile ``order[e]`` of ``plans`` (tiles of
     ``own`` positions visiting tiles of ``other``): an item costs its tile's ``area`` ``weight``
     times (the dK/dV kernel walks a K / V head's group of query heads per item) plus
     ``SCHEDULE_ITEM_HALF_TILES / 2`` tiles of ``own x other`` pairs."""
     fixed = SCHEDULE_ITEM_HALF_TILES * own * other // 2
-    area = [weight * plans[t].area + fixed for t in order]
-    return balanced_schedule([area[e] for e, _ in work_order(len(order), slots, chunk, block)], ctas)
+    return entry_schedule([weight * plans[t].area + fixed for t in order], slots, ctas, chunk, block, tail_rounds)
 
 
 def varlen_walk(samples: Sequence[int], slots: int, block: int) -> list[int]:

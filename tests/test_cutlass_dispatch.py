@@ -54,6 +54,13 @@ def varlen_ds_slots(cu, block_size, key_tile):
     return _i32(flat), _i32(rows), visits, width
 
 
+class _Asked(tuple):
+    """What a fake schedule builder was asked for, standing in for its tensor (.to keeps it)."""
+
+    def to(self, device):
+        return self
+
+
 class FakeExtension:
     """The extension's interface: tables from geometry.py, kernels that record and write zeros."""
 
@@ -98,6 +105,14 @@ class FakeExtension:
         costs = [group * samples[sample[w // slots]][tile[w // slots]].area + fixed for w in walk]
         return _i32(walk_schedule(walk, costs, ctas))
 
+    # The dQ-from-dS kernel's schedules: the walk's L2 chunks depend on the device, which this fake
+    # does not have, so they record what they were asked for (the backend must hand over the result).
+    def ds_dq_schedule(self, nn, nc, bs, d, batch, heads, kv_heads, ctas, device):
+        return _Asked(("ds_dq_schedule", nn, nc, bs, d, batch, heads, kv_heads, ctas, device))
+
+    def varlen_ds_dq_schedule(self, cu, bs, d, heads, kv_heads, ctas, device):
+        return _Asked(("varlen_ds_dq_schedule", tuple(cu), bs, d, heads, kv_heads, ctas, device))
+
     def fwd(self, q, k, v, out, lse, order, n_noisy, block_size, scale, max_ctas, tile_sample=None,
             cu_seqlens=None, order_chunk=0, order_block=0, narrow_diag=False):
         self.calls.append(("fwd", dict(q=q, out=out, lse=lse, order=order, n_noisy=n_noisy,
@@ -109,8 +124,9 @@ class FakeExtension:
     def bwd(self, dout, q, k, v, out, lse, dlse, dq, dk, dv, lse2, delta, dkdv_order, dq_order,
             n_noisy, block_size, scale, dkdv_sample=None, dq_sample=None, cu_seqlens=None,
             persistent_dkdv=False, ds_scratch=None, ds_slots=None, ds_visits=0, dkdv_schedule=None,
-            dkdv_order_chunk=0, dkdv_order_block=0, ds_rows=None, ds_k_tiles=0):
+            dkdv_order_chunk=0, dkdv_order_block=0, ds_rows=None, ds_k_tiles=0, dq_schedule=None):
         assert ds_scratch is not None or dkdv_order_chunk == 0  # the binding's checks
+        assert ds_scratch is not None or dq_schedule is None
         assert (ds_rows is not None) == (cu_seqlens is not None and ds_scratch is not None)
         self.calls.append(("bwd", dict(q=q, lse=lse, dlse=dlse, lse2=lse2, delta=delta,
                                        dkdv_order=dkdv_order, dq_order=dq_order,
@@ -118,7 +134,7 @@ class FakeExtension:
                                        cu_seqlens=cu_seqlens, persistent_dkdv=persistent_dkdv,
                                        ds_scratch=ds_scratch, ds_slots=ds_slots, ds_visits=ds_visits,
                                        dkdv_schedule=dkdv_schedule, ds_rows=ds_rows,
-                                       ds_k_tiles=ds_k_tiles,
+                                       ds_k_tiles=ds_k_tiles, dq_schedule=dq_schedule,
                                        dkdv_walk=(dkdv_order_chunk, dkdv_order_block))))
         for g in (dq, dk, dv):
             g.zero_()
@@ -135,7 +151,7 @@ def fake(monkeypatch):
     for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd"):
         monkeypatch.setattr(TritonBackend, name, lambda self, *a, _n=name: ("triton", _n))
     caches = (cd._tile_order, cd._bwd_tile_orders, cd._varlen_tables, cd._varlen_ds_slots,
-              cd._dkdv_schedule, cd._varlen_dkdv_schedule)
+              cd._dkdv_schedule, cd._varlen_dkdv_schedule, cd._ds_dq_schedule, cd._varlen_ds_dq_schedule)
     for cached in caches:
         cached.cache_clear()
     monkeypatch.setattr(cd, "STATS", dict.fromkeys(cd.STATS, 0))
@@ -599,6 +615,45 @@ def test_packed_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, b
         assert torch.equal(bwd["dkdv_schedule"], want)
     else:
         assert bwd["dkdv_schedule"] is None
+
+
+@pytest.mark.parametrize("scheduled", [True, False])
+@pytest.mark.parametrize("layout,b,nn,h,hkv,d,ds,built", [
+    ("batched", 8, 1024, 16, 16, 128, True, True),   # 8 x 16 slots x 8 query tiles > 132 items
+    ("batched", 4, 2048, 32, 8, 256, True, True),    # GQA, D = 256
+    ("batched", 1, 256, 4, 4, 128, True, False),     # 8 items: one CTA each, no schedule
+    ("batched", 8, 1024, 16, 16, 128, False, False),  # no dS scratch: the two-kernel dQ
+    ("batched", 4, 1000, 16, 16, 128, True, True),   # off the 128 grid: packed, the packing's schedule
+    ("varlen", 0, 0, 16, 4, 128, True, True),
+    ("varlen", 0, 0, 2, 2, 128, True, False),
+])
+def test_ds_dq_kernel_walks_its_balanced_schedule(fake, monkeypatch, scheduled, layout, b, nn, h, hkv, d, ds,
+                                                  built):
+    """The dS backward hands its dQ kernel the balanced schedule of that kernel's walk (the
+    extension's ds_dq_schedule, or varlen_ds_dq_schedule for packed halves) for the call's B * H
+    slots on the SM count's grid, built for the inputs' device, when it has more items than CTAs;
+    DQ_SCHEDULE False, few items or no dS backward: none (the snake)."""
+    ext = DsExtension()
+    monkeypatch.setattr(cd, "_EXT", ext)
+    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    monkeypatch.setattr(cd, "DQ_SCHEDULE", scheduled)
+    monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", cd.DS_SCRATCH_MAX_BYTES if ds else 0)
+    cd._ds_slots.cache_clear()
+    backend = cd.CutlassDiffusionBackend()
+    if layout == "varlen":
+        q, k, v, mask = _packed([512, 100, 0, 700, 300, 512] if built else [128, 64], h, hkv, d)
+        out, lse = backend.varlen_fwd(q, k, v, mask, 0.125, 0.0, False)
+        backend.varlen_bwd(torch.randn_like(q), q, k, v, out, lse, None, mask, 0.125, 0.0, False)
+        want = ("varlen_ds_dq_schedule", mask.cu_seqlens, 16, d, h, hkv, 132, 0)
+    else:
+        q, k, v = _batched(b, nn, nn, h, hkv, d)
+        _run_batched(backend, q, k, v, SequenceMask(nn, nn, 16))
+        cu = tuple(range(0, 2 * nn * b + 1, 2 * nn))
+        want = (("ds_dq_schedule", nn, nn, 16, d, b, h, hkv, 132, 0) if nn % 128 == 0 else
+                ("varlen_ds_dq_schedule", cu, 16, d, h, hkv, 132, 0))
+    bwd = dict(ext.calls)["bwd"]
+    assert (bwd["ds_scratch"] is not None) == ds
+    assert bwd["dq_schedule"] == (want if scheduled and built else None)
 
 
 @pytest.mark.parametrize("b,nn,h,hkv,d,bs,narrow", [

@@ -574,6 +574,46 @@ def test_cutlass_packed_balanced_schedule_is_bitwise_the_snake(monkeypatch, d, h
 @_SM90
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("heads", [(8, 8), (16, 4)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_cutlass_ds_dq_schedule_is_bitwise_the_snake(monkeypatch, d, heads, packed):
+    """cutlass_diffusion.DQ_SCHEDULE hands each CTA of the dS backward's dQ kernel other items
+    (ds_dq_schedule, varlen_ds_dq_schedule for packed samples: unequal and odd ones, a zero-length
+    one among them), never other arithmetic: the gradients bitwise equal to the snake walk's, with
+    more work items than SMs so that the schedule is built and walked."""
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    h, hkv = heads
+    cache = cd._varlen_ds_dq_schedule if packed else cd._ds_dq_schedule
+    if packed:
+        halves = [1024, 1024, 0, 700, 333, 1024]
+        cu = torch.tensor([0] + [2 * sum(halves[:i + 1]) for i in range(len(halves))], device="cuda",
+                          dtype=torch.int32)
+        q, k, v = (t[0] for t in _qkv(1, int(cu[-1]), h, hkv, d, torch.bfloat16, seed=14))
+    else:
+        q, k, v = _qkv(4, 2048, h, hkv, d, torch.bfloat16, seed=15)
+    dout = torch.randn_like(q)
+
+    def grads(scheduled):
+        monkeypatch.setattr(cd, "DQ_SCHEDULE", scheduled)
+        cache.cache_clear()
+        key = "varlen_bwd_ds" if packed else "bwd_ds"
+        ds_before = cd.STATS[key]
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = dlm_ops.diffusion_attn_varlen_func(*x, cu, 2048, 16) if packed else dlm_ops.diffusion_attn_func(*x, 16)
+        g = torch.autograd.grad(out, x, dout)
+        assert cd.STATS[key] == ds_before + 1  # the dS backward ran
+        return g, cache.cache_info().currsize
+
+    snake, none = grads(False)
+    scheduled, built = grads(True)
+    assert none == 0 and built == 1
+    for name, a, b in zip(("dq", "dk", "dv"), scheduled, snake):
+        assert torch.equal(a, b), name
+
+
+@_SM90
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (16, 4)])
 def test_cutlass_slot_major_walk_is_bitwise_the_plain_order(monkeypatch, heads, d):
     """The slot-major walk (cutlass_diffusion.SHORT_HALF_ORDER) hands the forward's items and the dS
     backward's dK/dV items (on their balanced schedule) out in another order, never with other

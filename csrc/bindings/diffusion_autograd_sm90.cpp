@@ -52,6 +52,7 @@ struct BwdPlan : torch::CustomClassHolder {
   int64_t dkdv_order_chunk = 0, dkdv_order_block = 0;
   std::optional<Tensor> ds_rows;
   int64_t ds_k_tiles = 0;
+  std::optional<Tensor> dq_schedule;
 };
 
 // cutlass.tma_ready: unit stride in D, 16-byte aligned base and strides of dims 0..2.
@@ -104,7 +105,7 @@ std::vector<Tensor> run_bwd(const BwdPlan& p, Tensor dout, const Tensor& q0, con
                               p.dq_order, p.n_noisy, p.block_size, p.scale, p.dkdv_sample, p.dq_sample,
                               p.cu_seqlens, p.persistent_dkdv, ds_scratch, p.ds_slots, p.ds_visits,
                               p.dkdv_schedule, p.dkdv_order_chunk, p.dkdv_order_block, p.ds_rows,
-                              p.ds_k_tiles);
+                              p.ds_k_tiles, p.dq_schedule);
   return {dq.view(q0.sizes()), dk.view(k0.sizes()), dv.view(v0.sizes())};
 }
 
@@ -165,7 +166,7 @@ void add_autograd(pybind11::module_& m) {  // the module: csrc/bindings/diffusio
                        std::optional<Tensor> dq_sample, std::optional<Tensor> cu_seqlens, bool persistent_dkdv,
                        std::optional<Tensor> ds_slots, int64_t ds_visits, std::optional<Tensor> dkdv_schedule,
                        int64_t dkdv_order_chunk, int64_t dkdv_order_block, std::optional<Tensor> ds_rows,
-                       int64_t ds_k_tiles) {
+                       int64_t ds_k_tiles, std::optional<Tensor> dq_schedule) {
              auto p = c10::make_intrusive<BwdPlan>();
              p->layout = layout, p->ds_elems = ds_elems, p->poison = poison;
              p->dkdv_order = std::move(dkdv_order), p->dq_order = std::move(dq_order);
@@ -176,6 +177,7 @@ void add_autograd(pybind11::module_& m) {  // the module: csrc/bindings/diffusio
              p->dkdv_schedule = std::move(dkdv_schedule);
              p->dkdv_order_chunk = dkdv_order_chunk, p->dkdv_order_block = dkdv_order_block;
              p->ds_rows = std::move(ds_rows), p->ds_k_tiles = ds_k_tiles;
+             p->dq_schedule = std::move(dq_schedule);
              return p;
            }),
            py::kw_only(), py::arg("layout"), py::arg("ds_elems"), py::arg("poison"), py::arg("dkdv_order"),
@@ -184,7 +186,7 @@ void add_autograd(pybind11::module_& m) {  // the module: csrc/bindings/diffusio
            py::arg("cu_seqlens") = py::none(), py::arg("persistent_dkdv") = false,
            py::arg("ds_slots") = py::none(), py::arg("ds_visits") = 0, py::arg("dkdv_schedule") = py::none(),
            py::arg("dkdv_order_chunk") = 0, py::arg("dkdv_order_block") = 0, py::arg("ds_rows") = py::none(),
-           py::arg("ds_k_tiles") = 0);
+           py::arg("ds_k_tiles") = 0, py::arg("dq_schedule") = py::none());
   m.def("run_bwd",
         [](const c10::intrusive_ptr<BwdPlan>& plan, Tensor dout, const Tensor& q, const Tensor& k, const Tensor& v,
            Tensor out, Tensor lse, std::optional<Tensor> dlse) {

@@ -28,6 +28,8 @@ using dlm::sm90::dq_block_n;
 using dlm::sm90::ds_backward_supports;
 using dlm::sm90::ds_block_elems;
 using dlm::sm90::ds_dq_block_n;
+// The dQ-from-dS walk's bytes per element (ds_dq_work_order's L2 chunks): bf16 and fp16 alike.
+constexpr int kDsElemBytes = 2;
 using dlm::sm90::kBwdBlockM;
 using dlm::sm90::kDsDqBlockM;
 
@@ -88,6 +90,54 @@ torch::Tensor varlen_dkdv_schedule(std::vector<int64_t> cu_seqlens, int64_t bloc
     cost[i] = group * plans_of(mask.sample(sample[e])).area(tile[e]) + fixed;
   }
   const std::vector<int32_t> sched = dlm::walk_schedule(walk, cost.data(), static_cast<int>(ctas));
+  auto out = torch::empty({static_cast<int64_t>(sched.size())}, torch::dtype(torch::kInt32));
+  std::copy(sched.begin(), sched.end(), out.data_ptr<int32_t>());
+  return out;
+}
+
+// The balanced schedule of the persistent dQ-from-dS kernel's batched work (bwd_tile_orders' third
+// entries x B * H slots) on `ctas` CTAs (the SM count, fewer than the items), over the walk that
+// launch_bwd_ds gives it (ds_dq_work_order: L2 chunks of slots sized by device `device`'s L2), its
+// last kDsDqScheduleTailRounds rounds handed out most expensive first. A CPU int32 tensor.
+torch::Tensor ds_dq_schedule(int64_t n_noisy, int64_t n_clean, int64_t block_size, int64_t head_dim, int64_t batch,
+                             int64_t heads, int64_t kv_heads, int64_t ctas, int64_t device) {
+  TORCH_CHECK(batch >= 1 && kv_heads >= 1 && heads % kv_heads == 0 && batch * heads < INT32_MAX && ctas >= 1,
+              "ds_dq_schedule: batch, heads >= 1, heads a multiple of kv_heads");
+  const dlm::SequenceMask mask{static_cast<int>(n_noisy), static_cast<int>(n_clean),
+                               static_cast<int>(block_size)};
+  const int d = static_cast<int>(head_dim);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));  // work_order asks the current device
+  const dlm::WorkOrder walk = dlm::sm90::ds_dq_work_order(
+      static_cast<int>(batch), static_cast<int>(heads), static_cast<int>(kv_heads), mask.seqlen(), d,
+      kDsElemBytes, dlm::sm90::kDsDqOrderChunk, dlm::sm90::kDsDqOrderBlock);
+  return dlm_bindings::schedule_tensor(mask.fwd_tiles(kDsDqBlockM, ds_dq_block_n(d)), walk, 1,
+                                       static_cast<int>(ctas), dlm::sm90::kDsDqScheduleTailRounds);
+}
+
+// The same for packed samples (varlen_bwd_tile_orders' fifth entries x H slots, batch 1 over the
+// packing's tokens), each entry costed by its sample's tile as order_schedule costs the batched ones.
+torch::Tensor varlen_ds_dq_schedule(std::vector<int64_t> cu_seqlens, int64_t block_size, int64_t head_dim,
+                                    int64_t heads, int64_t kv_heads, int64_t ctas, int64_t device) {
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0 && ctas >= 1,
+              "varlen_ds_dq_schedule: heads a multiple of kv_heads >= 1, ctas >= 1");
+  const int d = static_cast<int>(head_dim), bm = kDsDqBlockM, bn = ds_dq_block_n(d);
+  const auto plans_of = [bm, bn](const dlm::SequenceMask& m) { return m.fwd_tiles(bm, bn); };
+  const auto entries = dlm_bindings::varlen_entries(cu_seqlens, block_size, plans_of);
+  const int count = static_cast<int>(entries[0].numel());
+  TORCH_CHECK(int64_t{count} * heads < INT32_MAX, "varlen_ds_dq_schedule: fewer than 2^31 work items");
+  const std::vector<int32_t> cu(cu_seqlens.begin(), cu_seqlens.end());
+  const dlm::VarlenMask mask{cu.data(), static_cast<int>(cu.size()) - 1, static_cast<int>(block_size)};
+  const int32_t* tile = entries[0].data_ptr<int32_t>();
+  const int32_t* sample = entries[1].data_ptr<int32_t>();
+  const int64_t fixed = int64_t{dlm::kScheduleItemHalfTiles} * bm * bn / 2;
+  std::vector<int64_t> entry_cost(static_cast<size_t>(count));
+  for (int e = 0; e < count; ++e) entry_cost[e] = plans_of(mask.sample(sample[e])).area(tile[e]) + fixed;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const dlm::WorkOrder walk = dlm::sm90::ds_dq_work_order(1, static_cast<int>(heads), static_cast<int>(kv_heads),
+                                                          cu.back(), d, kDsElemBytes, dlm::sm90::kDsDqOrderChunk,
+                                                          dlm::sm90::kDsDqOrderBlock);
+  const std::vector<int32_t> sched = dlm::entry_schedule(entry_cost.data(), count, walk, static_cast<int>(ctas),
+                                                         dlm::sm90::kDsDqScheduleTailRounds);
   auto out = torch::empty({static_cast<int64_t>(sched.size())}, torch::dtype(torch::kInt32));
   std::copy(sched.begin(), sched.end(), out.data_ptr<int32_t>());
   return out;
@@ -185,7 +235,21 @@ struct LaunchBwd {
 // otherwise); none: the snake.
 // dkdv_order_chunk / dkdv_order_block (the dS backward's dK/dV kernel only; others walk the plain
 // order): its work_order arguments, chunk 0 the plain order; a dkdv_schedule must be built for the
-// same two.
+// same two. dq_schedule (the dS backward only): ds_dq_schedule's (batched) or varlen_ds_dq_schedule's
+// (packed samples) for this call's B * H slots on min(SM count, items) CTAs of q's device, on that
+// device; none: the dQ-from-dS kernel walks the snake.
+
+// A persistent kernel's schedule for its `items` work items, checked against the grid it launches
+// with (min(items, SM count) CTAs; a schedule is built only where there are more items).
+const int32_t* persistent_schedule(const torch::Tensor& schedule, const c10::Device& dev, int64_t items,
+                                   const char* name) {
+  TORCH_CHECK(items < INT32_MAX, name, ": fewer than 2^31 work items");
+  int ctas = static_cast<int>(items);
+  C10_CUDA_CHECK(dlm::sm90::cap_at_sm_count(ctas));
+  TORCH_CHECK(ctas < items, name, ": calls with more work items than SMs");
+  dlm_bindings::check_schedule(schedule, dev, ctas, items);
+  return schedule.data_ptr<int32_t>();
+}
 }  // namespace
 
 namespace dlm_bindings {
@@ -200,7 +264,8 @@ void diffusion_bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::
                    std::optional<torch::Tensor> ds_scratch, std::optional<torch::Tensor> ds_slots,
                    int64_t ds_visits, std::optional<torch::Tensor> dkdv_schedule,
                    int64_t dkdv_order_chunk, int64_t dkdv_order_block,
-                   std::optional<torch::Tensor> ds_rows, int64_t ds_k_tiles) {
+                   std::optional<torch::Tensor> ds_rows, int64_t ds_k_tiles,
+                   std::optional<torch::Tensor> dq_schedule) {
   const bool varlen = cu_seqlens.has_value();
   dlm_bindings::check_work_order(dkdv_order_chunk, dkdv_order_block);
   TORCH_CHECK(ds_scratch.has_value() || dkdv_order_chunk == 0, "dkdv_order_chunk: the dS backward only");
@@ -299,14 +364,12 @@ void diffusion_bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::
     a.dkdv_sample = dkdv_sample->data_ptr<int32_t>(), a.dq_sample = dq_sample->data_ptr<int32_t>();
     a.cu_seqlens = cu_seqlens->data_ptr<int32_t>();
   }
-  if (dkdv_schedule) {
-    const int64_t items = int64_t{a.batch} * a.kv_heads * a.dkdv_tiles;
-    TORCH_CHECK(items < INT32_MAX, "dkdv_schedule: fewer than 2^31 work items");
-    int ctas = static_cast<int>(items);  // the persistent launch's grid: min(items, SM count)
-    C10_CUDA_CHECK(dlm::sm90::cap_at_sm_count(ctas));
-    TORCH_CHECK(ctas < items, "dkdv_schedule: calls with more work items than SMs");
-    dlm_bindings::check_schedule(*dkdv_schedule, dev, ctas, items);
-    a.dkdv_schedule = dkdv_schedule->data_ptr<int32_t>();
+  if (dkdv_schedule)
+    a.dkdv_schedule = persistent_schedule(*dkdv_schedule, dev, int64_t{a.batch} * a.kv_heads * a.dkdv_tiles,
+                                          "dkdv_schedule");
+  if (dq_schedule) {
+    TORCH_CHECK(ds_scratch.has_value(), "dq_schedule: the dS backward's dQ kernel only");
+    a.dq_schedule = persistent_schedule(*dq_schedule, dev, int64_t{a.batch} * a.heads * a.dq_tiles, "dq_schedule");
   }
   // launch_bwd skips empty problems and each gradient kernel whose grid would be empty.
   const cudaError_t err =
@@ -328,6 +391,12 @@ void add_bwd(pybind11::module_& m) {
   m.def("varlen_dkdv_schedule", &varlen_dkdv_schedule, pybind11::arg("cu_seqlens"), pybind11::arg("block_size"),
         pybind11::arg("head_dim"), pybind11::arg("slots"), pybind11::arg("group"), pybind11::arg("ctas"),
         pybind11::arg("order_block") = 0);
+  m.def("ds_dq_schedule", &ds_dq_schedule, pybind11::arg("n_noisy"), pybind11::arg("n_clean"),
+        pybind11::arg("block_size"), pybind11::arg("head_dim"), pybind11::arg("batch"), pybind11::arg("heads"),
+        pybind11::arg("kv_heads"), pybind11::arg("ctas"), pybind11::arg("device"));
+  m.def("varlen_ds_dq_schedule", &varlen_ds_dq_schedule, pybind11::arg("cu_seqlens"), pybind11::arg("block_size"),
+        pybind11::arg("head_dim"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("ctas"),
+        pybind11::arg("device"));
   m.def("bwd", &diffusion_bwd, pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
         pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("dlse"), pybind11::arg("dq"),
         pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("lse2"), pybind11::arg("delta"),
@@ -338,7 +407,8 @@ void add_bwd(pybind11::module_& m) {
         pybind11::arg("ds_scratch") = pybind11::none(), pybind11::arg("ds_slots") = pybind11::none(),
         pybind11::arg("ds_visits") = 0, pybind11::arg("dkdv_schedule") = pybind11::none(),
         pybind11::arg("dkdv_order_chunk") = 0, pybind11::arg("dkdv_order_block") = 0,
-        pybind11::arg("ds_rows") = pybind11::none(), pybind11::arg("ds_k_tiles") = 0);
+        pybind11::arg("ds_rows") = pybind11::none(), pybind11::arg("ds_k_tiles") = 0,
+        pybind11::arg("dq_schedule") = pybind11::none());
   m.attr("scratch_pad") = bwd_scratch_pad();  // floats past lse2 / delta (the kernels zero them)
   m.def("ds_block", &ds_block, pybind11::arg("head_dim"));
 }

@@ -20,7 +20,8 @@ void diffusion_bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::
                    std::optional<torch::Tensor> ds_scratch, std::optional<torch::Tensor> ds_slots,
                    int64_t ds_visits, std::optional<torch::Tensor> dkdv_schedule,
                    int64_t dkdv_order_chunk, int64_t dkdv_order_block,
-                   std::optional<torch::Tensor> ds_rows, int64_t ds_k_tiles);
+                   std::optional<torch::Tensor> ds_rows, int64_t ds_k_tiles,
+                   std::optional<torch::Tensor> dq_schedule);
 
 // Floats past B * H * S that lse2 / delta must hold (the kernels zero and read them).
 int64_t bwd_scratch_pad();

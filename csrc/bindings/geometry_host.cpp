@@ -155,27 +155,41 @@ int dlm_snake_walk(int items, int ctas, int max_items, int32_t* out) {
   return 0;
 }
 
-// out (ctas + 1 + count int32): balanced_schedule of `cost` on `ctas` CTAs.
-int dlm_balanced_schedule(const int64_t* cost, int count, int ctas, int32_t* out) {
-  if (count < 0 || ctas < 1) return -1;
-  dlm::balanced_schedule(cost, count, ctas, out);
+// out (ctas + 1 + count int32): balanced_schedule of `cost` on `ctas` CTAs, its last tail_rounds
+// rounds handed out most expensive first.
+int dlm_balanced_schedule(const int64_t* cost, int count, int ctas, int tail_rounds, int32_t* out) {
+  if (count < 0 || ctas < 1 || tail_rounds < 0) return -1;
+  dlm::balanced_schedule(cost, count, ctas, out, tail_rounds);
+  return 0;
+}
+
+// out (ctas + 1 + entries * slots int32): entry_schedule of entries costing entry_cost[] per item,
+// walked in WorkOrder{slots, chunk, block}.
+int dlm_entry_schedule(const int64_t* entry_cost, int entries, int slots, int chunk, int block, int ctas,
+                       int tail_rounds, int32_t* out) {
+  if (entries < 0 || slots < 1 || chunk < 1 || chunk > slots || block < 1 || ctas < 1 || tail_rounds < 0)
+    return -1;
+  const std::vector<int32_t> sched =
+      dlm::entry_schedule(entry_cost, entries, dlm::WorkOrder{slots, chunk, block}, ctas, tail_rounds);
+  std::copy(sched.begin(), sched.end(), out);
   return 0;
 }
 
 // out (ctas + 1 + entries * slots int32): order_schedule of the mask's forward (transpose 0) or
 // backward (1) plans of block_m x block_n tiles, entries `order` (entries of them), walked in
-// WorkOrder{slots, chunk, block}.
+// WorkOrder{slots, chunk, block}, its last tail_rounds rounds handed out most expensive first.
 int dlm_order_schedule(int nn, int nc, int bs, int block_m, int block_n, int transpose, const int32_t* order,
-                       int entries, int slots, int chunk, int block, int weight, int ctas, int32_t* out) {
+                       int entries, int slots, int chunk, int block, int weight, int ctas, int tail_rounds,
+                       int32_t* out) {
   if (!valid(nn, nc, bs) || block_m < 1 || block_n < 1 || slots < 1 || chunk < 1 || chunk > slots ||
-      block < 1 || weight < 1 || ctas < 1)
+      block < 1 || weight < 1 || ctas < 1 || tail_rounds < 0)
     return -1;
   const dlm::SequenceMask m{nn, nc, bs};
   const dlm::TilePlans plans = transpose ? m.bwd_tiles(block_m, block_n) : m.fwd_tiles(block_m, block_n);
   for (int e = 0; e < entries; ++e)
     if (order[e] < 0 || order[e] >= plans.count()) return -1;
   const std::vector<int32_t> sched =
-      dlm::order_schedule(plans, order, entries, dlm::WorkOrder{slots, chunk, block}, weight, ctas);
+      dlm::order_schedule(plans, order, entries, dlm::WorkOrder{slots, chunk, block}, weight, ctas, tail_rounds);
   std::copy(sched.begin(), sched.end(), out);
   return 0;
 }

@@ -62,14 +62,15 @@ inline torch::Tensor tile_order_tensor(const dlm::TilePlans& plans) {
 
 // The balanced schedule (dlm/geometry.h order_schedule) of a kernel's work over `plans` in
 // tile_order_tensor's order, walked in `walk` (its slots per entry), each item weighing `weight`
-// times its area, on `ctas` CTAs, as a CPU int32 tensor (ctas + 1 offsets, then the items).
+// times its area, on `ctas` CTAs (the last tail_rounds rounds handed out most expensive first), as a
+// CPU int32 tensor (ctas + 1 offsets, then the items).
 inline torch::Tensor schedule_tensor(const dlm::TilePlans& plans, const dlm::WorkOrder& walk, int weight,
-                                     int ctas) {
+                                     int ctas, int tail_rounds = 0) {
   TORCH_CHECK(walk.slots >= 1 && weight >= 1 && ctas >= 1, "schedule: slots, weight and ctas >= 1");
   const torch::Tensor order = tile_order_tensor(plans);
   TORCH_CHECK(order.numel() * int64_t{walk.slots} < INT32_MAX, "schedule: fewer than 2^31 work items");
   const std::vector<int32_t> sched = dlm::order_schedule(
-      plans, order.data_ptr<int32_t>(), static_cast<int>(order.numel()), walk, weight, ctas);
+      plans, order.data_ptr<int32_t>(), static_cast<int>(order.numel()), walk, weight, ctas, tail_rounds);
   auto out = torch::empty({static_cast<int64_t>(sched.size())}, torch::dtype(torch::kInt32));
   std::copy(sched.begin(), sched.end(), out.data_ptr<int32_t>());
   return out;

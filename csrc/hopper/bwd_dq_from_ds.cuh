@@ -23,8 +23,9 @@
 namespace dlm::sm90 {
 
 // PERSISTENT_: a grid of at most one CTA per SM walks the (query tile, slot) items in snake order
-// (common.cuh snake_item) with the ring continued across items, so that one item's last matmul and
-// dQ stores overlap the next item's loads; otherwise one CTA per item.
+// (common.cuh snake_item) or a host-built balanced schedule's (DqFromDsParams::schedule) with the
+// ring continued across items, so that one item's last matmul and dQ stores overlap the next
+// item's loads; otherwise one CTA per item.
 // TMA_STORE_ (written in session 19, shipped in session 20: diffusion_bwd.cuh DqFromDsPersistent):
 // each consumer stages its 64 x D dQ in its own shared buffer (stage_rows) and one thread stores it
 // with TMA (store_rows_tma), where the register stores' 4-byte STGs took 13 % of the kernel's stall
@@ -93,6 +94,9 @@ struct DqFromDsParams {
   int ds_k_tiles, ds_visits;
   int entries;                // of tile_order: the items are (entry, batch * head slot)
   WorkOrder order;            // their order (entry-major, or L2 chunks of slots: work_order)
+  // Cfg::kPersistent: the balanced schedule of that order for exactly this grid (dlm/geometry.h
+  // order_schedule / entry_schedule, BwdArgs::dq_schedule); null: the snake.
+  const int32_t* schedule = nullptr;
   TmaStoreRows<Elem> tma_store{};  // Cfg::kTmaStore: dq as (S, D, H, B)
   // kStartVarlen only (batch 1): entry e's sample, the samples' offsets, and each sample's first
   // row of the slot table (BwdParams' fields of the same names).
@@ -143,10 +147,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if constexpr (Cfg::kStart == kStartVarlen) return block_diffusion(t.seqlen, p.mask.block_size).fwd_tiles(BM, BN);
     else return p.mask.fwd_tiles(BM, BN);
   };
-  // f(item) for the CTA's items: its one (blockIdx.x), or (Cfg::kPersistent) snake_item's walk.
+  // f(item) for the CTA's items: its one (blockIdx.x), or (Cfg::kPersistent) walk_item's walk.
   auto for_each_item = [&](auto&& f) {
     if constexpr (Cfg::kPersistent) {
-      for (int i = 0, w = snake_item(0); w < num_items; w = snake_item(++i)) f(item_at(w));
+      for (int i = 0, w = walk_item(p.schedule, 0, num_items); w < num_items; w = walk_item(p.schedule, ++i, num_items))
+        f(item_at(w));
     } else {
       f(item_at(blockIdx.x));
     }

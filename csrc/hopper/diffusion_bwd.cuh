@@ -96,6 +96,10 @@ struct BwdArgs {
   // balanced_schedule) for exactly min(SM count, items) CTAs; null: the snake walk. The other
   // kernels ignore it.
   const int32_t* dkdv_schedule = nullptr;
+  // Optional (device): the persistent dQ-from-dS kernel's balanced schedule over its walk
+  // (ds_dq_work_order; dlm/geometry.h order_schedule with kDsDqScheduleTailRounds, or
+  // entry_schedule for packed samples) for exactly min(SM count, items) CTAs; null: the snake.
+  const int32_t* dq_schedule = nullptr;
   // launch_bwd_ds only: the dK/dV kernel's work_order arguments (0, 0: the plain order; the
   // balanced schedule, if given, must be built over the same walk).
   int dkdv_order_chunk = 0, dkdv_order_block = 0;
@@ -222,6 +226,14 @@ cudaError_t launch_dq(const BwdArgs& a) {
                        a.dependent_launch, p);
 }
 
+// The dQ-from-dS kernel's walk over B * H (batch, head) slots: a slot re-reads its kv head's K (shared by
+// the group: adjacent slots); the dS blocks it reads are its own. launch_bwd_ds walks kDsDqOrderChunk /
+// kDsDqOrderBlock's order; the bindings build its balanced schedule over the same.
+inline WorkOrder ds_dq_work_order(int batch, int heads, int kv_heads, int seqlen, int d, int elem_bytes, int chunk,
+                                  int block) {
+  return work_order(batch * heads, int64_t{seqlen} * d * elem_bytes * kv_heads / heads, chunk, block);
+}
+
 template <class Cfg>
 cudaError_t launch_dq_from_ds(const BwdArgs& a) {
   using Elem = typename Cfg::Elem;
@@ -234,10 +246,7 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
       a.seqlen, a.heads, a.kv_heads, a.batch,
       SequenceMask{a.n_noisy, a.seqlen - a.n_noisy, a.block_size}, a.scale, a.dq_order, a.ds_slots,
       a.ds_k_tiles ? a.ds_k_tiles : (a.seqlen + Cfg::BN - 1) / Cfg::BN, a.ds_visits, a.dq_tiles,
-      // A (batch, head) slot re-reads its kv head's K (shared by the group: adjacent slots); the dS
-      // blocks it reads are its own.
-      work_order(a.batch * a.heads, int64_t{a.seqlen} * D * sizeof(Elem) * a.kv_heads / a.heads,
-                 a.order_chunk, a.order_block)};
+      ds_dq_work_order(a.batch, a.heads, a.kv_heads, a.seqlen, D, sizeof(Elem), a.order_chunk, a.order_block)};
   p.tile_sample = a.dq_sample, p.cu_seqlens = a.cu_seqlens, p.ds_rows = a.ds_rows;
   if constexpr (Cfg::kTmaStore) p.tma_store = make_tma_store_dq<Elem, D>(a);
   auto kernel = diffusion_bwd_dq_from_ds_kernel<Cfg>;
@@ -247,6 +256,7 @@ cudaError_t launch_dq_from_ds(const BwdArgs& a) {
   int ctas = a.batch * a.heads * a.dq_tiles;
   if constexpr (Cfg::kPersistent) {
     if (const cudaError_t err = cap_at_sm_count(ctas); err != cudaSuccess) return err;
+    p.schedule = a.dq_schedule;
   }
   return launch_kernel(kernel, ctas, Cfg::kThreads, smem, a.stream, a.dependent_launch, p);
 }
@@ -308,6 +318,9 @@ using DkDvStoreDsPersistent = DkDvConfig<Elem, D, kBwdBlockM, kBwdBlockN, kBwdSt
 template <class Elem, int D, int START = kStartTile>
 using DqFromDsPersistent = DqFromDsConfig<Elem, D, 3, true, true, START>;
 constexpr int kDsDqOrderChunk = -1, kDsDqOrderBlock = 0;
+// The last rounds of that walk its balanced schedule hands out most expensive first (dlm/geometry.h
+// balanced_schedule; cutlass_diffusion.DQ_SCHEDULE says what it measured).
+constexpr int kDsDqScheduleTailRounds = 4;
 
 // Preprocess, dK/dV writing dS^T, dQ from dS. a.ds_scratch: 1 + B * H * a.ds_visits blocks of
 // ds_block_elems(D) (block 0 is zeroed by the preprocess: it stands for the halves of dQ tiles that

@@ -196,6 +196,37 @@ def _varlen_dkdv_schedule(cu_seqlens: tuple[int, ...], block_size: int, head_dim
                                      block).to(device)
 
 
+# The dS backward's dQ kernel walks a balanced schedule too, of its own walk (L2 chunks of (batch,
+# head) slots in 4-wave blocks of entries: hopper/diffusion_bwd.cuh ds_dq_work_order), where it
+# walked the snake until session 47. That walk is not most expensive first as a whole (each chunk
+# restarts at the dearest tiles), so the schedule hands its last rounds out most expensive first
+# (dlm/geometry.h balanced_schedule's tail_rounds; kDsDqScheduleTailRounds). Counted as
+# order_schedule counts work (tests/test_csrc_geometry.py, H200's L2): the snake's busiest CTA gets
+# 2-4 % more than the mean at D = 128 and 5-20 % at D = 256, the schedule's at most 1.2 %.
+# False: the snake.
+DQ_SCHEDULE = True
+
+
+@lru_cache(maxsize=64)
+def _ds_dq_schedule(n_noisy: int, n_clean: int, block_size: int, head_dim: int, batch: int, heads: int,
+                    kv_heads: int, ctas: int, device: str) -> torch.Tensor:
+    return _EXT.ds_dq_schedule(n_noisy, n_clean, block_size, head_dim, batch, heads, kv_heads, ctas,
+                               _index(device)).to(device)
+
+
+@lru_cache(maxsize=64)
+def _varlen_ds_dq_schedule(cu_seqlens: tuple[int, ...], block_size: int, head_dim: int, heads: int, kv_heads: int,
+                           ctas: int, device: str) -> torch.Tensor:
+    return _EXT.varlen_ds_dq_schedule(list(cu_seqlens), block_size, head_dim, heads, kv_heads, ctas,
+                                      _index(device)).to(device)
+
+
+def _index(device: str) -> int:
+    """The device whose L2 sizes the dQ-from-dS walk: a tensor's device names its index (the CPU
+    tensors of tests/test_cutlass_dispatch.py's fake extension have none)."""
+    return torch.device(device).index or 0
+
+
 # Short halves walk their batched work slot-major: WorkOrder chunk 1, blocks of 4 entries (hopper/
 # common.cuh work_order; (chunk, block), (0, 0) the plain entry-major order), so that the CTAs
 # running side by side work on one (batch, head) slot's 4 dearest tiles and share its K / V (the
@@ -428,7 +459,8 @@ def _bwd_call(layout, q_shape, k_shape, device, n_noisy, block_size, scale, dkdv
     """The launch of the three backward kernels on (B, S, H, D) views of shapes q_shape / k_shape;
     dkdv / dq_tables: (order, sample or None); longest_half: of any sample (the persistent dK/dV
     rule); ds: _ds_plan's arguments; mask: the batched call's, or packing: the packed call's host
-    cu_seqlens (its persistent dK/dV kernel then walks the balanced schedule)."""
+    cu_seqlens (the persistent dK/dV kernel and the dS backward's dQ kernel then walk their balanced
+    schedules)."""
     ds = dict(ds or {})
     ds_elems = ds.pop("ds_elems", 0)
     b, _, _, d = q_shape
@@ -448,10 +480,17 @@ def _bwd_call(layout, q_shape, k_shape, device, n_noisy, block_size, scale, dkdv
         elif packing is not None:
             schedule = _varlen_dkdv_schedule(packing, block_size, d, k_shape[2], group, ctas, walk[1],
                                              str(device))
+    dq_schedule = None
+    if DQ_SCHEDULE and ds and b * q_shape[2] * dq_tables[0].numel() > ctas:
+        if mask is not None:
+            dq_schedule = _ds_dq_schedule(mask.n_noisy, mask.n_clean, mask.block_size, d, b, q_shape[2],
+                                          k_shape[2], ctas, str(device))
+        elif packing is not None:
+            dq_schedule = _varlen_ds_dq_schedule(packing, block_size, d, q_shape[2], k_shape[2], ctas, str(device))
     args = dict(dkdv_order=dkdv[0], dq_order=dq_tables[0], n_noisy=n_noisy, block_size=block_size,
                 scale=scale, dkdv_sample=dkdv[1], dq_sample=dq_tables[1], cu_seqlens=cu_seqlens,
                 persistent_dkdv=persistent, dkdv_schedule=schedule, dkdv_order_chunk=decoded[0],
-                dkdv_order_block=decoded[1], **ds)
+                dkdv_order_block=decoded[1], dq_schedule=dq_schedule, **ds)
     return BwdCall(layout, args, ds_elems, stats)
 
 

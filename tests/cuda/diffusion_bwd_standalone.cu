@@ -45,6 +45,7 @@
 //   ./bwd_standalone sched      # the persistent dK/dV kernel's balanced schedule: checks, then the A/B
 //   ./bwd_standalone sched-l2   # the same in L2-friendlier work orders: checks, then the A/B
 //   ./bwd_standalone pdl        # dependent launches of the dK/dV and dQ kernels: checks, then the A/B
+//   ./bwd_standalone dq-sched   # the dQ-from-dS kernel's balanced schedule: checks, then the A/B
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -92,6 +93,10 @@ static bool g_schedule = false;
 // The dQ-from-dS kernel walks launch_bwd_ds's order whatever g_order_chunk says (mode `sched-l2`,
 // whose arms differ in the dK/dV kernel's order alone).
 static bool g_dq_shipped_order = false;
+// The persistent dQ-from-dS kernel walks a balanced schedule of launch_bwd_ds's order with this many
+// tail rounds (dlm/geometry.h balanced_schedule; the extension ships kDsDqScheduleTailRounds) where
+// >= 0, the snake where -1 (mode `dq-sched`; set with g_dq_shipped_order).
+static int g_dq_tail_rounds = -1;
 
 // ------------------------------------------------------------------------------ fp64 reference
 // Visibility straight from the definition (DESIGN.md 1), not from geometry.h.
@@ -310,7 +315,9 @@ struct Bwd {
     const dlm::TilePlans dkdv_plans = P.mask.bwd_tiles(DkCfg::BM, DkCfg::BN);
     const std::vector<int32_t> dkdv_ord = order_of(dkdv_plans, &dkdv_order);
     a.dkdv_tiles = (int)dkdv_ord.size();
-    a.dq_tiles = (int)order_of(P.mask.fwd_tiles(DqCfg::BM, DqCfg::BN), &dq_order).size();
+    const dlm::TilePlans dq_plans = P.mask.fwd_tiles(DqCfg::BM, DqCfg::BN);
+    const std::vector<int32_t> dq_ord = order_of(dq_plans, &dq_order);
+    a.dq_tiles = (int)dq_ord.size();
     a.dkdv_order = dkdv_order, a.dq_order = dq_order, a.stream = nullptr;
     a.order_chunk = g_order_chunk, a.order_block = g_order_block;
     if (DkCfg::kPersistent && g_schedule) {  // the balanced schedule of the dK/dV kernel's work order
@@ -330,6 +337,23 @@ struct Bwd {
         a.dkdv_schedule = d;
       }
     }
+    if constexpr (DkCfg::kStoreDs) {  // then DqCfg is a DqFromDsConfig
+      if constexpr (DqCfg::kPersistent) {
+        const int items = a.dq_tiles * r.B * r.H;
+        int ctas = 0;
+        CK(cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, 0));
+        if (g_dq_tail_rounds >= 0 && ctas < items) {  // what the extension's ds_dq_schedule builds
+          const dlm::WorkOrder wo = dlm::sm90::ds_dq_work_order(
+              r.B, r.H, r.Hkv, S, D, sizeof(Elem), dlm::sm90::kDsDqOrderChunk, dlm::sm90::kDsDqOrderBlock);
+          const std::vector<int32_t> sched =
+              dlm::order_schedule(dq_plans, dq_ord.data(), a.dq_tiles, wo, 1, ctas, g_dq_tail_rounds);
+          int32_t* d = nullptr;
+          CK(cudaMalloc(&d, sched.size() * 4));
+          CK(cudaMemcpy(d, sched.data(), sched.size() * 4, cudaMemcpyHostToDevice));
+          a.dq_schedule = d;
+        }
+      }
+    }
     if constexpr (DkCfg::kFusedDq) CK(cudaMalloc(&a.dq_accum, P.nq * sizeof(float)));
     if constexpr (DkCfg::kStoreDs) {  // the dS^T scratch and its slot table (bwd_dq_from_ds.cuh)
       std::vector<int32_t> slots;
@@ -346,7 +370,7 @@ struct Bwd {
   size_t ds_bytes = 0;
   ~Bwd() {
     cudaFree(fwd_order), cudaFree(dkdv_order), cudaFree(dq_order), cudaFree(a.dq_accum);
-    cudaFree((void*)a.dkdv_schedule);
+    cudaFree((void*)a.dkdv_schedule), cudaFree((void*)a.dq_schedule);
     cudaFree(a.ds_scratch), cudaFree((void*)a.ds_slots);
     if (side) cudaStreamDestroy(side), cudaEventDestroy(pre_done), cudaEventDestroy(dq_done);
   }
@@ -645,6 +669,61 @@ void timing_dependent_launch(const char* what, const std::vector<Run>& runs) {
     }
     printf("B=%d n=%d H=%d/%d bs=%d: %.4f | %.4f (%.4fx) | %.4f (%.4fx)\n", r.B, r.n, r.H, r.Hkv, r.bs, med[0],
            med[1], med[0] / med[1], med[2], med[0] / med[2]);
+  }
+  g_schedule = false, g_dq_shipped_order = false;
+}
+
+// Mode `dq-sched`: the persistent dQ-from-dS kernel walking the balanced schedule of launch_bwd_ds's
+// order, handed out in walk order (tail 0) and with its last kDsDqScheduleTailRounds rounds most
+// expensive first, against the snake, in the shipped backward (dK/dV on its balanced schedule):
+// arms snake | tail 0 | tail rounds | snake again (A/A). Each arm's dq must equal the snake's
+// bitwise (an item is one CTA's either way). The whole backward and the dQ kernel alone, 20 calls
+// per sample, 10 rounds in alternating order, medians.
+template <class Dk, class Dq>
+void timing_dq_schedule(const std::vector<Run>& runs) {
+  constexpr int D = Dk::D, tail = dlm::sm90::kDsDqScheduleTailRounds;
+  printf("== the dQ-from-dS kernel's balanced schedule (bf16, D=%d, 16K tokens; ms, speed against the snake)\n", D);
+  printf("| B | n | H/Hkv | bs | backward: snake | tail 0 | tail %d | snake again | dQ kernel: snake | tail 0 | "
+         "tail %d | snake again |\n", tail, tail);
+  printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  g_schedule = Dk::kPersistent, g_dq_shipped_order = true;  // the shipped walks but the dQ kernel's
+  for (const Run& r : runs) {
+    Problem<bf16> P(r, D);
+    P.to_device();
+    const int rounds_of[4] = {-1, 0, tail, -1};
+    std::vector<std::unique_ptr<Bwd<bf16, D, Dk, Dq>>> arms;
+    for (int i = 0; i < 4; ++i) {
+      g_dq_tail_rounds = rounds_of[i];
+      arms.emplace_back(new Bwd<bf16, D, Dk, Dq>(P));
+    }
+    g_dq_tail_rounds = -1;
+    std::vector<uint16_t> snake_dq(P.nq), dq(P.nq);
+    for (int i = 0; i < 4; ++i) {
+      arms[i]->all();
+      CK(cudaMemcpy((i ? dq : snake_dq).data(), P.dq, P.nq * 2, cudaMemcpyDeviceToHost));
+      if (i && dq != snake_dq) {
+        printf("FAILED: arm %d's dq differs from the snake's (B=%d n=%d H=%d/%d)\n", i, r.B, r.n, r.H, r.Hkv);
+        ++g_failures;
+      }
+    }
+    std::vector<float> t[4], k[4];
+    for (auto& b : arms) time_ms([&] { b->all(); }, 5);  // warm-up
+    for (int round = 0; round < 10; ++round)
+      for (int j = 0; j < 4; ++j) {
+        const int i = round & 1 ? 3 - j : j;
+        t[i].push_back(time_ms([&] { arms[i]->all(); }, 20));
+        k[i].push_back(time_ms([&] { arms[i]->dq(); }, 20));
+      }
+    CK(cudaGetLastError());
+    float med[4], kmed[4];
+    for (int i = 0; i < 4; ++i) {
+      std::sort(t[i].begin(), t[i].end()), std::sort(k[i].begin(), k[i].end());
+      med[i] = 0.5f * (t[i][4] + t[i][5]), kmed[i] = 0.5f * (k[i][4] + k[i][5]);
+    }
+    printf("| %d | %d | %d/%d | %d | %.4f | %.4f (%.4fx) | %.4f (%.4fx) | %.4f (%.4fx) | %.4f | %.4f (%.4fx) | "
+           "%.4f (%.4fx) | %.4f (%.4fx) |\n", r.B, r.n, r.H, r.Hkv, r.bs, med[0], med[1], med[0] / med[1], med[2],
+           med[0] / med[2], med[3], med[0] / med[3], kmed[0], kmed[1], kmed[0] / kmed[1], kmed[2],
+           kmed[0] / kmed[2], kmed[3], kmed[0] / kmed[3]);
   }
   g_schedule = false, g_dq_shipped_order = false;
 }
@@ -1618,6 +1697,26 @@ int main(int argc, char** argv) {
     timing_dependent_launch<DkDvStoreDs<bf16, 256>, DqFromDsPersistent<bf16, 256>>(
         "dS backward (shipped at D = 256)", {{4, 2048, 16, 16, 16}});
     return 0;
+  }
+  if (mode == "dq-sched") {  // the dQ-from-dS kernel's balanced schedule: checks (items > SMs), then the A/B
+    using DkSP = DkDvStoreDsPersistent<bf16, 128>;
+    using DqP = DqFromDsPersistent<bf16, 128>;
+    using Dk256 = DkDvStoreDs<bf16, 256>;
+    using Dq256 = DqFromDsPersistent<bf16, 256>;
+    g_schedule = true, g_dq_shipped_order = true;
+    for (const int rounds : {0, dlm::sm90::kDsDqScheduleTailRounds}) {
+      g_dq_tail_rounds = rounds;
+      check<bf16, 128, DkSP, DqP>("dS backward, scheduled dQ, bf16 D=128", {2, 2048, 8, 8, 16, false, 61});
+      check<bf16, 128, DkSP, DqP>("dS backward, scheduled dQ, GQA", {1, 1024, 16, 4, 5, false, 62});
+      check<bf16, 256, Dk256, Dq256>("dS backward, scheduled dQ, bf16 D=256", {2, 1024, 8, 8, 16, false, 63});
+    }
+    g_dq_tail_rounds = -1, g_schedule = false, g_dq_shipped_order = false;
+    printf("%s: %d check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    if (g_failures) return 1;
+    timing_dq_schedule<DkSP, DqP>({std::begin(kTimingRuns), std::end(kTimingRuns)});
+    timing_dq_schedule<Dk256, Dq256>(kTimingRuns256);
+    printf("%s: %d bitwise check(s) failed\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
+    return g_failures ? 1 : 0;
   }
   if (mode == "sched-l2") {  // the dS backward's dK/dV kernel in L2-friendlier orders under the
     // balanced schedule: checks of each order, then the A/B

@@ -303,14 +303,22 @@ DLM_HD int scheduled_index(const int32_t* schedule, int item, int cta, int num_i
 // is the longest-processing-time rule. The snake hands out whole rounds: with the work of n <= 2K
 // (2048 items of 1-16 tiles on 132 CTAs) its busiest CTA gets 3.1 % more than the mean, where
 // this rule's gets 0.5-1.3 % more (order_schedule's cost model; tests/test_csrc_geometry.py
-// counts it). Writes ctas + 1 + count int32 to `out` (scheduled_index's layout); a CTA's items stay
-// in work order.
-inline void balanced_schedule(const int64_t* cost, int count, int ctas, int32_t* out) {
+// counts it). tail_rounds > 0: the last tail_rounds * ctas items are handed out most expensive
+// first (ties in work order). A walk that is not most expensive first as a whole (L2 chunks of
+// slots, each restarting at the dearest tiles: the dQ-from-dS kernel's) can hand a dear item out
+// late, when every CTA is already near the mean, and then the busiest CTA ends that item's cost
+// above it; LPT's bound only needs the items handed out last to be the cheapest. Writes ctas + 1 +
+// count int32 to `out` (scheduled_index's layout); a CTA's items stay in work order, so a CTA
+// still runs the tail's items where the walk puts them.
+inline void balanced_schedule(const int64_t* cost, int count, int ctas, int32_t* out, int tail_rounds = 0) {
   std::vector<std::pair<int64_t, int>> heap;  // (load, cta), a min-heap
   for (int c = 0; c < ctas; ++c) heap.emplace_back(0, c);
-  std::vector<int32_t> owner(count);
+  std::vector<int32_t> hand(count), owner(count);  // hand: the work indices in the order handed out
+  for (int w = 0; w < count; ++w) hand[w] = w;
+  const int64_t tail = std::min<int64_t>(count, int64_t{tail_rounds > 0 ? tail_rounds : 0} * ctas);
+  std::stable_sort(hand.begin() + (count - tail), hand.end(), [cost](int32_t a, int32_t b) { return cost[a] > cost[b]; });
   auto later = [](const std::pair<int64_t, int>& a, const std::pair<int64_t, int>& b) { return a > b; };
-  for (int w = 0; w < count; ++w) {
+  for (const int32_t w : hand) {
     std::pop_heap(heap.begin(), heap.end(), later);
     owner[w] = heap.back().second;
     heap.back().first += cost[w];
@@ -330,21 +338,29 @@ inline void balanced_schedule(const int64_t* cost, int count, int ctas, int32_t*
 // `weight` times (the dK/dV kernel walks its K / V head's group of query heads per item) plus
 // kScheduleItemHalfTiles / 2 tiles of own x other positions for its fixed part: its Q or K / V
 // load and its epilogue (session 17's trace of the forward at n = 1K: ~2.4 us of a 12 us item
-// against 1.66 us per full tile).
+// against 1.66 us per full tile). tail_rounds: balanced_schedule's.
 constexpr int kScheduleItemHalfTiles = 3;
-inline std::vector<int32_t> order_schedule(const TilePlans& plans, const int32_t* order, int entries,
-                                           const WorkOrder& walk, int weight, int ctas) {
-  const int64_t fixed = int64_t{kScheduleItemHalfTiles} * plans.own.size * plans.other.size / 2;
+// The same for entries of any cost (packed samples' tiles): every item of entry e costs
+// entry_cost[e]. order_schedule is this with its tiles' costs.
+inline std::vector<int32_t> entry_schedule(const int64_t* entry_cost, int entries, const WorkOrder& walk, int ctas,
+                                           int tail_rounds = 0) {
   const int count = entries * walk.slots;
   std::vector<int64_t> cost(static_cast<size_t>(count));
   for (int w = 0; w < count; ++w) {
     int e, slot;
     walk.decode(w, entries, e, slot);
-    cost[w] = weight * plans.area(order[e]) + fixed;
+    cost[w] = entry_cost[e];
   }
   std::vector<int32_t> out(ctas + 1 + cost.size());
-  balanced_schedule(cost.data(), count, ctas, out.data());
+  balanced_schedule(cost.data(), count, ctas, out.data(), tail_rounds);
   return out;
+}
+inline std::vector<int32_t> order_schedule(const TilePlans& plans, const int32_t* order, int entries,
+                                           const WorkOrder& walk, int weight, int ctas, int tail_rounds = 0) {
+  const int64_t fixed = int64_t{kScheduleItemHalfTiles} * plans.own.size * plans.other.size / 2;
+  std::vector<int64_t> entry_cost(static_cast<size_t>(entries));
+  for (int e = 0; e < entries; ++e) entry_cost[e] = weight * plans.area(order[e]) + fixed;
+  return entry_schedule(entry_cost.data(), entries, walk, ctas, tail_rounds);
 }
 
 // Packed samples' work (kStartVarlen kernels: entry e is a tile of sample sample[e], entries most
