@@ -319,7 +319,7 @@ template <class Elem, int D, int START = kStartTile>
 using DqFromDsPersistent = DqFromDsConfig<Elem, D, 3, true, true, START>;
 constexpr int kDsDqOrderChunk = -1, kDsDqOrderBlock = 0;
 // The last rounds of that walk its balanced schedule hands out most expensive first (dlm/geometry.h
-// balanced_schedule; cutlass_diffusion.DQ_SCHEDULE says what it measured).
+// balanced_schedule; cutlass_diffusion.DQ_SCHEDULE turns it on; csrc/NOTES.md "Session 47").
 constexpr int kDsDqScheduleTailRounds = 4;
 
 // Preprocess, dK/dV writing dS^T, dQ from dS. a.ds_scratch: 1 + B * H * a.ds_visits blocks of
