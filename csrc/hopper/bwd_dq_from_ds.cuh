@@ -150,7 +150,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // f(item) for the CTA's items: its one (blockIdx.x), or (Cfg::kPersistent) walk_item's walk.
   auto for_each_item = [&](auto&& f) {
     if constexpr (Cfg::kPersistent) {
-      for (int i = 0, w = walk_item(p.schedule, 0, num_items); w < num_items; w = walk_item(p.schedule, ++i, num_items))
+      for (int i = 0, w = walk_item(p.schedule, 0, num_items); w < num_items;
+           w = walk_item(p.schedule, ++i, num_items))
         f(item_at(w));
     } else {
       f(item_at(blockIdx.x));

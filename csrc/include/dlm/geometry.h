@@ -316,7 +316,8 @@ inline void balanced_schedule(const int64_t* cost, int count, int ctas, int32_t*
   std::vector<int32_t> hand(count), owner(count);  // hand: the work indices in the order handed out
   for (int w = 0; w < count; ++w) hand[w] = w;
   const int64_t tail = std::min<int64_t>(count, int64_t{tail_rounds > 0 ? tail_rounds : 0} * ctas);
-  std::stable_sort(hand.begin() + (count - tail), hand.end(), [cost](int32_t a, int32_t b) { return cost[a] > cost[b]; });
+  std::stable_sort(hand.begin() + (count - tail), hand.end(),
+                   [cost](int32_t a, int32_t b) { return cost[a] > cost[b]; });
   auto later = [](const std::pair<int64_t, int>& a, const std::pair<int64_t, int>& b) { return a > b; };
   for (const int32_t w : hand) {
     std::pop_heap(heap.begin(), heap.end(), later);
