@@ -84,31 +84,48 @@ def ours(case: Case, backend: str | None = None):
 
 
 @contextlib.contextmanager
-def python_node_backward():
-    """Within: the backward as the Python autograd node (cutlass_diffusion.NATIVE_BACKWARD off),
-    as before session 36."""
+def cutlass_switch(name: str, value: bool):
+    """Within: the cutlass backend's switch ``cutlass_diffusion.<name>`` set to ``value``."""
     from dlm_ops.backends import cutlass_diffusion
 
-    before, cutlass_diffusion.NATIVE_BACKWARD = cutlass_diffusion.NATIVE_BACKWARD, False
+    before = getattr(cutlass_diffusion, name)
+    setattr(cutlass_diffusion, name, value)
     try:
         yield
     finally:
-        cutlass_diffusion.NATIVE_BACKWARD = before
+        setattr(cutlass_diffusion, name, before)
 
 
-def python_node(modes):
-    """``modes`` (a contender's) run with the Python autograd node: the C++ node's A/B in one
-    process."""
-    def off(f):
+def python_node_backward():
+    """Within: the backward as the Python autograd node (cutlass_diffusion.NATIVE_BACKWARD off),
+    as before session 36."""
+    return cutlass_switch("NATIVE_BACKWARD", False)
+
+
+def switched(modes, name: str, value: bool):
+    """``modes`` (a contender's) run with ``cutlass_diffusion.<name>`` = ``value``: that switch's
+    A/B in one process, against the same contender as shipped."""
+    def within(f):
         if f is None:
             return None
 
         def g():
-            with python_node_backward():
+            with cutlass_switch(name, value):
                 return f()
         return g
 
-    return {mode: (off(setup), off(fn)) for mode, (setup, fn) in modes.items()}
+    return {mode: (within(setup), within(fn)) for mode, (setup, fn) in modes.items()}
+
+
+def python_node(modes):
+    """``modes`` (a contender's) run with the Python autograd node: the C++ node's A/B."""
+    return switched(modes, "NATIVE_BACKWARD", False)
+
+
+def dq_schedule(modes):
+    """``modes`` (a contender's) with the dS backward's dQ kernel on its balanced schedule
+    (cutlass_diffusion.DQ_SCHEDULE on, session 47): that schedule's A/B through torch."""
+    return switched(modes, "DQ_SCHEDULE", True)
 
 
 def causal_halves(case: Case, sdp_backend: SDPBackend):
@@ -275,6 +292,7 @@ VARLEN_CONTENDERS = {
     "dlm_ops cutlass": lambda c: ours_varlen(c, "cutlass"),
     "dlm_ops batched": lambda c: ours(_batched(c)),
     "dlm_ops python node": lambda c: python_node(ours_varlen(c)),
+    "dlm_ops dq schedule": lambda c: dq_schedule(ours_varlen(c)),
     "cudnn causal halves": lambda c: causal_halves(_batched(c), SDPBackend.CUDNN_ATTENTION),
 }
 
@@ -293,6 +311,7 @@ CONTENDERS = {
     "dlm_ops triton": lambda c: ours(c, "triton"),
     "dlm_ops cutlass": lambda c: ours(c, "cutlass"),  # forced: both sm90 kernels where they cover
     "dlm_ops python node": lambda c: python_node(ours(c)),
+    "dlm_ops dq schedule": lambda c: dq_schedule(ours(c)),
     "cudnn causal halves": lambda c: causal_halves(c, SDPBackend.CUDNN_ATTENTION),
     "flash causal halves": lambda c: causal_halves(c, SDPBackend.FLASH_ATTENTION),
     "flex BD3": flex,

@@ -1,5 +1,6 @@
 """The benchmark harness's arithmetic and reporting (the timing itself needs a GPU)."""
 
+import pytest
 import torch
 
 import dlm_ops
@@ -288,3 +289,26 @@ def test_sparse_profile_kernel_labels():
     assert kernel_label(plain.format("false", "true")) == "attention, split tail"
     assert kernel_label("void dlm::sm90::column_gather_detail::column_gather_kernel<uint4>(...)") == "column_gather"
     assert kernel_label("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>") == "fill"
+
+
+def test_switched_contenders_flip_one_switch_only_while_they_run():
+    """`dlm_ops dq schedule` / `dlm_ops python node` run a contender's setup and timed call with one
+    cutlass_diffusion switch flipped and restore it afterwards, an exception included."""
+    from benchmarks.contenders import CONTENDERS, VARLEN_CONTENDERS, dq_schedule, python_node
+    from dlm_ops.backends import cutlass_diffusion as cd
+
+    assert "dlm_ops dq schedule" in CONTENDERS and "dlm_ops dq schedule" in VARLEN_CONTENDERS
+    shipped = (cd.DQ_SCHEDULE, cd.NATIVE_BACKWARD)
+    seen = lambda: (cd.DQ_SCHEDULE, cd.NATIVE_BACKWARD)  # noqa: E731
+
+    def fails():
+        raise RuntimeError("inside")
+
+    modes = {"fwd": (None, seen), "step": (seen, fails)}
+    for wrap, want in ((dq_schedule, (True, shipped[1])), (python_node, (shipped[0], False))):
+        wrapped = wrap(modes)
+        assert wrapped["fwd"][0] is None and wrapped["fwd"][1]() == want
+        assert wrapped["step"][0]() == want
+        with pytest.raises(RuntimeError, match="inside"):
+            wrapped["step"][1]()
+        assert seen() == shipped
