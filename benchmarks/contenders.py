@@ -122,10 +122,10 @@ def python_node(modes):
     return switched(modes, "NATIVE_BACKWARD", False)
 
 
-def dq_schedule(modes):
-    """``modes`` (a contender's) with the dS backward's dQ kernel on its balanced schedule
-    (cutlass_diffusion.DQ_SCHEDULE on, session 47): that schedule's A/B through torch."""
-    return switched(modes, "DQ_SCHEDULE", True)
+def dq_snake(modes):
+    """``modes`` (a contender's) with the dS backward's dQ kernel on the snake walk, as before
+    session 47 (cutlass_diffusion.DQ_SCHEDULE off): its balanced schedule's A/B through torch."""
+    return switched(modes, "DQ_SCHEDULE", False)
 
 
 def causal_halves(case: Case, sdp_backend: SDPBackend):
@@ -292,7 +292,7 @@ VARLEN_CONTENDERS = {
     "dlm_ops cutlass": lambda c: ours_varlen(c, "cutlass"),
     "dlm_ops batched": lambda c: ours(_batched(c)),
     "dlm_ops python node": lambda c: python_node(ours_varlen(c)),
-    "dlm_ops dq schedule": lambda c: dq_schedule(ours_varlen(c)),
+    "dlm_ops dq snake": lambda c: dq_snake(ours_varlen(c)),
     "cudnn causal halves": lambda c: causal_halves(_batched(c), SDPBackend.CUDNN_ATTENTION),
 }
 
@@ -311,7 +311,7 @@ CONTENDERS = {
     "dlm_ops triton": lambda c: ours(c, "triton"),
     "dlm_ops cutlass": lambda c: ours(c, "cutlass"),  # forced: both sm90 kernels where they cover
     "dlm_ops python node": lambda c: python_node(ours(c)),
-    "dlm_ops dq schedule": lambda c: dq_schedule(ours(c)),
+    "dlm_ops dq snake": lambda c: dq_snake(ours(c)),
     "cudnn causal halves": lambda c: causal_halves(c, SDPBackend.CUDNN_ATTENTION),
     "flash causal halves": lambda c: causal_halves(c, SDPBackend.FLASH_ATTENTION),
     "flex BD3": flex,

@@ -292,12 +292,12 @@ def test_sparse_profile_kernel_labels():
 
 
 def test_switched_contenders_flip_one_switch_only_while_they_run():
-    """`dlm_ops dq schedule` / `dlm_ops python node` run a contender's setup and timed call with one
-    cutlass_diffusion switch flipped and restore it afterwards, an exception included."""
-    from benchmarks.contenders import CONTENDERS, VARLEN_CONTENDERS, dq_schedule, python_node
+    """`dlm_ops dq snake` / `dlm_ops python node` run a contender's setup and timed call with one
+    cutlass_diffusion switch turned off and restore it afterwards, an exception included."""
+    from benchmarks.contenders import CONTENDERS, VARLEN_CONTENDERS, dq_snake, python_node
     from dlm_ops.backends import cutlass_diffusion as cd
 
-    assert "dlm_ops dq schedule" in CONTENDERS and "dlm_ops dq schedule" in VARLEN_CONTENDERS
+    assert "dlm_ops dq snake" in CONTENDERS and "dlm_ops dq snake" in VARLEN_CONTENDERS
     shipped = (cd.DQ_SCHEDULE, cd.NATIVE_BACKWARD)
     seen = lambda: (cd.DQ_SCHEDULE, cd.NATIVE_BACKWARD)  # noqa: E731
 
@@ -305,7 +305,8 @@ def test_switched_contenders_flip_one_switch_only_while_they_run():
         raise RuntimeError("inside")
 
     modes = {"fwd": (None, seen), "step": (seen, fails)}
-    for wrap, want in ((dq_schedule, (True, shipped[1])), (python_node, (shipped[0], False))):
+    assert shipped == (True, True)  # both on as shipped: each contender shows what its switch adds
+    for wrap, want in ((dq_snake, (False, True)), (python_node, (True, False))):
         wrapped = wrap(modes)
         assert wrapped["fwd"][0] is None and wrapped["fwd"][1]() == want
         assert wrapped["step"][0]() == want

@@ -202,10 +202,13 @@ def _varlen_dkdv_schedule(cu_seqlens: tuple[int, ...], block_size: int, head_dim
 # restarts at the dearest tiles), so the schedule hands its last rounds out most expensive first
 # (dlm/geometry.h balanced_schedule's tail_rounds; kDsDqScheduleTailRounds). Counted as
 # order_schedule counts work (tests/test_csrc_geometry.py, H200's L2): the snake's busiest CTA gets
-# 2-4 % more than the mean at D = 128 and 5-20 % at D = 256, the schedule's at most 1.2 %. Built in
-# session 47 without a device: not yet run on a GPU nor timed (harness `dq-sched`, csrc/NOTES.md
-# "Session 47"), so off until it is. False: the snake.
-DQ_SCHEDULE = False
+# 2-4 % more than the mean at D = 128 and 5-20 % at D = 256, the schedule's at most 1.2 %. Harness
+# `dq-sched` (session 47, H100, bf16, 16K tokens, two runs, benchmarks/results/h100_dq_sched_s47.txt;
+# speed against the snake, whose A/A arm read 0.98-1.02x): the dQ kernel 1.004-1.015x at D = 128
+# n = 1K-8K (the whole backward level, 0.994-1.017x), 1.04 / 1.15 / 1.14x at D = 256 n = 1K / 2K /
+# 8K (the backward 1.007 / 1.018-1.040 / 1.016-1.018x); GQA 32/8 level (D = 256's dQ kernel
+# 0.993-0.995x). Gradients bitwise the snake's (test_gpu). False: the snake.
+DQ_SCHEDULE = True
 
 
 @lru_cache(maxsize=64)
