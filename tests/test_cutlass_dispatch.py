@@ -140,12 +140,17 @@ class FakeExtension:
             g.zero_()
 
 
+def _install(monkeypatch, ext):
+    """The backend's extension replaced by `ext` for this test."""
+    monkeypatch.setattr(cd, "_EXT", ext)
+    monkeypatch.setattr(cd, "_extension", lambda: ext)
+
+
 @pytest.fixture
 def fake(monkeypatch):
     """The backend wired to a FakeExtension; Triton's entry points replaced by markers."""
     ext = FakeExtension()
-    monkeypatch.setattr(cd, "_EXT", ext)
-    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    _install(monkeypatch, ext)
     monkeypatch.setattr(cd, "FORWARD_HEAD_DIMS", (64, 128, 256))  # every head dim the kernels have
     monkeypatch.setattr(cd, "_sm_count", lambda device: 132)  # no GPU to ask
     for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd"):
@@ -192,8 +197,7 @@ def test_batched_halves_of_any_length_run_cutlass(nn, nc, bs, d, any_length):
     (block-causal n_noisy 0 and empty ones too); without it, only multiples of 128."""
     ext = FakeExtension(any_length)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cd, "_EXT", ext)
-        mp.setattr(cd, "_extension", lambda: ext)
+        _install(mp, ext)
         mp.setattr(cd, "FORWARD_HEAD_DIMS", (64, 128, 256))
         mp.setattr(cd, "STATS", dict.fromkeys(cd.STATS, 0))
         mp.setattr(cd, "_sm_count", lambda device: 132)
@@ -391,8 +395,7 @@ def test_ds_backward_where_it_applies(fake, monkeypatch, nn, nc, d, max_bytes, t
     DS_SCRATCH_MAX_BYTES; its scratch is (1 + B * H * visits) blocks of q's dtype, its table the
     slot table of the mask, its dQ order the 128-row one."""
     ext = DsExtension()
-    monkeypatch.setattr(cd, "_EXT", ext)
-    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    _install(monkeypatch, ext)
     monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", max_bytes)
     cd._ds_slots.cache_clear()
     mask = SequenceMask(nn, nc, 16)
@@ -454,8 +457,7 @@ def test_varlen_ds_backward_where_it_applies(fake, monkeypatch, halves, d, max_b
     extension's slot table with each sample's rows and the table's width, a scratch of 1 + H * visits
     blocks, the dQ-from-dS kernel's entries; the plain dK/dV order (no slot-major walk)."""
     ext = DsExtension()
-    monkeypatch.setattr(cd, "_EXT", ext)
-    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    _install(monkeypatch, ext)
     monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", max_bytes)
     q, k, v, mask = _packed(halves, 4, 2, d)
     backend = cd.CutlassDiffusionBackend()
@@ -493,8 +495,7 @@ def test_batched_off_grid_runs_the_packed_ds_backward(fake, monkeypatch, b, nn, 
     length: (1, B S, H, D) views of q, k, v, dout and out, lse / dlse as (1, H, B S) copies, the
     packed tables of cu_seqlens 0, S, .., B S; gradients back in (B, S, H, D)."""
     ext = DsExtension()
-    monkeypatch.setattr(cd, "_EXT", ext)
-    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    _install(monkeypatch, ext)
     mask, s = SequenceMask(nn, nc, 16), nn + nc
     q, k, v = _batched(b, nn, nc, 4, 2, d)
     lse, dlse = torch.randn(b, 4, s), torch.randn(b, 4, s)
@@ -564,8 +565,7 @@ def test_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, balanced
     it has more items than CTAs; BALANCED_SCHEDULE False, an item per CTA, or a dK/dV kernel that
     is not persistent: none (the snake). The forward walks the snake."""
     ext = DsExtension()
-    monkeypatch.setattr(cd, "_EXT", ext)
-    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    _install(monkeypatch, ext)
     monkeypatch.setattr(cd, "BALANCED_SCHEDULE", balanced)
     monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", cd.DS_SCRATCH_MAX_BYTES if ds else 0)
     cd._ds_slots.cache_clear()
@@ -600,8 +600,7 @@ def test_packed_persistent_dkdv_walks_the_balanced_schedule(fake, monkeypatch, b
     order) when it has more items than CTAs, and the kernel decodes the plain order; BALANCED_SCHEDULE
     False, few items or no persistent kernel: none (the snake)."""
     ext = DsExtension()
-    monkeypatch.setattr(cd, "_EXT", ext)
-    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    _install(monkeypatch, ext)
     monkeypatch.setattr(cd, "BALANCED_SCHEDULE", balanced)
     monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", cd.DS_SCRATCH_MAX_BYTES if ds else 0)
     q, k, v, mask = _packed(halves, h, hkv, d)
@@ -634,8 +633,7 @@ def test_ds_dq_kernel_walks_its_balanced_schedule(fake, monkeypatch, scheduled, 
     slots on the SM count's grid, built for the inputs' device, when it has more items than CTAs;
     DQ_SCHEDULE False, few items or no dS backward: none (the snake)."""
     ext = DsExtension()
-    monkeypatch.setattr(cd, "_EXT", ext)
-    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    _install(monkeypatch, ext)
     monkeypatch.setattr(cd, "DQ_SCHEDULE", scheduled)
     monkeypatch.setattr(cd, "DS_SCRATCH_MAX_BYTES", cd.DS_SCRATCH_MAX_BYTES if ds else 0)
     cd._ds_slots.cache_clear()
@@ -706,8 +704,7 @@ def test_short_halves_walk_slot_major(fake, monkeypatch, b, nn, h, hkv, d, ds, w
     kernel, whose balanced schedule is then built over that walk; every other kernel and call walks
     the plain order (the binding rejects a dK/dV order without the dS path)."""
     ext = DsExtension()
-    monkeypatch.setattr(cd, "_EXT", ext)
-    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    _install(monkeypatch, ext)
     cd._ds_slots.cache_clear()
     q, k, v = _batched(b, nn, nn, h, hkv, d)
     _run_batched(cd.CutlassDiffusionBackend(), q, k, v, SequenceMask(nn, nn, 16))
@@ -759,8 +756,7 @@ def test_native_plan_is_the_python_launch(fake, monkeypatch, layout, b, nn, nc, 
     Python backward launches it (ext.bwd's keywords): one plan, two executors. The dS scratch's
     size is the one the Python executor allocates; the backward's STATS count at the plan."""
     ext = NodeExtension()
-    monkeypatch.setattr(cd, "_EXT", ext)
-    monkeypatch.setattr(cd, "_extension", lambda: ext)
+    _install(monkeypatch, ext)
     backend = cd.CutlassDiffusionBackend()
     if layout == "varlen":
         q, k, v, mask = _packed([0, 100, 37, 0, 256], 4, hkv, d)
