@@ -5,7 +5,9 @@ compute-sanitizer: ``compute-sanitizer --tool racecheck python3 -m tests.sanitiz
 ``fwd``: the diffusion forward at D = 64 / 128 / 256 (halves on and off the 128 grid, GQA, a
 persistent grid's several items per CTA, block-causal), packed samples with a zero-length one, and
 the block- and column-sparse forwards with empty and full rows. ``step``: the diffusion forward and
-backward (dS and two-kernel paths, batched and packed). Shapes are small so that the sanitizers
+backward (dS and two-kernel paths, batched and packed), plus calls with more dQ items than SMs, so
+that the dS backward's dQ kernel walks its balanced schedule (cutlass_diffusion.DQ_SCHEDULE; the
+run fails if none was built). Shapes are small so that the sanitizers
 (10-100x slower) finish in minutes, except the persistent case's training step: under racecheck
 on the H200 the step's first four batched cases and that case's forward took 230 s and its
 backward did not finish within them (session 27), so ``step`` leaves it out unless
@@ -55,11 +57,15 @@ def _grads_close(label: str, out: torch.Tensor, inputs: tuple, reference) -> boo
 # (B, n, H, Hkv, D, block_size): on the grid, off it, GQA; then B * H * tiles > SMs (persistent)
 SMALL = ((1, 128, 2, 2, 128, 16), (2, 200, 2, 1, 64, 4), (1, 96, 2, 2, 256, 16), (2, 256, 4, 2, 128, 1))
 PERSISTENT = (3, 640, 16, 16, 128, 16)
+# Few keys, many heads: 160 (D = 128, GQA) and 144+ (D = 256) dQ items, more than an H100's or H200's
+# 132 SMs, so the dQ-from-dS kernel runs its schedule, several items per CTA, at a racecheck's cost.
+SCHEDULED = ((1, 256, 40, 20, 128, 16), (1, 256, 36, 36, 256, 4))
 
 
 def diffusion_cases(step: bool, persistent: bool) -> bool:
     ok = True
-    for b, n, h, hkv, d, bs in SMALL + ((PERSISTENT,) if persistent else ()):
+    shapes = SMALL + (SCHEDULED if step else ()) + ((PERSISTENT,) if persistent else ())
+    for b, n, h, hkv, d, bs in shapes:
         q, k, v = _rand(b, 2 * n, h, d, grad=step), _rand(b, 2 * n, hkv, d, grad=step), \
             _rand(b, 2 * n, hkv, d, grad=step)
         out = dlm_ops.diffusion_attn_func(q, k, v, bs, backend="cutlass")
@@ -104,6 +110,18 @@ def sparse_cases() -> bool:
     return ok
 
 
+def _count_dq_schedules() -> list[int]:
+    """Counts the batched dQ-from-dS schedules the backend builds (one per dS backward that walks one)."""
+    built, build = [0], cd._ds_dq_schedule
+
+    def counted(*args, **kwargs):
+        built[0] += 1
+        return build(*args, **kwargs)
+
+    cd._ds_dq_schedule = counted
+    return built
+
+
 def main(argv: list[str]) -> int:
     flags = [a for a in argv if a.startswith("--")]
     modes = [a for a in argv if not a.startswith("--")] or ["fwd"]
@@ -113,6 +131,7 @@ def main(argv: list[str]) -> int:
     if "--narrow-all" in flags:
         cd.NARROW_DIAG_HEAD_DIMS, cd.NARROW_DIAG_VARLEN = (64, 128), True
     torch.manual_seed(0)
+    schedules = _count_dq_schedules()
     # The forward's persistent case is cheap under the sanitizers; the step's is not (docstring).
     ok = diffusion_cases(mode == "step", persistent=mode == "fwd" or "--persistent" in flags)
     if mode == "fwd":
@@ -123,7 +142,10 @@ def main(argv: list[str]) -> int:
     if fallbacks:
         print("calls that ran another backend:", fallbacks)
         ok = False
-    print("cutlass calls:", cd.STATS, cs.STATS)
+    print("cutlass calls:", cd.STATS, cs.STATS, "| dQ schedules built:", schedules[0])
+    if mode == "step" and cd.DQ_SCHEDULE and not schedules[0]:
+        print("no call walked the dQ-from-dS schedule")
+        ok = False
     print("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 
