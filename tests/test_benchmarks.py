@@ -293,11 +293,13 @@ def test_sparse_profile_kernel_labels():
 
 def test_switched_contenders_flip_one_switch_only_while_they_run():
     """`dlm_ops dq snake` / `dlm_ops python node` run a contender's setup and timed call with one
-    cutlass_diffusion switch turned off and restore it afterwards, an exception included."""
-    from benchmarks.contenders import CONTENDERS, VARLEN_CONTENDERS, dq_snake, python_node
+    cutlass_diffusion switch turned off and restore it afterwards, an exception included; their A/A
+    arm, `dlm_ops switch a/a`, goes through the same wrapper and changes no switch."""
+    from benchmarks.contenders import CONTENDERS, VARLEN_CONTENDERS, dq_snake, python_node, switch_aa
     from dlm_ops.backends import cutlass_diffusion as cd
 
-    assert "dlm_ops dq snake" in CONTENDERS and "dlm_ops dq snake" in VARLEN_CONTENDERS
+    for name in ("dlm_ops dq snake", "dlm_ops switch a/a"):
+        assert name in CONTENDERS and name in VARLEN_CONTENDERS
     shipped = (cd.DQ_SCHEDULE, cd.NATIVE_BACKWARD)
     seen = lambda: (cd.DQ_SCHEDULE, cd.NATIVE_BACKWARD)  # noqa: E731
 
@@ -306,7 +308,7 @@ def test_switched_contenders_flip_one_switch_only_while_they_run():
 
     modes = {"fwd": (None, seen), "step": (seen, fails)}
     assert shipped == (True, True)  # both on as shipped: each contender shows what its switch adds
-    for wrap, want in ((dq_snake, (False, True)), (python_node, (True, False))):
+    for wrap, want in ((dq_snake, (False, True)), (python_node, (True, False)), (switch_aa, shipped)):
         wrapped = wrap(modes)
         assert wrapped["fwd"][0] is None and wrapped["fwd"][1]() == want
         assert wrapped["step"][0]() == want
