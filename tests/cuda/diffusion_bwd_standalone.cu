@@ -46,6 +46,7 @@
 //   ./bwd_standalone sched-l2   # the same in L2-friendlier work orders: checks, then the A/B
 //   ./bwd_standalone pdl        # dependent launches of the dK/dV and dQ kernels: checks, then the A/B
 //   ./bwd_standalone dq-sched   # the dQ-from-dS kernel's balanced schedule: checks, then the A/B
+//   ./bwd_standalone pre-bound  # what the preprocess adds to the shipped backwards (timing only)
 //   ./bwd_standalone refdump F  # no GPU: writes inputs and the fp64 reference of one small problem
 //                               # to F (tests the reference itself against torch autograd)
 // A check passes when max |err| <= tol * max |ref| per gradient (tol 2e-2 bf16, 1e-2 fp16) and no
@@ -671,6 +672,45 @@ void timing_dependent_launch(const char* what, const std::vector<Run>& runs) {
            med[1], med[0] / med[1], med[2], med[0] / med[2]);
   }
   g_schedule = false, g_dq_shipped_order = false;
+}
+
+// Mode `pre-bound` (session 48): what the preprocess (delta = rowsum(dO o O) - dlse, lse2) adds to
+// the shipped backward's chain under dependent launches: the bound of computing delta inside the
+// dK/dV kernel instead (csrc/NOTES.md Next). Arms: the whole backward | dK/dV + dQ only (delta and
+// lse2 left from the warm-up's preprocess, so the results stay right) | the whole backward again
+// (A/A); the preprocess alone beside them. 20 calls per sample, 10 rounds in alternating order,
+// medians. Timing only.
+template <class Dk, class Dq>
+void timing_preprocess_bound(const std::vector<Run>& runs, int dq_tail_rounds) {
+  constexpr int D = Dk::D;
+  printf("== the preprocess's share (bf16, D=%d, 16K tokens; ms: whole | without the preprocess (speed) | "
+         "whole again (speed) | the preprocess alone)\n", D);
+  g_schedule = Dk::kPersistent, g_dq_shipped_order = true;  // the shipped walks and schedules
+  g_dq_tail_rounds = dq_tail_rounds;  // the dQ-from-dS kernel's shipped schedule, or -1 (none)
+  for (const Run& r : runs) {
+    Problem<bf16> P(r, D);
+    P.to_device();
+    Bwd<bf16, D, Dk, Dq> b(P);
+    auto whole = [&] { b.all(); };
+    auto without = [&] { b.dkdv(), b.dq(); };
+    std::vector<float> t[4];
+    time_ms(whole, 5);  // warm-up; its preprocess leaves delta and lse2 for the `without` arm
+    for (int round = 0; round < 10; ++round)
+      for (int j = 0; j < 4; ++j) {
+        const int i = round & 1 ? 3 - j : j;
+        t[i].push_back(i == 1 ? time_ms(without, 20) : i == 3 ? time_ms([&] { b.pre(); }, 20)
+                                                              : time_ms(whole, 20));
+      }
+    CK(cudaGetLastError());
+    float med[4];
+    for (int i = 0; i < 4; ++i) {
+      std::sort(t[i].begin(), t[i].end());
+      med[i] = 0.5f * (t[i][4] + t[i][5]);
+    }
+    printf("B=%d n=%d H=%d/%d bs=%d: %.4f | %.4f (%.4fx) | %.4f (%.4fx) | %.4f\n", r.B, r.n, r.H, r.Hkv, r.bs,
+           med[0], med[1], med[0] / med[1], med[2], med[0] / med[2], med[3]);
+  }
+  g_schedule = false, g_dq_shipped_order = false, g_dq_tail_rounds = -1;
 }
 
 // Mode `dq-sched`: the persistent dQ-from-dS kernel walking the balanced schedule of launch_bwd_ds's
@@ -1696,6 +1736,15 @@ int main(int argc, char** argv) {
                                         {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}});
     timing_dependent_launch<DkDvStoreDs<bf16, 256>, DqFromDsPersistent<bf16, 256>>(
         "dS backward (shipped at D = 256)", {{4, 2048, 16, 16, 16}});
+    return 0;
+  }
+  if (mode == "pre-bound") {  // the preprocess's share of the shipped backwards (timing only)
+    timing_preprocess_bound<DkDvStoreDsPersistent<bf16, 128>, DqFromDsPersistent<bf16, 128>>(
+        {std::begin(kTimingRuns), std::end(kTimingRuns)}, dlm::sm90::kDsDqScheduleTailRounds);
+    timing_preprocess_bound<DkDvStoreDs<bf16, 256>, DqFromDsPersistent<bf16, 256>>(
+        kTimingRuns256, dlm::sm90::kDsDqScheduleTailRounds);
+    timing_preprocess_bound<DkDvPersistent<bf16, 64, kBatchedStart>, DqShipped<bf16, 64, kBatchedStart>>(
+        {{8, 1024, 16, 16, 16}, {4, 2048, 16, 16, 16}}, -1);
     return 0;
   }
   if (mode == "dq-sched") {  // the dQ-from-dS kernel's balanced schedule: checks (items > SMs), then the A/B
